@@ -1,0 +1,263 @@
+"""The per-example gradient engine: hooks, per-example norms and clipped sums, without per-example gradients.
+
+During :meth:`ClippingEngine.record`, every covered layer keeps its input ``a`` (forward hook) and the gradient
+``g`` of its output (a tensor hook), and the trainable parameters are temporarily marked ``requires_grad=False``
+so that autograd never computes the unclipped parameter gradients (which would be thrown away). One backward of
+``Σ_i L_i`` then yields, per layer, the factors of every example's gradient (see ``layers.py``). From them:
+
+* :meth:`per_example_norms_sq` computes ``‖G_{i,p}‖²`` for every parameter ``p`` — by the ghost norm
+  ``⟨L_i L_iᵀ, R_i R_iᵀ⟩`` (Li et al. 2022, §4, App. F) or by instantiating ``G_i``, whichever is cheaper
+  (:func:`use_ghost_norm`, the one place that decides);
+* :meth:`accumulate_clipped` adds ``Σ_i c_i G_{i,p}`` for given per-example factors ``c`` — "book-keeping"
+  (Bu et al. 2023): one matmul per layer from the stored factors, no second backward.
+
+A parameter used by several layers (tied GPT-2 ``wte``/``lm_head``) has one per-example gradient, the sum of its
+uses; its norm includes the cross terms ``⟨L_u L_vᵀ, R_u R_vᵀ⟩``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
+
+__all__ = ["ClippingEngine", "use_ghost_norm", "UnsupportedLayerError"]
+
+
+def use_ghost_norm(uses: list[Use]) -> bool:
+    """Whether a parameter's per-example norms are cheaper by Gram matrices (ghost) than by instantiation.
+
+    Ghost costs ``O(T²)`` per example and use pair (two ``T × T`` Grams), instantiation ``O(d_L · d_R)`` memory and
+    ``O(T · d_L · d_R)`` time (Li et al. 2022, App. F: ghost wins when ``2T² < p · d``). Index (embedding) uses are
+    always ghost-normed: instantiating them would need a dense ``(B, V, d)`` tensor.
+    """
+    if any(u.kind == "index" for u in uses):
+        return True
+    total_t = sum(u.seq_len for u in uses)
+    return 2 * total_t * total_t < uses[0].left_dim * uses[0].right.shape[-1]
+
+
+def _acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Norms and sums are computed in at least float32 (fp16/bf16 under autocast are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _left_dense(u: Use, dtype: torch.dtype) -> torch.Tensor:
+    if u.left is None:
+        return u.right.new_ones(u.batch_size, u.seq_len, 1, dtype=dtype)
+    return u.left.to(dtype)
+
+
+def _left_gram(u: Use, v: Use, dtype: torch.dtype) -> torch.Tensor:
+    """``L_u L_vᵀ`` per example, ``(B, T_u, T_v)``, without materialising one-hot matrices."""
+    if u.kind == "index" and v.kind == "index":
+        return (u.left.unsqueeze(2) == v.left.unsqueeze(1)).to(dtype)
+    if u.kind == "index":
+        return _left_gram(v, u, dtype).transpose(1, 2)
+    lu = _left_dense(u, dtype)
+    if v.kind == "index":  # (L_u L_vᵀ)[t, s] = L_u[t, ids_v[s]]
+        b, tu, tv = lu.shape[0], lu.shape[1], v.left.shape[1]
+        return lu.gather(2, v.left.unsqueeze(1).expand(b, tu, tv))
+    return torch.bmm(lu, _left_dense(v, dtype).transpose(1, 2))
+
+
+def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
+    """Per-example gradients ``(B, d_L, d_R)`` of one dense/ones use."""
+    r = u.right.to(dtype)
+    if u.left is None:
+        return r.sum(1, keepdim=True)
+    return torch.bmm(u.left.to(dtype).transpose(1, 2), r)
+
+
+def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_i c_i L_iᵀ R_i`` as a ``(d_L, d_R)`` matrix: one matmul (or one ``index_add``) over all tokens."""
+    d_r = u.right.shape[-1]
+    r = u.right.to(dtype)
+    c = factors.to(dtype).view(-1, 1, 1)
+    if u.left is None:
+        return (r * c).sum((0, 1)).unsqueeze(0)
+    if u.kind == "index":
+        out = r.new_zeros(u.left_dim, d_r)
+        return out.index_add_(0, u.left.reshape(-1), (r * c).reshape(-1, d_r))
+    left = u.left.to(dtype)
+    if left.shape[-1] <= d_r:
+        left = left * c
+    else:
+        r = r * c
+    return left.reshape(-1, u.left_dim).t() @ r.reshape(-1, d_r)
+
+
+class ClippingEngine:
+    """Per-example gradient norms and clipped sums for every trainable parameter of a model.
+
+    Args:
+        model: the (unwrapped) model. Every parameter with ``requires_grad=True`` must be owned by a layer that has a
+            rule in ``layers.py``; otherwise :class:`UnsupportedLayerError` names the parameters and says how to
+            freeze them. Nothing is skipped silently.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._modules: list[tuple[str, nn.Module, Rule]] = []
+        self.params: dict[str, nn.Parameter] = {}
+        covered: set[int] = set()
+        problems: list[str] = []
+        for name, module in model.named_modules():
+            own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            rule = find_rule(module)
+            if rule is None:
+                problems += [f"{name}.{n} ({type(module).__name__})" for n in own]
+                continue
+            if rule.check is not None:
+                rule.check(module, name)
+            for n in own:
+                if n not in rule_parameters(rule, module):
+                    problems.append(f"{name}.{n} ({type(module).__name__})")
+                else:
+                    covered.add(id(getattr(module, n)))
+            self._modules.append((name, module, rule))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.params[name] = p
+                if id(p) not in covered and not any(name in prob for prob in problems):
+                    problems.append(f"{name} (used outside any layer)")
+        if problems:
+            listing = "\n  ".join(problems)
+            raise UnsupportedLayerError(
+                "These trainable parameters have no exact per-example gradient rule, so their gradients could not "
+                f"be clipped per example:\n  {listing}\n"
+                "Supported layers: nn.Linear, transformers Conv1D, nn.Embedding, nn.LayerNorm, RMSNorm. Freeze the "
+                "others before training, e.g. `model.get_parameter(name).requires_grad_(False)`, or train them "
+                "through a PEFT adapter."
+            )
+        self._names = {id(p): n for n, p in self.params.items()}
+        self._uses: list[Use] = []
+        self._verified: set[int] = set()
+        self._batch_size: int | None = None
+        self.summed_grads: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ capture
+    @contextlib.contextmanager
+    def record(self, batch_size: int) -> Iterator[None]:
+        """Capture the per-example factors of one micro-batch of ``batch_size`` examples.
+
+        Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it, so
+        no ``.grad`` is produced; the factors stay available (:meth:`per_example_norms_sq`) until :meth:`clear`.
+        """
+        self.clear()
+        self._batch_size = batch_size
+        handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
+        for p in self.params.values():
+            p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            for p in self.params.values():
+                p.requires_grad_(True)
+            for h in handles:
+                h.remove()
+
+    def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
+        def hook(mod, args, kwargs, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return None
+            inp = args[0] if args else next(iter(kwargs.values()))
+            inp = inp.detach()
+            if rule.verify is not None and id(module) not in self._verified:
+                rule.verify(module, name, inp, output)
+                self._verified.add(id(module))
+            if not output.requires_grad:
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
+                output = output.detach().requires_grad_(True)
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                uses = [u for u in rule.uses(module, name, inp, output, grad.detach()) if id(u.param) in self._names]
+                for u in uses:
+                    if u.batch_size != self._batch_size:
+                        raise UnsupportedLayerError(
+                            f"{name} saw a batch of {u.batch_size} in a micro-batch of {self._batch_size} examples: "
+                            "an input is broadcast across the batch (e.g. position_ids of shape (1, T), or a prompt "
+                            "computed once and repeated), so per-example gradients would merge examples. Materialise "
+                            "the input per example."
+                        )
+                self._uses.extend(uses)
+
+            output.register_hook(grad_hook)
+            return output
+
+        return hook
+
+    def clear(self) -> None:
+        """Drop the stored factors of the last micro-batch."""
+        self._uses = []
+
+    def _uses_by_param(self) -> dict[str, list[Use]]:
+        by: dict[str, list[Use]] = {}
+        for u in self._uses:
+            by.setdefault(self._names[id(u.param)], []).append(u)
+        return by
+
+    # ------------------------------------------------------------------ norms and sums
+    @torch.no_grad()
+    def per_example_norms_sq(self) -> dict[str, torch.Tensor]:
+        """``{param name: (B,) squared per-example gradient norms}`` for every parameter that got a gradient.
+
+        Parameters that no captured use touched (not reached by the loss) have zero gradient and are absent.
+        """
+        out: dict[str, torch.Tensor] = {}
+        self._instantiated: dict[str, torch.Tensor] = {}
+        for name, uses in self._uses_by_param().items():
+            dtype = _acc_dtype(*[u.right for u in uses])
+            if use_ghost_norm(uses):
+                total = None
+                for i, u in enumerate(uses):
+                    ru = u.right.to(dtype)
+                    for v in uses[i:]:
+                        rv = v.right.to(dtype)
+                        term = (_left_gram(u, v, dtype) * torch.bmm(ru, rv.transpose(1, 2))).sum((1, 2))
+                        term = term if v is u else 2 * term
+                        total = term if total is None else total + term
+                out[name] = total
+            else:
+                g = sum(_instantiate(u, dtype) for u in uses)
+                self._instantiated[name] = g
+                out[name] = g.pow(2).sum((1, 2))
+        return out
+
+    @torch.no_grad()
+    def accumulate_clipped(self, factors: dict[str, torch.Tensor] | torch.Tensor) -> None:
+        """Add ``Σ_i c_i G_{i,p}`` into :attr:`summed_grads` for every parameter ``p``.
+
+        Args:
+            factors: one ``(B,)`` vector for all parameters (flat clipping), or ``{param name: (B,)}``.
+        """
+        inst = getattr(self, "_instantiated", {})
+        for name, uses in self._uses_by_param().items():
+            c = factors[name] if isinstance(factors, dict) else factors
+            p = self.params[name]
+            if name in inst:
+                s = torch.einsum("b,blr->lr", c.to(inst[name].dtype), inst[name])
+            else:
+                dtype = _acc_dtype(*[u.right for u in uses])
+                s = sum(_clipped_sum(u, c, dtype) for u in uses)
+            s = s.reshape(p.shape)
+            if name in self.summed_grads:
+                self.summed_grads[name] += s
+            else:
+                self.summed_grads[name] = s.clone()
+        self._instantiated = {}
+
+    def pop_summed_grads(self) -> dict[str, torch.Tensor]:
+        """The clipped sums accumulated since the last call (zeros for untouched parameters); resets them."""
+        out = {}
+        for name, p in self.params.items():
+            s = self.summed_grads.get(name)
+            out[name] = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) if s is None else s
+        self.summed_grads = {}
+        return out
