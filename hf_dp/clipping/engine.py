@@ -153,6 +153,8 @@ class ClippingEngine:
         self.clear()
         self._batch_size = batch_size
         handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
+        handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
+                    for _, m, r in self._modules if r.name == "embedding"]
         for p in self.params.values():
             p.requires_grad_(False)
         try:
@@ -162,6 +164,19 @@ class ClippingEngine:
                 p.requires_grad_(True)
             for h in handles:
                 h.remove()
+
+    def _expand_broadcast_ids(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Materialise per-example ids for an embedding fed ids broadcast over the batch.
+
+        HF models look up position (and sometimes token-type) embeddings with ids of shape ``(1, T)`` and rely on
+        broadcasting; the gradient of that lookup would then be summed over examples. Expanding the ids to
+        ``(B, T)`` gives the same outputs, repeated per example, and per-example gradients (DESIGN invariant 2).
+        """
+        b = self._batch_size
+        ids = args[0] if args else None
+        if b is None or b == 1 or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] != 1:
+            return None
+        return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
     def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
         def hook(mod, args, kwargs, output):

@@ -1,0 +1,137 @@
+"""``DPTrainingArguments``: ``TrainingArguments`` plus the privacy fields, in the style of trl's configs.
+
+Every field has ``metadata={"help": ...}`` so ``HfArgumentParser`` renders it on the command line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+__all__ = ["DPTrainingArguments", "CLIPPING_MODES", "NotPrivateWarning"]
+
+CLIPPING_MODES = ("flat",)
+ACCOUNTANTS = ("prv", "rdp")
+
+
+class NotPrivateWarning(UserWarning):
+    """A setting under which training is not differentially private (or not as private as reported)."""
+
+
+@dataclass
+class DPTrainingArguments(TrainingArguments):
+    r"""Arguments for [`DPTrainer`]: every optimizer step is one DP-SGD / DP-Adam step.
+
+    > Privacy budget (give exactly one of `target_epsilon` and `noise_multiplier`)
+
+    Parameters:
+        target_epsilon (`float`, *optional*):
+            The ε of the (ε, δ)-DP guarantee for the whole run. The noise multiplier is calibrated so that the exact
+            number of optimizer steps the Trainer will run spends at most this budget; training stops (and saves)
+            before a step that would exceed it.
+        target_delta (`float`, *optional*):
+            The δ of the guarantee. Defaults to ``1 / N**1.1`` for a training set of N examples (below 1/N).
+        noise_multiplier (`float`, *optional*):
+            σ: noise std divided by the L2 sensitivity. ε is then reported, not targeted. σ = 0 is allowed for
+            testing only and is NOT private.
+
+    > Clipping and sampling
+
+    Parameters:
+        per_sample_max_grad_norm (`float`, defaults to 0.1):
+            C: every example's gradient is clipped to L2 norm C (Li et al. 2022, §3.1 recommend a small C).
+        clipping (`str`, defaults to `"flat"`):
+            How per-example gradients are clipped: `"flat"` (one norm over all trainable parameters).
+        poisson_sampling (`bool`, defaults to `True`):
+            Poisson sampling (each example in each step's batch independently with probability q), as the accountant
+            assumes. `False` uses fixed-size shuffled batches, whose ε is then only heuristic (logged and recorded).
+        accountant (`str`, defaults to `"prv"`):
+            `"prv"` (privacy random variables, Gopi et al. 2021; the upper bound is reported) or `"rdp"`.
+        dp_seed (`int`, *optional*):
+            Seed of the Poisson sampler and the noise. By default a secret seed is drawn from the OS, as the guarantee
+            requires; a fixed seed makes runs reproducible but voids the guarantee against anyone who knows it.
+
+    The expected logical batch size is `per_device_train_batch_size × gradient_accumulation_steps × world_size`, so
+    the sampling rate is q = that / N. `per_device_train_batch_size` only bounds memory: a Poisson batch larger than
+    expected is split into more micro-batches, never truncated. The Trainer's own `max_grad_norm` (clipping of the
+    already-noised gradient) defaults to 0 (off).
+    """
+
+    target_epsilon: float | None = field(
+        default=None, metadata={"help": "Target ε of the (ε, δ)-DP guarantee for the whole run (calibrates σ)."}
+    )
+    target_delta: float | None = field(
+        default=None, metadata={"help": "δ of the guarantee. Default: 1/N^1.1 for N training examples."}
+    )
+    noise_multiplier: float | None = field(
+        default=None, metadata={"help": "σ (noise std / sensitivity); give this or target_epsilon, not both."}
+    )
+    per_sample_max_grad_norm: float = field(
+        default=0.1, metadata={"help": "C: L2 clipping threshold of each example's gradient."}
+    )
+    clipping: str = field(default="flat", metadata={"help": f"Clipping mode, one of {CLIPPING_MODES}."})
+    poisson_sampling: bool = field(
+        default=True,
+        metadata={"help": "Poisson sampling as the accountant assumes (False: shuffled fixed batches, heuristic ε)."},
+    )
+    accountant: str = field(default="prv", metadata={"help": f"Privacy accountant, one of {ACCOUNTANTS}."})
+    dp_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of sampling and noise. Default: secret, from the OS. A known seed voids the guarantee."},
+    )
+    max_grad_norm: float = field(
+        default=0.0,
+        metadata={"help": "Global clipping of the already-privatized gradient (post-processing). Off by default."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if (self.target_epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                "Give exactly one of `target_epsilon` (σ is calibrated to it) and `noise_multiplier` (ε is reported); "
+                f"got target_epsilon={self.target_epsilon}, noise_multiplier={self.noise_multiplier}."
+            )
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.noise_multiplier is not None:
+            if self.noise_multiplier < 0:
+                raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}.")
+            if self.noise_multiplier == 0:
+                warnings.warn(
+                    "noise_multiplier=0: training is NOT differentially private (no noise); use it only for tests.",
+                    NotPrivateWarning,
+                    stacklevel=2,
+                )
+        if self.target_delta is not None and not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}.")
+        if not self.per_sample_max_grad_norm > 0:
+            raise ValueError(f"per_sample_max_grad_norm (C) must be > 0, got {self.per_sample_max_grad_norm}.")
+        if self.clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}.")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}.")
+        if self.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor is not supported by hf_dp's per-example losses; set it to 0.")
+        if getattr(self, "gradient_checkpointing", False) or getattr(self, "activation_checkpointing", False):
+            raise ValueError(
+                "Activation/gradient checkpointing re-runs forwards inside the backward, which hf_dp's per-example "
+                "hooks do not support yet; turn it off."
+            )
+        if not self.poisson_sampling:
+            warnings.warn(
+                "poisson_sampling=False: fixed-size shuffled batches do not match the Poisson-subsampling analysis; "
+                "the reported ε is heuristic, and the model card will say so.",
+                NotPrivateWarning,
+                stacklevel=2,
+            )
+        if self.load_best_model_at_end:
+            warnings.warn(
+                "load_best_model_at_end selects a checkpoint by evaluation metrics. If the evaluation set is private "
+                "data, that selection is not covered by the DP guarantee.",
+                NotPrivateWarning,
+                stacklevel=2,
+            )

@@ -1,0 +1,81 @@
+"""The one place where Gaussian noise is added (DESIGN invariant 5).
+
+``privatize`` turns the clipped per-example gradient sums of one logical step into the gradient handed to the
+optimizer: ``(Σ_i clip(g_i) + N(0, σ² S² I)) / (q N)`` with ``S`` the L2 sensitivity of the summed release (``C`` for
+flat clipping) and ``q N`` the *expected* batch size (the realised size is itself private). Under several processes
+the sums are all-reduced and the noise is drawn on rank 0 only, before the reduction, so the total noise is added
+exactly once whatever the world size, and every rank ends with the same gradient.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from .sampling import derive_seed
+
+__all__ = ["privatize", "NoiseGenerator"]
+
+_NOISE_STREAM = 0x6E6F697365  # separates the noise stream from the sampler's stream under one dp_seed
+
+
+class NoiseGenerator:
+    """Per-step Gaussian generators derived from one seed (a secret one unless ``seed`` is given).
+
+    Deriving the step's generator from ``(seed, step)`` keeps a run with a fixed seed reproducible across
+    checkpoint/resume; with the default secret seed every run draws fresh noise.
+    """
+
+    def __init__(self, seed: int | None = None):
+        self.is_secret = seed is None
+        self.seed = secrets.randbits(63) if seed is None else int(seed)
+
+    def for_step(self, step: int, device: torch.device) -> torch.Generator:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step))
+        return gen
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@torch.no_grad()
+def privatize(
+    summed: dict[str, torch.Tensor],
+    noise_std: float | dict[str, float],
+    expected_batch_size: float,
+    generator: torch.Generator | None,
+) -> dict[str, torch.Tensor]:
+    """Add Gaussian noise once to the summed clipped gradients and divide by the expected batch size.
+
+    Args:
+        summed: this rank's ``{name: Σ_i clip(g_i)}``.
+        noise_std: standard deviation ``σ S`` of the noise on the global sum (one value, or one per parameter for
+            group-wise allocations).
+        expected_batch_size: ``q N`` over all ranks.
+        generator: the step's generator (used on rank 0 only).
+
+    Returns:
+        ``{name: gradient}``, identical on every rank.
+    """
+    names = list(summed)
+    flat = torch.cat([summed[n].reshape(-1) for n in names])
+    rank0 = not _is_distributed() or dist.get_rank() == 0
+    if rank0:
+        stds = [noise_std] * len(names) if not isinstance(noise_std, dict) else [noise_std[n] for n in names]
+        if any(s > 0 for s in stds):
+            z = torch.randn(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)
+            scale = torch.cat([flat.new_full((summed[n].numel(),), float(s)) for n, s in zip(names, stds)])
+            flat = flat + z * scale
+    if _is_distributed():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat / expected_batch_size
+    out, offset = {}, 0
+    for n in names:
+        k = summed[n].numel()
+        out[n] = flat[offset:offset + k].view_as(summed[n])
+        offset += k
+    return out

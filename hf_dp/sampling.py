@@ -1,0 +1,104 @@
+"""Batch samplers whose batches match what the accountant assumes (DESIGN invariant 4).
+
+:class:`PoissonBatchSampler` (default): at every logical step each example is included independently with
+probability ``q`` — the Poisson subsampling that the subsampled-Gaussian PRV/RDP analyses assume (Li et al. 2022,
+App. B; Abadi et al. 2016). Batches vary in size and may be empty. Under several processes each example belongs to
+exactly one rank (``index % world_size``), so the union over ranks is one Poisson sample of the whole dataset.
+
+:class:`ShuffledBatchSampler` (opt-in, ``poisson_sampling=False``): fixed-size batches of a shuffled epoch. Its
+privacy is *not* what the Poisson accountant reports; the trainer says so in logs and in the model card.
+
+Both yield, per logical step, exactly ``num_chunks`` (= gradient accumulation steps) index lists, so the Hugging Face
+Trainer's accumulation loop sees the usual number of micro-batches. A chunk may be larger than the per-device batch
+size (the trainer splits it further for memory: never truncated) or empty.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler", "derive_seed"]
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed derived from integer keys (numpy ``SeedSequence``): independent streams per (seed, epoch, rank)."""
+    return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class _StepSampler(Sampler[list[int]]):
+    def __init__(self, num_examples: int, steps_per_epoch: int, num_chunks: int, seed: int, rank: int,
+                 world_size: int):
+        if num_examples <= 0:
+            raise ValueError("The training set is empty.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size}).")
+        self.num_examples = num_examples
+        self.steps_per_epoch = steps_per_epoch
+        self.num_chunks = num_chunks
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's random stream (the trainer calls this at every epoch start, also after resume)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.num_chunks
+
+    def _chunks(self, indices: np.ndarray) -> Iterator[list[int]]:
+        for chunk in np.array_split(indices, self.num_chunks):
+            yield chunk.tolist()
+
+
+class PoissonBatchSampler(_StepSampler):
+    """Poisson subsampling: each of this rank's examples is in a step's batch independently with probability ``q``.
+
+    Args:
+        num_examples: size ``N`` of the whole training set (all ranks).
+        sample_rate: ``q``.
+        steps_per_epoch: logical steps per epoch (the trainer uses ``ceil(1 / q)``).
+        num_chunks: index lists yielded per step (gradient accumulation steps).
+        seed: seed of this sampler's random stream (secret by default: see ``DPTrainingArguments.dp_seed``).
+        rank, world_size: this process and the number of processes.
+    """
+
+    def __init__(self, num_examples: int, sample_rate: float, steps_per_epoch: int, num_chunks: int = 1,
+                 seed: int = 0, rank: int = 0, world_size: int = 1):
+        super().__init__(num_examples, steps_per_epoch, num_chunks, seed, rank, world_size)
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
+        self.sample_rate = sample_rate
+        self.shard = np.arange(rank, num_examples, world_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
+        for _ in range(self.steps_per_epoch):
+            mask = torch.rand(len(self.shard), generator=gen, dtype=torch.float64).numpy() < self.sample_rate
+            yield from self._chunks(self.shard[mask])
+
+
+class ShuffledBatchSampler(_StepSampler):
+    """Fixed-size batches of a shuffled epoch (NOT what the Poisson accountant analyses; opt-in only).
+
+    Every rank draws the same permutation and takes its ``rank::world_size`` share of each global batch of
+    ``batch_size`` examples; no example is repeated within an epoch.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, num_chunks: int = 1, seed: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        super().__init__(num_examples, math.ceil(num_examples / batch_size), num_chunks, seed, rank, world_size)
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch))
+        perm = torch.randperm(self.num_examples, generator=gen).numpy()
+        for step in range(self.steps_per_epoch):
+            batch = perm[step * self.batch_size:(step + 1) * self.batch_size]
+            yield from self._chunks(batch[self.rank::self.world_size])

@@ -1,0 +1,437 @@
+"""``DPTrainer``: the Hugging Face ``Trainer`` where every optimizer step is one DP-SGD / DP-Adam step.
+
+One logical step (Abadi et al. 2016; Li et al. 2022, §2 and App. A for DP-Adam):
+
+1. a Poisson-sampled batch (``sampling.py``) arrives as ``gradient_accumulation_steps`` chunks, each split further
+   into micro-batches of at most ``per_device_train_batch_size`` examples (memory only);
+2. for each micro-batch, one forward and one backward of ``Σ_i L_i`` (each example's own loss, ``losses.py``)
+   give every example's gradient norm and the clipped sum ``Σ_i c_i g_i`` (``clipping/``), without per-example
+   gradients and without the unclipped gradient;
+3. at the last chunk, Gaussian noise is added once and the sum divided by the expected batch size (``noise.py``),
+   the result is written to ``param.grad``, and the accountant records the step (``accounting.py``);
+4. the Trainer then steps the user's optimizer and scheduler as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from .accounting import PrivacyAccountant, calibrate_noise_multiplier
+from .arguments import DPTrainingArguments, NotPrivateWarning
+from .clipping.engine import ClippingEngine
+from .clipping.modes import flat_clip_factors
+from .losses import PerExampleLoss, default_per_example_loss
+from .noise import NoiseGenerator, privatize
+from .sampling import PoissonBatchSampler, ShuffledBatchSampler
+
+__all__ = ["DPTrainer", "DP_STATE_NAME"]
+
+logger = logging.getLogger(__name__)
+
+DP_STATE_NAME = "dp_state.json"
+_EMPTY = "_hf_dp_empty_batch"
+
+
+class _EmptySafeCollator:
+    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error."""
+
+    def __init__(self, collator):
+        self.collator = collator
+
+    def __call__(self, features: list) -> dict:
+        if len(features) == 0:
+            return {_EMPTY: True}
+        return self.collator(features)
+
+
+def _is_empty(inputs: dict) -> bool:
+    return bool(inputs.get(_EMPTY, False))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class _DPCallback(TrainerCallback):
+    """The DPTrainer's own hooks into the loop: calibration at train start, sampler epochs, budget stops."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._dp_on_train_begin(state)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        sampler = self.trainer._dp_sampler
+        if sampler is not None:
+            sampler.set_epoch(state.global_step // sampler.steps_per_epoch)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step < state.max_steps and not self.trainer._budget_allows(1):
+            logger.warning(
+                "hf_dp: stopping at step %d: one more step would exceed the privacy budget ε=%s (δ=%s). "
+                "The model is saved with its privacy state.",
+                state.global_step, args.target_epsilon, self.trainer.target_delta,
+            )
+            self.trainer.budget_exhausted = True
+            control.should_training_stop = True
+            control.should_save = True
+        return control
+
+
+class DPTrainer(Trainer):
+    """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD; DP-Adam with AdamW).
+
+    Use it exactly like ``Trainer``, with :class:`~hf_dp.DPTrainingArguments`::
+
+        args = DPTrainingArguments(output_dir="out", target_epsilon=3.0, per_sample_max_grad_norm=0.1,
+                                   per_device_train_batch_size=32, gradient_accumulation_steps=8)
+        trainer = DPTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+        trainer.train()          # ε is logged as `epsilon`; trainer.privacy_spent() reports it
+
+    Args:
+        per_example_loss: ``fn(outputs, labels) -> Tensor[B]``, each example's own loss. Defaults by model head:
+            causal LM, masked LM, seq2seq, sequence and token classification (``losses.py``).
+        *args, **kwargs: passed to ``Trainer``. ``compute_loss_func`` is refused: its normalisation spans the batch.
+    """
+
+    def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, DPTrainingArguments):
+            raise TypeError("DPTrainer needs DPTrainingArguments (target_epsilon or noise_multiplier, clipping, ...).")
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
+                "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
+            )
+        if isinstance(self.train_dataset, IterableDataset):
+            raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+        if self.neftune_noise_alpha is not None:
+            raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
+        if per_example_loss is None:
+            per_example_loss, self.task = default_per_example_loss(self.model)
+        else:
+            self.task = "custom"
+        self.per_example_loss = per_example_loss
+        self.clipping_engine = ClippingEngine(self.model)
+        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+        self.noise_multiplier: float | None = self.args.noise_multiplier
+        self.budget_exhausted = False
+        self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
+        self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
+        self._noise: NoiseGenerator | None = None
+        self._allowed_steps: int | None = None
+        self.add_callback(_DPCallback(self))
+
+    # ------------------------------------------------------------------ quantities of the mechanism
+    @property
+    def num_examples_private(self) -> int:
+        """N: the number of examples (privacy units) in the training set."""
+        if self.train_dataset is None:
+            raise ValueError("DPTrainer needs a train_dataset.")
+        return len(self.train_dataset)
+
+    @property
+    def expected_batch_size(self) -> int:
+        """Expected logical batch: per-device batch × gradient accumulation steps × processes."""
+        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+
+    @property
+    def sample_rate(self) -> float:
+        """q = expected batch size / N."""
+        q = self.expected_batch_size / self.num_examples_private
+        if q > 1:
+            raise ValueError(
+                f"The expected batch size {self.expected_batch_size} exceeds the training set size "
+                f"{self.num_examples_private} (q = {q:.3f} > 1). Lower per_device_train_batch_size or "
+                "gradient_accumulation_steps."
+            )
+        return q
+
+    @property
+    def target_delta(self) -> float:
+        """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
+        if self.args.target_delta is not None:
+            return self.args.target_delta
+        return 1.0 / self.num_examples_private**1.1
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
+        return math.ceil(self.num_examples_private / self.expected_batch_size)
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the noise on the summed clipped gradient: σ · C (flat clipping's sensitivity is C)."""
+        return float(self.noise_multiplier) * self.args.per_sample_max_grad_norm
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """The DP train loader: Poisson (or, opt-in, shuffled) batches, never padded or repeated by Accelerate."""
+        dataset = self.train_dataset
+        collator = self.data_collator
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+            else:
+                collator = self._get_collator_with_removed_columns(collator, description="training")
+        except ImportError:  # pragma: no cover
+            pass
+        seed = self._shared_seed()
+        self._noise = NoiseGenerator(seed)
+        common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
+                      rank=self.args.process_index, world_size=self.args.world_size)
+        if self.args.poisson_sampling:
+            sampler = PoissonBatchSampler(self.num_examples_private, self.sample_rate, self.steps_per_epoch, **common)
+        else:
+            sampler = ShuffledBatchSampler(self.num_examples_private, self.expected_batch_size, **common)
+        self._dp_sampler = sampler
+        # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
+        # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=_EmptySafeCollator(collator),
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+        )
+
+    def _shared_seed(self) -> int:
+        """The run's DP seed (``dp_seed`` or a secret one), identical on every rank."""
+        seed = self.args.dp_seed if self.args.dp_seed is not None else secrets.randbits(63)
+        if _distributed():
+            box = [seed]
+            dist.broadcast_object_list(box, src=0)
+            seed = box[0]
+        return seed
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        """Fetch a step's chunks. ``num_items_in_batch`` is not computed: DP losses are per example."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batches, None
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
+
+    # ------------------------------------------------------------------ the DP step
+    def _micro_batches(self, inputs: dict, labels: torch.Tensor) -> list[tuple[dict, torch.Tensor]]:
+        batch = labels.shape[0]
+        size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
+        out = []
+        for start in range(0, batch, size):
+            sl = slice(start, min(start + size, batch))
+            micro = {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+                     for k, v in inputs.items()}
+            out.append((micro, labels[sl]))
+        return out
+
+    def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
+        inputs = dict(inputs)
+        if self.task == "seq2seq_lm" and "decoder_input_ids" not in inputs:
+            base = getattr(model, "get_base_model", lambda: model)()
+            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        return inputs
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        loss_sum = torch.zeros((), device=self.args.device)
+        if not _is_empty(inputs):
+            inputs = self._prepare_inputs(inputs)
+            if "labels" not in inputs:
+                raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+            labels = inputs.pop("labels")
+            net = self.accelerator.unwrap_model(model)
+            engine = self.clipping_engine
+            for micro, micro_labels in self._micro_batches(inputs, labels):
+                b = micro_labels.shape[0]
+                with self.compute_loss_context_manager(), engine.record(b):
+                    outputs = net(**self._model_inputs(net, micro, micro_labels))
+                    losses = self.per_example_loss(outputs, micro_labels)
+                    if losses.shape != (b,):
+                        raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
+                    if losses.requires_grad:
+                        losses.sum().backward()
+                norms_sq = engine.per_example_norms_sq()
+                factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, b)
+                engine.accumulate_clipped(factors.to(losses.device))
+                engine.clear()
+                loss_sum = loss_sum + losses.detach().sum().to(loss_sum.device)
+        if self.accelerator.gradient_state.sync_gradients:
+            self._finish_dp_step()
+        # Logged loss: Σ_i L_i / (expected local batch); summed over the step's chunks this is the mean loss.
+        local_expected = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
+        return loss_sum / local_expected
+
+    def _finish_dp_step(self) -> None:
+        """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
+        engine = self.clipping_engine
+        summed = engine.pop_summed_grads()
+        if not self._budget_allows(1):
+            # Never release a step beyond the budget: no gradient, no update, nothing recorded.
+            self.budget_exhausted = True
+            self.control.should_training_stop = True
+            for p in engine.params.values():
+                p.grad = None
+            return
+        device = next(iter(summed.values())).device
+        grads = privatize(summed, self.noise_std, self.expected_batch_size,
+                          self._noise.for_step(self.accountant.steps, device))
+        for name, p in engine.params.items():
+            p.grad = grads[name].to(p.dtype)
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    # ------------------------------------------------------------------ accounting
+    def _dp_on_train_begin(self, state) -> None:
+        if _distributed():
+            for p in self.model.parameters():
+                dist.broadcast(p.data, src=0)
+        remaining = max(state.max_steps - state.global_step, 0)
+        if self.accountant.steps != state.global_step:
+            raise RuntimeError(
+                f"The accountant has {self.accountant.steps} steps but the Trainer is at step {state.global_step}: "
+                "resume from a checkpoint written by DPTrainer (it holds dp_state.json)."
+            )
+        if self.noise_multiplier is None:
+            self.noise_multiplier = calibrate_noise_multiplier(
+                self.args.target_epsilon, self.target_delta, self.sample_rate, max(remaining, 1),
+                accountant=self.args.accountant, history=list(self.accountant.history),
+            )
+            logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
+                        self.noise_multiplier, remaining, self.sample_rate, self.args.target_epsilon,
+                        self.target_delta)
+        self._allowed_steps = self._steps_within_budget(remaining)
+        if not self.args.poisson_sampling:
+            logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
+                           "heuristic for this run.")
+
+    def _steps_within_budget(self, planned: int) -> int | None:
+        """How many more steps the budget allows (None: unlimited, when ε is reported rather than targeted)."""
+        target = self.args.target_epsilon
+        if target is None:
+            return None
+
+        def eps_after(n: int) -> float:
+            acc = self.accountant.copy()
+            acc.step(self.noise_multiplier, self.sample_rate, n)
+            return acc.get_epsilon(self.target_delta)
+
+        if planned > 0 and eps_after(planned) <= target:
+            return planned
+        lo, hi = 0, max(planned, 1)  # eps_after(lo) <= target < eps_after(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if eps_after(mid) <= target else (lo, mid)
+        return lo
+
+    def _budget_allows(self, n: int) -> bool:
+        if self._allowed_steps is None:
+            return True
+        return self.accountant.steps - self._steps_at_train_begin + n <= self._allowed_steps
+
+    @property
+    def _steps_at_train_begin(self) -> int:
+        return getattr(self, "_dp_steps_at_begin", 0)
+
+    def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
+        """The guarantee so far: ε (by the configured accountant, PRV upper bound by default) at δ, and the mechanism."""
+        delta = self.target_delta if delta is None else delta
+        return {
+            "epsilon": self.accountant.get_epsilon(delta),
+            "delta": delta,
+            "accountant": self.args.accountant,
+            "steps": self.accountant.steps,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
+            "poisson_sampling": self.args.poisson_sampling,
+        }
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Adds ``epsilon`` (spent so far) to every log, next to the loss."""
+        if self.accountant.steps > 0 and self.train_dataset is not None:
+            logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4)}
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; on resume, also restores the accountant so that ε continues exactly."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            self._load_dp_state(resume_from_checkpoint)
+        else:
+            self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+            self.noise_multiplier = self.args.noise_multiplier
+        self._dp_steps_at_begin = self.accountant.steps
+        self.budget_exhausted = False
+        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+
+    def _dp_state(self) -> dict[str, Any]:
+        return {
+            "accountant": self.accountant.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
+            "num_examples": self.num_examples_private,
+            "target_epsilon": self.args.target_epsilon,
+            "target_delta": self.target_delta,
+            "poisson_sampling": self.args.poisson_sampling,
+            "clipping": self.args.clipping,
+        }
+
+    def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            if os.path.isdir(folder):
+                with open(os.path.join(folder, DP_STATE_NAME), "w") as f:
+                    json.dump(self._dp_state(), f, indent=2)
+
+    def _load_dp_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, DP_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{checkpoint} has no {DP_STATE_NAME}: the privacy spent before it is unknown, so resuming would "
+                "under-count ε. Resume only from checkpoints written by DPTrainer."
+            )
+        with open(path) as f:
+            state = json.load(f)
+        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+        self.accountant.load_state_dict(state["accountant"])
+        if self.args.noise_multiplier is None:
+            self.noise_multiplier = state["noise_multiplier"]
+        else:
+            self.noise_multiplier = self.args.noise_multiplier
+        if abs(state["sample_rate"] - self.sample_rate) > 1e-12 or \
+                state["per_sample_max_grad_norm"] != self.args.per_sample_max_grad_norm:
+            warnings.warn(
+                "Resuming with a different sampling rate or clipping norm than the checkpoint; the accountant "
+                "composes both mechanisms.",
+                UserWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,112 @@
+"""Shared test fixtures: tiny random-init models, small datasets, and the per-example oracle.
+
+The oracle is deliberately independent of hf_dp: it runs the model on ONE example at a time (so nothing can merge
+examples), takes the model's own HF loss for that example, and clips by the rule written out here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from datasets import Dataset
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 61
+
+
+def tiny_gpt2(tied: bool = True) -> GPT2LMHeadModel:
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
+                     pad_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_bert(num_labels: int = 3) -> BertForSequenceClassification:
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=24, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, num_labels=num_labels, pad_token_id=0)
+    return BertForSequenceClassification(cfg)
+
+
+def tiny_roberta(num_labels: int = 2) -> RobertaForSequenceClassification:
+    cfg = RobertaConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=24, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0, num_labels=num_labels, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2)
+    return RobertaForSequenceClassification(cfg)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def lm_dataset(n: int, seq_len: int = 10, seed: int = 0, pad_id: int = 0) -> Dataset:
+    """Causal-LM examples of varying length, right-padded, labels -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        length = int(torch.randint(3, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
+        pad = seq_len - length
+        rows["input_ids"].append(ids + [pad_id] * pad)
+        rows["attention_mask"].append([1] * length + [0] * pad)
+        rows["labels"].append(ids + [-100] * pad)
+    return Dataset.from_dict(rows)
+
+
+def cls_dataset(n: int, num_labels: int, seq_len: int = 8, seed: int = 0, pad_id: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        length = int(torch.randint(3, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(3, VOCAB, (length,), generator=g).tolist()
+        pad = seq_len - length
+        rows["input_ids"].append(ids + [pad_id] * pad)
+        rows["attention_mask"].append([1] * length + [0] * pad)
+        rows["labels"].append(int(torch.randint(0, num_labels, (1,), generator=g)))
+    return Dataset.from_dict(rows)
+
+
+def per_example_grads(model: torch.nn.Module, dataset: Dataset, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Gradients of each example's own HF loss, one example per forward (batch of 1)."""
+    model.train()
+    out = []
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for i in indices:
+        row = dataset[i]
+        batch = {k: torch.tensor([v]) for k, v in row.items()}
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+        out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def flat_clipped_sum(grads: list[dict[str, torch.Tensor]], max_norm: float) -> dict[str, torch.Tensor]:
+    """Σ_i min(1, C / (‖g_i‖ + 1e-6)) g_i with one norm over all parameters."""
+    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
+    for g in grads:
+        norm = torch.sqrt(sum(t.pow(2).sum() for t in g.values()))
+        c = min(1.0, max_norm / (float(norm) + 1e-6))
+        for n in total:
+            total[n] += c * g[n]
+    return total
+
+
+def example_norms(grads: list[dict[str, torch.Tensor]]) -> list[float]:
+    return [float(torch.sqrt(sum(t.pow(2).sum() for t in g.values()))) for g in grads]

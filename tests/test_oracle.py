@@ -1,0 +1,108 @@
+"""DESIGN invariant 1: with σ = 0 the DP update equals the per-example oracle, exactly (float64).
+
+SGD with lr = 1 and a constant schedule makes the parameter update equal to minus the gradient handed to the
+optimizer, which must be ``(1 / (q N)) Σ_i clip(∇L_i)`` over the examples of the step's Poisson batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import (
+    cls_dataset,
+    example_norms,
+    flat_clipped_sum,
+    lm_dataset,
+    per_example_grads,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_roberta,
+)
+
+from hf_dp import DPTrainer, DPTrainingArguments, PoissonBatchSampler
+
+
+def dp_args(tmp_path, per_device: int, ga: int, max_norm: float, seed: int = 0, **kw) -> DPTrainingArguments:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPTrainingArguments(
+            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=max_norm,
+            per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
+            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
+            save_strategy="no", dp_seed=seed, disable_tqdm=True, **kw,
+        )
+
+
+def sampled_indices(n: int, q: float, ga: int, seed: int) -> list[int]:
+    sampler = PoissonBatchSampler(n, q, steps_per_epoch=1, num_chunks=ga, seed=seed)
+    return [i for chunk in sampler for i in chunk]
+
+
+def check_update(model, dataset, tmp_path, per_device: int, ga: int, clip_quantile: float = 0.5, seed: int = 3):
+    model = model.double()
+    n = len(dataset)
+    expected_batch = per_device * ga
+    q = expected_batch / n
+    indices = sampled_indices(n, q, ga, seed)
+    grads = per_example_grads(model, dataset, indices)
+    norms = sorted(example_norms(grads))
+    max_norm = norms[int(clip_quantile * (len(norms) - 1))]  # some examples clipped, some not
+    expected = flat_clipped_sum(grads, max_norm)
+
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, per_device, ga, max_norm, seed=seed), train_dataset=dataset)
+    trainer.train()
+    assert trainer.accountant.steps == 1
+    for k, p in model.named_parameters():
+        update = before[k] - p.detach()
+        torch.testing.assert_close(update, expected[k] / expected_batch, rtol=1e-7, atol=1e-10, msg=k)
+    return indices
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_matches_oracle(tmp_path, tied):
+    torch.manual_seed(0)
+    model = tiny_gpt2(tied=tied)
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied
+    # q = 1: every example in the step, three chunks of two.
+    check_update(model, lm_dataset(6), tmp_path, per_device=2, ga=3)
+
+
+def test_gpt2_poisson_batch_split_into_micro_batches(tmp_path):
+    torch.manual_seed(1)
+    # q = 0.5 over 24 examples with micro-batches of 2: chunks of random size, split further in training_step.
+    indices = check_update(tiny_gpt2(), lm_dataset(24, seed=1), tmp_path, per_device=2, ga=6, seed=11)
+    assert len(indices) > 2 * 2  # the realised batch needed more micro-batches than one per chunk
+
+
+def test_bert_classification_matches_oracle(tmp_path):
+    torch.manual_seed(2)
+    check_update(tiny_bert(num_labels=3), cls_dataset(6, num_labels=3), tmp_path, per_device=3, ga=2)
+
+
+def test_roberta_classification_matches_oracle(tmp_path):
+    torch.manual_seed(3)
+    # RoBERTa builds per-example position ids from input_ids (padding_idx offset): must be left untouched.
+    check_update(tiny_roberta(), cls_dataset(6, num_labels=2, pad_id=1), tmp_path, per_device=2, ga=3)
+
+
+def test_llama_rmsnorm_matches_oracle(tmp_path):
+    torch.manual_seed(4)
+    check_update(tiny_llama(), lm_dataset(6, seed=4), tmp_path, per_device=3, ga=2, clip_quantile=0.3)
+
+
+def test_no_clipping_when_threshold_is_large_equals_mean_gradient(tmp_path):
+    """Vanilla equivalence: σ = 0 and C → ∞ give the ordinary mean gradient over the batch."""
+    torch.manual_seed(5)
+    model = tiny_gpt2().double()
+    data = lm_dataset(4, seed=5)
+    grads = per_example_grads(model, data, list(range(4)))
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1, 1e6), train_dataset=data)
+    trainer.train()
+    for k, p in model.named_parameters():
+        mean = sum(g[k] for g in grads) / 4
+        torch.testing.assert_close(before[k] - p.detach(), mean, rtol=1e-7, atol=1e-10)
