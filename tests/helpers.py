@@ -82,8 +82,22 @@ def cls_dataset(n: int, num_labels: int, seq_len: int = 8, seed: int = 0, pad_id
     return Dataset.from_dict(rows)
 
 
+def single_example_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The loss of a batch of ONE example, in the model's dtype (HF's own LM loss upcasts to float32 only).
+
+    Causal LM: mean next-token cross-entropy over the labelled tokens; classification: cross-entropy.
+    """
+    labels = batch.pop("labels")
+    logits = model(**batch).logits
+    if logits.dim() == 3:  # causal LM
+        logits, labels = logits[0, :-1], labels[0, 1:]
+        keep = labels != -100
+        return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    return torch.nn.functional.cross_entropy(logits, labels)
+
+
 def per_example_grads(model: torch.nn.Module, dataset: Dataset, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Gradients of each example's own HF loss, one example per forward (batch of 1)."""
+    """Gradients of each example's own loss, one example per forward (batch of 1)."""
     model.train()
     out = []
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -91,7 +105,7 @@ def per_example_grads(model: torch.nn.Module, dataset: Dataset, indices: list[in
         row = dataset[i]
         batch = {k: torch.tensor([v]) for k, v in row.items()}
         model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+        single_example_loss(model, batch).backward()
         out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
     model.zero_grad(set_to_none=True)
     return out

@@ -19,6 +19,8 @@ decides how to compute norms and clipped sums from the factors.
 from __future__ import annotations
 
 from collections.abc import Callable
+import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -129,37 +131,46 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
     return uses
 
 
-def _rms_normalise(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    eps = getattr(module, "variance_epsilon", None)
-    if eps is None:
-        eps = getattr(module, "eps", None)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
-    x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+_RMS_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def _rms_unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
+    """``x̂``: the layer's own output with its scale set to one (``weight = 1 - offset``).
+
+    Running the module itself (instead of re-implementing its normalisation) reproduces its exact arithmetic,
+    including the float32 upcast Llama-style norms do internally.
+    """
+    unit = copy.copy(module)  # shares everything but the parameter dict; `.forward` runs no hooks
+    unit._parameters = dict(module._parameters)
+    unit._parameters["weight"] = nn.Parameter(torch.full_like(module.weight, 1.0 - offset), requires_grad=False)
+    with torch.no_grad():
+        return unit.forward(x)
 
 
 def _rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
     """RMSNorm (``torch.nn.RMSNorm``, Llama/Mistral/Qwen/T5 style): ``y = w ⊙ x̂`` (or ``(1 + w) ⊙ x̂``, Gemma),
     ``x̂ = x / rms(x)``: ``G_w = Σ_t g ⊙ x̂`` either way."""
     d = module.weight.numel()
-    x_hat = _rms_normalise(module, inp)
+    x_hat = _rms_unit_output(module, inp, _RMS_OFFSET.get(module, 0.0))
     g = _as_btd(grad, d)
     return [Use(module.weight, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name)]
 
 
 def _verify_rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
-    """Check once, on real activations, that this RMSNorm-like layer computes ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂``.
+    """Check once, on real activations, that this RMSNorm-like layer computes ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂``, where
+    ``x̂`` (its output at unit scale) does not depend on ``w`` — the form whose weight gradient is ``Σ_t g ⊙ x̂``.
 
     The rule is chosen by class name for third-party RMSNorm classes; a layer that computes something else must
-    fail loudly rather than be clipped with a wrong gradient.
+    fail loudly rather than be clipped with a wrong gradient. Records which of the two forms the layer uses.
     """
     with torch.no_grad():
-        x_hat = _rms_normalise(module, inp)
         w = module.weight
         tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        for candidate in (w * x_hat, (1 + w) * x_hat):
+        for offset in (0.0, 1.0):
+            x_hat = _rms_unit_output(module, inp, offset)
+            candidate = (w + offset) * x_hat
             if candidate.shape == out.shape and torch.allclose(candidate.to(out.dtype), out, rtol=tol, atol=tol):
+                _RMS_OFFSET[module] = offset
                 return
     raise UnsupportedLayerError(
         f"{name} ({type(module).__name__}) looks like an RMSNorm but does not compute weight * x / rms(x); "
