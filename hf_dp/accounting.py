@@ -614,10 +614,11 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
 def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float, float]:
     """Converts (ε, δ)-DP for single records into a guarantee for groups of ``group_size`` records.
 
-    Standard group privacy (e.g. Dwork & Roth 2014, Lemma 2.2 / Vadhan 2017, Lemma 2.2): an (ε, δ)-DP mechanism is
-    ``(k ε, k e^{(k-1) ε} δ)``-DP for datasets differing in ``k`` records. Privacy degrades with the group size —
-    dividing ε by the group size (as in Kerrigan et al. 2020, "Differentially Private Language Models Benefit from
-    Public Pre-training", ε/γ) is **not** a valid bound.
+    Standard group privacy (see e.g. Vadhan 2017, "The Complexity of Differential Privacy"; Dwork & Roth 2014 for
+    the pure-DP case): an (ε, δ)-DP mechanism is ``(k ε, k e^{(k-1) ε} δ)``-DP for datasets differing in ``k``
+    records, by chaining the guarantee along k neighbouring datasets. Privacy *degrades* with the group size:
+    dividing ε by the group size (the ε/γ of Kerrigan et al. 2020, "Differentially Private Language Models Benefit
+    from Public Pre-training") is **not** a valid bound.
 
     Args:
         epsilon: Record-level ε >= 0.

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier
 from .arguments import DPTrainingArguments, NotPrivateWarning
@@ -134,6 +134,20 @@ class DPTrainer(Trainer):
         self._noise: NoiseGenerator | None = None
         self._allowed_steps: int | None = None
         self.add_callback(_DPCallback(self))
+        if self.train_dataset is not None:
+            self._validate_against_dataset()
+
+    def _validate_against_dataset(self) -> None:
+        """Checks that need N: q <= 1 (raises) and δ < 1/N (warns)."""
+        _ = self.sample_rate
+        n = self.num_examples_private
+        if self.args.target_delta is not None and self.args.target_delta >= 1.0 / n:
+            warnings.warn(
+                f"target_delta={self.args.target_delta} is not below 1/N = {1.0 / n:.3g}: a mechanism that publishes "
+                "one random example in full satisfies (0, 1/N)-DP. Choose δ well below 1/N.",
+                NotPrivateWarning,
+                stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ quantities of the mechanism
     @property
@@ -389,6 +403,21 @@ class DPTrainer(Trainer):
             self.noise_multiplier = self.args.noise_multiplier
         self._dp_steps_at_begin = self.accountant.steps
         self.budget_exhausted = False
+        if self.train_dataset is not None:
+            self._validate_against_dataset()
+        if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:
+            acc = self.accountant.copy()
+            acc.step(self.noise_multiplier, self.sample_rate)
+            if acc.get_epsilon(self.target_delta) > self.args.target_epsilon:
+                logger.warning(
+                    "hf_dp: not resuming training: the privacy budget ε=%s (δ=%.3g) is spent (ε=%.4f after %d steps) "
+                    "and one more step would exceed it.",
+                    self.args.target_epsilon, self.target_delta, self.accountant.get_epsilon(self.target_delta),
+                    self.accountant.steps,
+                )
+                self.budget_exhausted = True
+                return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.accountant.get_epsilon(
+                    self.target_delta)})
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
 
     def _dp_state(self) -> dict[str, Any]:

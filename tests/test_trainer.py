@@ -1,0 +1,236 @@
+"""DPTrainer behaviour: ε logging, checkpoint/resume, budget stops, argument validation, loud failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import lm_dataset, tiny_bert, tiny_gpt2
+from prv_accountant import PoissonSubsampledGaussianMechanism, PRVAccountant
+
+from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, UnsupportedLayerError
+from hf_dp.trainer import DP_STATE_NAME
+
+
+def make_args(tmp_path, **kw) -> DPTrainingArguments:
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                learning_rate=1e-3, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True,
+                logging_steps=1, dp_seed=0, per_sample_max_grad_norm=1.0)
+    base.update(kw)
+    return DPTrainingArguments(**base)
+
+
+def prv_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """Independent ε: prv-accountant used directly (upper bound, as hf_dp reports)."""
+    acc = PRVAccountant(prvs=[PoissonSubsampledGaussianMechanism(sampling_probability=q, noise_multiplier=sigma)],
+                        max_self_compositions=[steps], eps_error=0.01, delta_error=delta / 1000)
+    return acc.compute_epsilon(delta=delta, num_self_compositions=[steps])[2]
+
+
+def test_epsilon_is_logged_and_matches_prv_accountant(tmp_path):
+    torch.manual_seed(0)
+    data = lm_dataset(64)
+    trainer = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, noise_multiplier=1.1, max_steps=4),
+                        train_dataset=data)
+    trainer.train()
+    logged = [(h["step"], h["epsilon"]) for h in trainer.state.log_history if "loss" in h]
+    assert [s for s, _ in logged] == [1, 2, 3, 4]
+    eps = [e for _, e in logged]
+    assert eps == sorted(eps) and eps[0] > 0
+    q, delta = 8 / 64, 1 / 64**1.1
+    assert trainer.sample_rate == q and trainer.target_delta == pytest.approx(delta)
+    for step, e in logged:
+        assert e == pytest.approx(prv_epsilon(1.1, q, step, delta), abs=2e-4)
+    spent = trainer.privacy_spent()
+    assert spent["steps"] == 4 and spent["epsilon"] == pytest.approx(prv_epsilon(1.1, q, 4, delta), rel=1e-6)
+
+
+def test_target_epsilon_calibrates_sigma_for_the_planned_steps(tmp_path):
+    torch.manual_seed(0)
+    data = lm_dataset(64)
+    args = make_args(tmp_path, target_epsilon=4.0, num_train_epochs=2)  # 8 steps per epoch at q = 1/8
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.state.global_step == trainer.accountant.steps == 16
+    sigma = trainer.noise_multiplier
+    delta = trainer.target_delta
+    eps = prv_epsilon(sigma, 1 / 8, 16, delta)
+    assert 4.0 * 0.97 <= eps <= 4.0  # spends the budget, never more
+    assert not trainer.budget_exhausted
+
+
+def test_resume_continues_epsilon_exactly(tmp_path):
+    torch.manual_seed(0)
+    data = lm_dataset(64)
+    full = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path / "full", noise_multiplier=1.0, max_steps=6),
+                     train_dataset=data)
+    full.train()
+
+    torch.manual_seed(0)
+    first = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path / "run", noise_multiplier=1.0, max_steps=6,
+                                                        save_strategy="steps", save_steps=3),
+                      train_dataset=data)
+    first.train()
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    state = json.loads((ckpt / DP_STATE_NAME).read_text())
+    assert sum(r["steps"] for r in state["accountant"]["history"]) == 3
+
+    torch.manual_seed(1)
+    resumed = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path / "run", noise_multiplier=1.0, max_steps=6),
+                        train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.accountant.steps == 6 == resumed.state.global_step
+    delta = full.target_delta
+    assert resumed.accountant.get_epsilon(delta) == pytest.approx(full.accountant.get_epsilon(delta), rel=1e-9)
+    # With a fixed dp_seed the resumed run reproduces the uninterrupted one (same batches, same noise).
+    for (n, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+
+
+def test_resume_from_checkpoint_without_privacy_state_is_refused(tmp_path):
+    torch.manual_seed(0)
+    data = lm_dataset(32)
+    t = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=2,
+                                                   save_strategy="steps", save_steps=2), train_dataset=data)
+    t.train()
+    os.remove(tmp_path / "checkpoint-2" / DP_STATE_NAME)
+    t2 = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=4), train_dataset=data)
+    with pytest.raises(ValueError, match="under-count"):
+        t2.train(resume_from_checkpoint=True)
+
+
+def test_budget_exhaustion_stops_and_saves(tmp_path):
+    torch.manual_seed(0)
+    data = lm_dataset(64)
+    # Calibrated for 4 steps; checkpoint after 2.
+    t = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=3.0, max_steps=4,
+                                                   save_strategy="steps", save_steps=2), train_dataset=data)
+    t.train()
+    sigma = t.noise_multiplier
+    # Resume from step 2 asking for 10 steps: σ is kept, so only ~2 more steps fit in ε = 3.
+    r = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=3.0, max_steps=10,
+                                                   save_strategy="no"), train_dataset=data)
+    r.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert r.noise_multiplier == sigma
+    assert r.budget_exhausted
+    assert r.accountant.steps == r.state.global_step < 10
+    assert r.accountant.get_epsilon(r.target_delta) <= 3.0
+    extra = r.accountant.copy()
+    extra.step(sigma, r.sample_rate)
+    assert extra.get_epsilon(r.target_delta) > 3.0  # it stopped exactly at the budget
+    saved = tmp_path / f"checkpoint-{r.state.global_step}"
+    assert (saved / DP_STATE_NAME).is_file()
+    # Resuming once more does not train at all.
+    again = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=3.0, max_steps=10),
+                      train_dataset=data)
+    before = [p.detach().clone() for p in again.model.parameters()]
+    again.train(resume_from_checkpoint=str(saved))
+    assert again.budget_exhausted and again.accountant.steps == r.accountant.steps
+    again_params = list(again.model.parameters())
+    assert len(before) == len(again_params)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(target_epsilon=1.0, noise_multiplier=1.0), "exactly one"),
+        (dict(), "exactly one"),
+        (dict(target_epsilon=0.0), "target_epsilon must be > 0"),
+        (dict(target_epsilon=-1.0), "target_epsilon must be > 0"),
+        (dict(noise_multiplier=-0.5), "noise_multiplier must be >= 0"),
+        (dict(target_epsilon=1.0, target_delta=1.0), "target_delta"),
+        (dict(target_epsilon=1.0, target_delta=0.0), "target_delta"),
+        (dict(target_epsilon=1.0, per_sample_max_grad_norm=-1.0), "per_sample_max_grad_norm"),
+        (dict(target_epsilon=1.0, per_sample_max_grad_norm=0.0), "per_sample_max_grad_norm"),
+        (dict(target_epsilon=1.0, accountant="gdp"), "accountant"),
+        (dict(target_epsilon=1.0, clipping="automatic"), "clipping"),
+        (dict(target_epsilon=1.0, max_grad_norm=-1.0), "max_grad_norm"),
+        (dict(target_epsilon=1.0, label_smoothing_factor=0.1), "label_smoothing"),
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path, kwargs, message):
+    base = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=message):
+        DPTrainingArguments(**base, **kwargs)
+
+
+def test_loud_warnings(tmp_path):
+    with pytest.warns(NotPrivateWarning, match="NOT differentially private"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, use_cpu=True)
+    with pytest.warns(NotPrivateWarning, match="heuristic"):
+        DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, poisson_sampling=False, use_cpu=True)
+    with pytest.warns(NotPrivateWarning, match="1/N"):
+        DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0, target_delta=0.1),
+                  train_dataset=lm_dataset(16))
+
+
+def test_sample_rate_above_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="exceeds the training set size"):
+        DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0, per_device_train_batch_size=16),
+                  train_dataset=lm_dataset(8))
+
+
+def test_unsupported_trainable_parameter_is_named(tmp_path):
+    model = tiny_bert()
+    model.register_parameter("temperature", torch.nn.Parameter(torch.ones(1)))
+    model.classifier = torch.nn.Sequential(torch.nn.Conv1d(16, 3, 1))  # a layer type without a rule
+    with pytest.raises(UnsupportedLayerError) as err:
+        DPTrainer(model=model, args=make_args(tmp_path, target_epsilon=1.0), train_dataset=lm_dataset(16))
+    text = str(err.value)
+    assert "temperature" in text and "classifier.0.weight" in text and "requires_grad_(False)" in text
+    # Freezing them makes the model trainable.
+    model.temperature.requires_grad_(False)
+    model.classifier.requires_grad_(False)
+    DPTrainer(model=model, args=make_args(tmp_path, target_epsilon=1.0), train_dataset=lm_dataset(16))
+
+
+def test_non_private_loss_normalisation_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="per_example_loss"):
+        DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0), train_dataset=lm_dataset(16),
+                  compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean())
+
+
+def test_plain_training_arguments_are_refused(tmp_path):
+    from transformers import TrainingArguments
+
+    with pytest.raises(TypeError, match="DPTrainingArguments"):
+        DPTrainer(model=tiny_gpt2(), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True),
+                  train_dataset=lm_dataset(16))
+
+
+def test_shuffled_batches_are_labelled(tmp_path, caplog):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        args = make_args(tmp_path, noise_multiplier=1.0, max_steps=2, poisson_sampling=False)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(32))
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        trainer.train()
+    assert "heuristic" in caplog.text
+    assert trainer.privacy_spent()["poisson_sampling"] is False
+
+
+def test_custom_per_example_loss(tmp_path):
+    """A user loss is clipped per example: with σ=0 and C large, the update is its mean gradient."""
+    torch.manual_seed(0)
+    data = Dataset.from_dict({"input_ids": [[3, 4, 5, 6]] * 4, "labels": [[3, 4, 5, 6]] * 4})
+
+    def first_logit_loss(outputs, labels):
+        return outputs.logits[:, 0, 0] ** 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        args = make_args(tmp_path, noise_multiplier=0.0, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                         max_steps=1, optim="sgd", learning_rate=1.0, per_sample_max_grad_norm=1e6)
+    model = tiny_gpt2().double()
+    ref = model.transformer.ln_f.bias.detach().clone()
+    out = model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    (out.logits[0, 0, 0] ** 2).backward()
+    expected = ref - model.transformer.ln_f.bias.grad
+    model.zero_grad(set_to_none=True)
+    DPTrainer(model=model, args=args, train_dataset=data, per_example_loss=first_logit_loss).train()
+    torch.testing.assert_close(model.transformer.ln_f.bias.detach(), expected)
