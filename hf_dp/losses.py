@@ -104,7 +104,8 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
     config = getattr(base, "config", None)
     if cls in _class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) or cls.endswith(("LMHeadModel", "ForCausalLM")):
         return causal_lm_loss, "causal_lm"
-    if cls in _class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) or cls.endswith("ForConditionalGeneration"):
+    seq2seq = _class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+    if cls in seq2seq or cls.endswith("ForConditionalGeneration"):
         return token_loss, "seq2seq_lm"
     if cls in _class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) or cls.endswith("ForMaskedLM"):
         return token_loss, "masked_lm"

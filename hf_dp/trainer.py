@@ -370,7 +370,7 @@ class DPTrainer(Trainer):
         return getattr(self, "_dp_steps_at_begin", 0)
 
     def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
-        """The guarantee so far: ε (by the configured accountant, PRV upper bound by default) at δ, and the mechanism."""
+        """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism."""
         delta = self.target_delta if delta is None else delta
         return {
             "epsilon": self.accountant.get_epsilon(delta),
@@ -436,7 +436,8 @@ class DPTrainer(Trainer):
     def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
         super()._save_checkpoint(model, trial, *args, **kwargs)
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
             if os.path.isdir(folder):
                 with open(os.path.join(folder, DP_STATE_NAME), "w") as f:
                     json.dump(self._dp_state(), f, indent=2)

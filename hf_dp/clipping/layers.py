@@ -18,9 +18,9 @@ decides how to compute norms and clipped sums from the factors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import copy
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,7 @@ class Use:
 
     Attributes:
         param: the parameter.
-        left: ``(B, T, d_L)`` dense, ``(B, T)`` long indices (rows of a one-hot ``(T, d_L)``), or ``None`` (ones, d_L=1).
+        left: ``(B, T, d_L)`` dense, ``(B, T)`` long indices (one-hot rows), or ``None`` (ones, d_L=1).
         right: ``(B, T, d_R)``.
         left_dim: ``d_L``.
         module_name: qualified name of the module, for error messages.
@@ -134,17 +134,22 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
 _RMS_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
+def _rms_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The layer's own forward on ``x`` with its weight replaced (no hooks run, the module is not modified)."""
+    clone = copy.copy(module)  # shares everything but the parameter dict
+    clone._parameters = dict(module._parameters)
+    clone._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    with torch.no_grad():
+        return clone.forward(x)
+
+
 def _rms_unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
     """``x̂``: the layer's own output with its scale set to one (``weight = 1 - offset``).
 
     Running the module itself (instead of re-implementing its normalisation) reproduces its exact arithmetic,
     including the float32 upcast Llama-style norms do internally.
     """
-    unit = copy.copy(module)  # shares everything but the parameter dict; `.forward` runs no hooks
-    unit._parameters = dict(module._parameters)
-    unit._parameters["weight"] = nn.Parameter(torch.full_like(module.weight, 1.0 - offset), requires_grad=False)
-    with torch.no_grad():
-        return unit.forward(x)
+    return _rms_run(module, x, torch.full_like(module.weight, 1.0 - offset))
 
 
 def _rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
@@ -166,10 +171,14 @@ def _verify_rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch
     with torch.no_grad():
         w = module.weight
         tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        scale = torch.rand(w.shape, generator=gen, device=w.device, dtype=w.dtype) + 0.5
         for offset in (0.0, 1.0):
             x_hat = _rms_unit_output(module, inp, offset)
             candidate = (w + offset) * x_hat
-            if candidate.shape == out.shape and torch.allclose(candidate.to(out.dtype), out, rtol=tol, atol=tol):
+            scaled = _rms_run(module, inp, scale - offset)  # must equal scale ⊙ x̂ for any scale, not just this w
+            if candidate.shape == out.shape and torch.allclose(candidate.to(out.dtype), out, rtol=tol, atol=tol) \
+                    and torch.allclose(scaled, scale * x_hat, rtol=tol, atol=tol):
                 _RMS_OFFSET[module] = offset
                 return
     raise UnsupportedLayerError(
