@@ -49,7 +49,6 @@ small clipping norm C and a large learning rate (Li et al. 2022, "Large language
 private learners", §3); 64 tokens keep the frozen forward pass, which dominates the cost on a CPU, affordable.
 """
 
-from __future__ import annotations
 
 import dataclasses
 import importlib.util
