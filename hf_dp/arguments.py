@@ -79,7 +79,7 @@ class DPTrainingArguments(TrainingArguments):
     accountant: str = field(default="prv", metadata={"help": f"Privacy accountant, one of {ACCOUNTANTS}."})
     dp_seed: int | None = field(
         default=None,
-        metadata={"help": "Seed of sampling and noise. Default: secret (OS entropy); a known seed voids the guarantee."},
+        metadata={"help": "Seed of sampling and noise. Default: secret (OS). A known seed voids the guarantee."},
     )
     max_grad_norm: float = field(
         default=0.0,
