@@ -53,6 +53,11 @@ class DPTrainingArguments(TrainingArguments):
             Seed of the Poisson sampler and the noise. By default a secret seed is drawn from the OS, as the guarantee
             requires; a fixed seed makes runs reproducible but voids the guarantee against anyone who knows it.
 
+        dp_self_check (`bool`, defaults to `True`):
+            At the first micro-batch, verify on the real model and data that the hooks see every parameter's gradient
+            (compared with autograd) and that per-example norms equal single-example runs; fail loudly otherwise.
+            Costs one extra forward/backward plus two single-example ones, once.
+
     The expected logical batch size is `per_device_train_batch_size × gradient_accumulation_steps × world_size`, so
     the sampling rate is q = that / N. `per_device_train_batch_size` only bounds memory: a Poisson batch larger than
     expected is split into more micro-batches, never truncated. The Trainer's own `max_grad_norm` (clipping of the
@@ -80,6 +85,10 @@ class DPTrainingArguments(TrainingArguments):
     dp_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of sampling and noise. Default: secret (OS). A known seed voids the guarantee."},
+    )
+    dp_self_check: bool = field(
+        default=True,
+        metadata={"help": "At the first step, check per-example norms against autograd and single-example runs."},
     )
     max_grad_norm: float = field(
         default=0.0,

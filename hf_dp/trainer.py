@@ -248,16 +248,37 @@ class DPTrainer(Trainer):
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
 
     # ------------------------------------------------------------------ the DP step
+    @staticmethod
+    def _slice_batch(inputs: dict, sl: slice, batch: int) -> dict:
+        return {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
+                for k, v in inputs.items()}
+
     def _micro_batches(self, inputs: dict, labels: torch.Tensor) -> list[tuple[dict, torch.Tensor]]:
         batch = labels.shape[0]
         size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
         out = []
         for start in range(0, batch, size):
             sl = slice(start, min(start + size, batch))
-            micro = {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
-                     for k, v in inputs.items()}
-            out.append((micro, labels[sl]))
+            out.append((self._slice_batch(inputs, sl, batch), labels[sl]))
         return out
+
+    def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Once per run: the engine against autograd and single-example runs on real data (engine.self_check)."""
+        b = labels.shape[0]
+
+        def run_losses(sl: slice) -> torch.Tensor:
+            part, part_labels = self._slice_batch(micro, sl, b), labels[sl]
+            with self.compute_loss_context_manager():
+                return self.per_example_loss(net(**self._model_inputs(net, part, part_labels)), part_labels)
+
+        low_precision = self.args.bf16 or self.args.fp16
+        was_training = net.training
+        net.eval()  # dropout off: the batched and single-example runs must compute the same function
+        try:
+            self.clipping_engine.self_check(run_losses, b, rtol=5e-2 if low_precision else 1e-3)
+        finally:
+            net.train(was_training)
+        self._self_checked = True
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
         inputs = dict(inputs)
@@ -281,6 +302,8 @@ class DPTrainer(Trainer):
             engine = self.clipping_engine
             for micro, micro_labels in self._micro_batches(inputs, labels):
                 b = micro_labels.shape[0]
+                if self.args.dp_self_check and not getattr(self, "_self_checked", False):
+                    self._self_check(net, micro, micro_labels)
                 with self.compute_loss_context_manager(), engine.record(b):
                     outputs = net(**self._model_inputs(net, micro, micro_labels))
                     losses = self.per_example_loss(outputs, micro_labels)
@@ -403,6 +426,7 @@ class DPTrainer(Trainer):
             self.noise_multiplier = self.args.noise_multiplier
         self._dp_steps_at_begin = self.accountant.steps
         self.budget_exhausted = False
+        self._self_checked = False
         if self.train_dataset is not None:
             self._validate_against_dataset()
         if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:

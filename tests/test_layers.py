@@ -171,3 +171,54 @@ def test_broadcast_input_is_detected():
     engine = ClippingEngine(model)
     with pytest.raises(UnsupportedLayerError, match="broadcast"), engine.record(4):
         model(torch.randn(4, 2, 3)).sum().backward()
+
+
+def _run_losses(model, x):
+    return lambda sl: model(x[sl]).pow(2).sum((1, 2))
+
+
+def test_self_check_catches_parameter_used_outside_its_layer():
+    class DirectUse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) + torch.nn.functional.linear(x, self.lin.weight)  # second use, not via the module
+
+    model = DirectUse().double()
+    engine = ClippingEngine(model)
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    with pytest.raises(UnsupportedLayerError, match="lin.weight"):
+        engine.self_check(_run_losses(model, x), 4)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_self_check_catches_unbatched_lookup_that_matches_the_batch_size():
+    """T5-style relative bias: ids of shape (T, T) with no batch axis. With T == B the shapes look per-example."""
+
+    class RelativeBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.bias = nn.Embedding(7, 3)
+
+        def forward(self, x):
+            t = x.shape[1]
+            rel = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).clamp(0, 6)  # (T, T), no batch axis
+            return self.lin(x) + self.bias(rel)  # broadcast over the batch
+
+    model = RelativeBias().double()
+    engine = ClippingEngine(model)
+    x = torch.randn(4, 4, 3, dtype=torch.float64)  # B == T == 4
+    with pytest.raises(UnsupportedLayerError, match="mixes examples|broadcast"):
+        engine.self_check(_run_losses(model, x), 4)
+
+
+def test_self_check_passes_on_a_supported_model():
+    torch.manual_seed(0)
+    model = EmbedModel(tied=True).double()
+    ids = torch.randint(0, 11, (4, 5))
+    engine = ClippingEngine(model)
+    engine.self_check(lambda sl: model(ids[sl]).pow(2).sum((1, 2)), 4)
+    assert all(p.grad is None for p in model.parameters()) and all(p.requires_grad for p in model.parameters())

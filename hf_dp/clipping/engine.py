@@ -18,7 +18,7 @@ uses; its norm includes the cross terms ``⟨L_u L_vᵀ, R_u R_vᵀ⟩``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -144,19 +144,21 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
-    def record(self, batch_size: int) -> Iterator[None]:
+    def record(self, batch_size: int, freeze: bool = True) -> Iterator[None]:
         """Capture the per-example factors of one micro-batch of ``batch_size`` examples.
 
-        Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it, so
-        no ``.grad`` is produced; the factors stay available (:meth:`per_example_norms_sq`) until :meth:`clear`.
+        Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it
+        (unless ``freeze=False``, used by :meth:`self_check`), so no ``.grad`` is produced; the factors stay
+        available (:meth:`per_example_norms_sq`) until :meth:`clear`.
         """
         self.clear()
         self._batch_size = batch_size
         handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
-        for p in self.params.values():
-            p.requires_grad_(False)
+        if freeze:
+            for p in self.params.values():
+                p.requires_grad_(False)
         try:
             yield
         finally:
@@ -164,6 +166,76 @@ class ClippingEngine:
                 p.requires_grad_(True)
             for h in handles:
                 h.remove()
+
+    @torch.no_grad()
+    def _total_norms(self, batch_size: int) -> torch.Tensor:
+        norms = self.per_example_norms_sq()
+        self._instantiated = {}
+        if not norms:
+            return torch.zeros(batch_size, dtype=torch.float64)
+        return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
+
+    def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
+                   rtol: float = 1e-3) -> None:
+        """Check the engine against autograd and against single-example runs on the user's real model and data.
+
+        ``run_losses(sl)`` must run the model (dropout off) on examples ``sl`` of a micro-batch and return their
+        per-example losses. Two independent checks, once per training run:
+
+        1. the unclipped sum ``Σ_i G_i`` from the hooks equals autograd's gradient for every parameter — a parameter
+           used outside its layer's forward (e.g. ``layer.weight`` read directly) would escape clipping;
+        2. the per-example norms of the first examples equal their norms when each runs alone — anything that mixes
+           examples (inputs broadcast over the batch, batch statistics) would break per-example clipping.
+
+        Raises :class:`UnsupportedLayerError` naming what failed.
+        """
+        saved = self.summed_grads
+        self.summed_grads = {}
+        try:
+            with self.record(batch_size, freeze=False):
+                losses = run_losses(slice(0, batch_size))
+                if losses.requires_grad:
+                    losses.sum().backward()
+            batched = self._total_norms(batch_size)
+            self.accumulate_clipped(torch.ones(batch_size, dtype=batched.dtype, device=losses.device))
+            hooked = self.summed_grads
+            self.summed_grads = {}
+            escaped = []
+            for name, p in self.params.items():
+                ref = p.grad
+                mine = hooked.get(name)
+                if ref is None and mine is None:
+                    continue
+                ref = torch.zeros_like(p) if ref is None else ref
+                mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
+                tol = rtol * float(ref.abs().max().clamp(min=1e-12))
+                if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
+                    escaped.append(name)
+            if escaped:
+                raise UnsupportedLayerError(
+                    "These trainable parameters get gradient that hf_dp's layer hooks do not see (the parameter is "
+                    "used outside its layer's forward, e.g. `module.weight` read directly), so it could not be "
+                    "clipped per example: " + ", ".join(escaped) + ". Freeze them (requires_grad_(False))."
+                )
+            for i in range(min(num_single, batch_size)):
+                with self.record(1):
+                    single = run_losses(slice(i, i + 1))
+                    if single.requires_grad:
+                        single.sum().backward()
+                alone = float(self._total_norms(1)[0])
+                if abs(alone - float(batched[i])) > rtol * max(alone, 1e-12) + 1e-12:
+                    raise UnsupportedLayerError(
+                        f"Example {i}'s gradient norm is {float(batched[i]):.6g} in its micro-batch but {alone:.6g} "
+                        "alone: the model mixes examples (an input broadcast over the batch, batch statistics, or a "
+                        "layer whose input has no batch axis), so per-example clipping would not bound an example's "
+                        "contribution. Freeze the offending layer or materialise its input per example."
+                    )
+        finally:
+            self.clear()
+            self._instantiated = {}
+            self.summed_grads = saved
+            for p in self.params.values():
+                p.grad = None
 
     def _expand_broadcast_ids(self, module: nn.Module, args: tuple, kwargs: dict):
         """Materialise per-example ids for an embedding fed ids broadcast over the batch.
