@@ -55,6 +55,62 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
+def tiny_bert_mlm():
+    from transformers import BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=24, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return BertForMaskedLM(cfg)
+
+
+def tiny_bert_token_classification(num_labels: int = 4):
+    from transformers import BertForTokenClassification
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=24, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, pad_token_id=0, num_labels=num_labels)
+    return BertForTokenClassification(cfg)
+
+
+def tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=2,
+                   dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(cfg)
+
+
+def token_dataset(n: int, num_labels: int, seq_len: int = 8, seed: int = 0) -> Dataset:
+    """Token-level labels (-100 on padding and on a random half of tokens, like MLM masking)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        length = int(torch.randint(3, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(2, VOCAB, (length,), generator=g).tolist()
+        labels = [int(torch.randint(0, num_labels, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else -100
+                  for _ in ids]
+        labels[0] = int(torch.randint(0, num_labels, (1,), generator=g))  # at least one labelled token
+        pad = seq_len - length
+        rows["input_ids"].append(ids + [0] * pad)
+        rows["attention_mask"].append([1] * length + [0] * pad)
+        rows["labels"].append(labels + [-100] * pad)
+    return Dataset.from_dict(rows)
+
+
+def seq2seq_dataset(n: int, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    rows = {"input_ids": [], "attention_mask": [], "labels": []}
+    for _ in range(n):
+        src = torch.randint(2, VOCAB, (6,), generator=g).tolist()
+        length = int(torch.randint(2, 6, (1,), generator=g))
+        tgt = torch.randint(2, VOCAB, (length,), generator=g).tolist() + [1]
+        rows["input_ids"].append(src)
+        rows["attention_mask"].append([1] * 6)
+        rows["labels"].append(tgt + [-100] * (6 - len(tgt)))
+    return Dataset.from_dict(rows)
+
+
 def lm_dataset(n: int, seq_len: int = 10, seed: int = 0, pad_id: int = 0) -> Dataset:
     """Causal-LM examples of varying length, right-padded, labels -100 on padding."""
     g = torch.Generator().manual_seed(seed)
@@ -88,9 +144,12 @@ def single_example_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     Causal LM: mean next-token cross-entropy over the labelled tokens; classification: cross-entropy.
     """
     labels = batch.pop("labels")
+    shift = type(model).__name__.endswith(("LMHeadModel", "ForCausalLM"))
+    if type(model).__name__.endswith("ForConditionalGeneration"):
+        batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
     logits = model(**batch).logits
-    if logits.dim() == 3:  # causal LM
-        logits, labels = logits[0, :-1], labels[0, 1:]
+    if logits.dim() == 3:  # token-level: causal LM (shifted), masked LM, token classification, seq2seq
+        logits, labels = (logits[0, :-1], labels[0, 1:]) if shift else (logits[0], labels[0])
         keep = labels != -100
         return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
     return torch.nn.functional.cross_entropy(logits, labels)

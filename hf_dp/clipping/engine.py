@@ -105,28 +105,28 @@ class ClippingEngine:
         self._modules: list[tuple[str, nn.Module, Rule]] = []
         self.params: dict[str, nn.Parameter] = {}
         covered: set[int] = set()
-        problems: list[str] = []
+        uncovered: dict[int, str] = {}
         for name, module in model.named_modules():
-            own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
             rule = find_rule(module)
-            if rule is None:
-                problems += [f"{name}.{n} ({type(module).__name__})" for n in own]
-                continue
-            if rule.check is not None:
+            if rule is not None and rule.check is not None:
                 rule.check(module, name)
-            for n in own:
-                if n not in rule_parameters(rule, module):
-                    problems.append(f"{name}.{n} ({type(module).__name__})")
+            ruled = rule_parameters(rule, module) if rule is not None else []
+            for n, p in own:
+                if n in ruled:
+                    covered.add(id(p))
                 else:
-                    covered.add(id(getattr(module, n)))
-            self._modules.append((name, module, rule))
+                    uncovered.setdefault(id(p), f"{name}.{n} ({type(module).__name__})")
+            if ruled:
+                self._modules.append((name, module, rule))
+        # A parameter owned by a ruled layer and also by another module (e.g. BERT's MLM bias, tied to its decoder)
+        # is covered; whether the other module also uses it directly is checked at run time (self_check).
+        problems = [desc for pid, desc in uncovered.items() if pid not in covered]
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self.params[name] = p
-                if id(p) not in covered and not any(name in prob for prob in problems):
-                    problems.append(f"{name} (used outside any layer)")
         if problems:
             listing = "\n  ".join(problems)
             raise UnsupportedLayerError(
