@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier
 from .arguments import DPTrainingArguments, NotPrivateWarning
@@ -457,14 +457,16 @@ class DPTrainer(Trainer):
             "clipping": self.args.clipping,
         }
 
-    def _save_checkpoint(self, model, trial, *args: Any, **kwargs: Any) -> None:
-        super()._save_checkpoint(model, trial, *args, **kwargs)
-        if self.args.should_save:
-            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            folder = os.path.join(self._get_output_dir(trial=trial), name)
-            if os.path.isdir(folder):
-                with open(os.path.join(folder, DP_STATE_NAME), "w") as f:
-                    json.dump(self._dp_state(), f, indent=2)
+    def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
+
+        ``Trainer._save_checkpoint`` saves through this method, so every checkpoint holds the accountant's state.
+        """
+        super().save_model(output_dir, *args, **kwargs)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):
+            with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
+                json.dump(self._dp_state(), f, indent=2)
 
     def _load_dp_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, DP_STATE_NAME)

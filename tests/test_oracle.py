@@ -148,3 +148,20 @@ def test_t5_relative_bias_is_refused(tmp_path):
     trainer = DPTrainer(model=tiny_t5(), args=dp_args(tmp_path, 2, 3, 1.0), train_dataset=seq2seq_dataset(6))
     with pytest.raises(UnsupportedLayerError, match="relative_attention_bias"):
         trainer.train()
+
+
+def test_bf16_autocast_close_to_float64_oracle(tmp_path):
+    """Under bf16 autocast, norms and sums are computed in float32: the update stays close to the exact one."""
+    from helpers import flat_clipped_sum as clipped
+
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    data = lm_dataset(8)
+    reference = tiny_gpt2()
+    reference.load_state_dict(model.state_dict())
+    expected = clipped(per_example_grads(reference.double(), data, list(range(8))), 0.5)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    DPTrainer(model=model, args=dp_args(tmp_path, 4, 2, 0.5, bf16=True), train_dataset=data).train()
+    err = sum(((before[k] - p.detach()).double() - expected[k] / 8).pow(2).sum() for k, p in model.named_parameters())
+    norm = sum((v / 8).pow(2).sum() for v in expected.values())
+    assert float((err / norm).sqrt()) < 0.05
