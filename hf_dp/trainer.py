@@ -392,6 +392,33 @@ class DPTrainer(Trainer):
     def _steps_at_train_begin(self) -> int:
         return getattr(self, "_dp_steps_at_begin", 0)
 
+    def dp_guarantee_notes(self) -> list[str]:
+        """Why the run's guarantee is not the strict (ε, δ)-DP that the accountant reports, if it is not.
+
+        Collects the trainer's own reasons and those of every callback that has a ``dp_guarantee_notes()`` method
+        (flatness regularisers, audits, ...). An empty list means the guarantee is strict.
+        """
+        notes = []
+        if self.noise_multiplier == 0:
+            notes.append("no noise (noise_multiplier=0): not differentially private")
+        if not self.args.poisson_sampling:
+            notes.append("shuffled fixed-size batches: the reported ε assumes Poisson sampling")
+        if self.args.dp_seed is not None:
+            notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
+        if self.args.load_best_model_at_end:
+            notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+        for cb in self.callback_handler.callbacks:
+            extra = getattr(cb, "dp_guarantee_notes", None)
+            if callable(extra):
+                notes.extend(extra())
+        return notes
+
+    @property
+    def dp_guarantee(self) -> str:
+        """``"strict"``, or ``"not strict: <reasons>"`` (see :meth:`dp_guarantee_notes`)."""
+        notes = self.dp_guarantee_notes()
+        return "strict" if not notes else "not strict: " + "; ".join(notes)
+
     def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
         """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism."""
         delta = self.target_delta if delta is None else delta
@@ -404,6 +431,7 @@ class DPTrainer(Trainer):
             "sample_rate": self.sample_rate,
             "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
             "poisson_sampling": self.args.poisson_sampling,
+            "dp_guarantee": self.dp_guarantee,
         }
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -455,6 +483,10 @@ class DPTrainer(Trainer):
             "target_delta": self.target_delta,
             "poisson_sampling": self.args.poisson_sampling,
             "clipping": self.args.clipping,
+            "accountant_name": self.args.accountant,
+            "epsilon": self.accountant.get_epsilon(self.target_delta) if self.accountant.steps else 0.0,
+            "expected_batch_size": self.expected_batch_size,
+            "dp_guarantee": self.dp_guarantee,
         }
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:

@@ -234,3 +234,19 @@ def test_custom_per_example_loss(tmp_path):
     model.zero_grad(set_to_none=True)
     DPTrainer(model=model, args=args, train_dataset=data, per_example_loss=first_logit_loss).train()
     torch.testing.assert_close(model.transformer.ln_f.bias.detach(), expected)
+
+
+def test_dp_guarantee_collects_reasons_from_trainer_and_callbacks(tmp_path):
+    from transformers import TrainerCallback
+
+    class Regulariser(TrainerCallback):
+        def dp_guarantee_notes(self):
+            return ["regulariser trained on private data without noise"]
+
+    strict = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0, dp_seed=None),
+                       train_dataset=lm_dataset(16))
+    assert strict.dp_guarantee == "strict"
+    loose = DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0), train_dataset=lm_dataset(16),
+                      callbacks=[Regulariser()])
+    assert loose.dp_guarantee.startswith("not strict: ")
+    assert "fixed dp_seed" in loose.dp_guarantee and "regulariser" in loose.dp_guarantee
