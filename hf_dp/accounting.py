@@ -645,3 +645,47 @@ def group_privacy(epsilon: float, delta: float, group_size: int) -> tuple[float,
     log_group_delta = math.log(k) + (k - 1) * eps + math.log(d)  # log space: no overflow, never under-estimated
     group_delta = 1.0 if log_group_delta >= 0 else math.exp(log_group_delta)
     return k * eps, group_delta
+
+
+def split_noise_for_quantiles(noise_multiplier: float, num_groups: int, budget_fraction: float | None = None,
+                              quantile_noise_multiplier: float | None = None) -> tuple[float, float]:
+    """Noise multipliers of adaptive clipping's two releases, so that together they cost what ``σ`` alone does.
+
+    He et al. 2023, Prop. 3.1 (App. D): releasing the clipped gradient sum (sensitivity S, noise ``σ_new S``) and
+    ``K`` symmetrised clip counts (sensitivity ½ each, noise ``σ_b``) together is a Gaussian mechanism with noise
+    multiplier ``σ`` when ``σ⁻² = σ_new⁻² + K / (2 σ_b)²``. Given the budget fraction ``r`` for the counts,
+    ``σ_b = σ √K / (2 √r)`` and ``σ_new = σ / √(1 − r)``. The accountant records ``σ``.
+
+    Args:
+        noise_multiplier: ``σ`` (what the accountant records); 0 gives ``(0, 0)`` (testing only).
+        num_groups: ``K``.
+        budget_fraction: ``r`` in (0, 1).
+        quantile_noise_multiplier: ``σ_b`` instead of ``r``.
+
+    Returns:
+        ``(σ_new, σ_b)``.
+
+    Raises:
+        ValueError: if ``σ_new`` would not be real (``σ_b ≤ σ √K / 2``) or ``r`` is not in (0, 1).
+    """
+    if (budget_fraction is None) == (quantile_noise_multiplier is None):
+        raise ValueError("Give exactly one of budget_fraction (r) and quantile_noise_multiplier (σ_b).")
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be >= 1, got {num_groups}.")
+    if noise_multiplier == 0:
+        return 0.0, 0.0
+    if budget_fraction is not None:
+        if not 0 < budget_fraction < 1:
+            raise ValueError(f"The quantile budget fraction r must be in (0, 1), got {budget_fraction}.")
+        sigma_b = noise_multiplier * math.sqrt(num_groups) / (2 * math.sqrt(budget_fraction))
+    else:
+        sigma_b = float(quantile_noise_multiplier)
+    remaining = noise_multiplier**-2 - num_groups / (2 * sigma_b) ** 2 if sigma_b > 0 else -1.0
+    if not remaining > 0:
+        raise ValueError(
+            f"σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real for σ={noise_multiplier:.4g}, K={num_groups}, "
+            f"σ_b={sigma_b:.4g}: the {num_groups} quantile releases alone would cost more than the whole budget. "
+            f"Use σ_b > {noise_multiplier * math.sqrt(num_groups) / 2:.4g} (a smaller quantile budget fraction), "
+            "fewer groups, or more noise (a smaller target ε)."
+        )
+    return remaining**-0.5, sigma_b

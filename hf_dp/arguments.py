@@ -12,7 +12,8 @@ from transformers import TrainingArguments
 
 __all__ = ["DPTrainingArguments", "CLIPPING_MODES", "NotPrivateWarning"]
 
-CLIPPING_MODES = ("flat",)
+CLIPPING_MODES = ("flat", "per_layer", "adaptive_per_layer", "group_wise", "per_device")
+NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
 ACCOUNTANTS = ("prv", "rdp")
 
 
@@ -43,7 +44,16 @@ class DPTrainingArguments(TrainingArguments):
         per_sample_max_grad_norm (`float`, defaults to 0.1):
             C: every example's gradient is clipped to L2 norm C (Li et al. 2022, §3.1 recommend a small C).
         clipping (`str`, defaults to `"flat"`):
-            How per-example gradients are clipped: `"flat"` (one norm over all trainable parameters).
+            How per-example gradients are clipped: `"flat"` (one norm over all trainable parameters, threshold C);
+            `"per_layer"` (each layer its own threshold C_k, clipped inside the backward pass, He et al. 2023 §3.1);
+            `"adaptive_per_layer"` (per-layer thresholds that track a private quantile of the norms, Alg. 1);
+            `"group_wise"` (groups named by `clipping_groups` patterns); `"per_device"` (one group per device, §4).
+        clipping_groups, group_max_grad_norms, noise_allocation:
+            Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
+            groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).
+        target_quantile, quantile_lr, quantile_budget_fraction, quantile_noise_multiplier, adaptive_rescale_to_global:
+            Adaptive clipping (Alg. 1): target quantile q, step η (0.3), budget fraction r for the clip counts (0.01)
+            or their noise σ_b directly; optionally rescale thresholds to ‖C‖ = C after each update (App. A.1).
         poisson_sampling (`bool`, defaults to `True`):
             Poisson sampling (each example in each step's batch independently with probability q), as the accountant
             assumes. `False` uses fixed-size shuffled batches, whose ε is then only heuristic (logged and recorded).
@@ -77,6 +87,34 @@ class DPTrainingArguments(TrainingArguments):
         default=0.1, metadata={"help": "C: L2 clipping threshold of each example's gradient."}
     )
     clipping: str = field(default="flat", metadata={"help": f"Clipping mode, one of {CLIPPING_MODES}."})
+    clipping_groups: list[str] | None = field(
+        default=None,
+        metadata={"help": "For clipping='group_wise': regular expressions on parameter names, one group each "
+                          "(first match wins; unmatched parameters form a group 'other')."},
+    )
+    group_max_grad_norms: list[float] | None = field(
+        default=None,
+        metadata={"help": "Per-group thresholds C_k, in group order. Default: C/sqrt(K) each (He et al. App. A.1)."},
+    )
+    noise_allocation: str | None = field(
+        default=None,
+        metadata={"help": f"Group-wise noise allocation, one of {NOISE_ALLOCATIONS}. Default: global "
+                          "(equal_budget for per_device)."},
+    )
+    target_quantile: float = field(
+        default=0.5, metadata={"help": "Adaptive clipping: target fraction of unclipped examples per group."}
+    )
+    quantile_lr: float = field(default=0.3, metadata={"help": "Adaptive clipping: η of C_k ← C_k exp(−η(b̃−q))."})
+    quantile_budget_fraction: float = field(
+        default=0.01, metadata={"help": "Adaptive clipping: fraction r of the budget spent on the clip counts."}
+    )
+    quantile_noise_multiplier: float | None = field(
+        default=None, metadata={"help": "Adaptive clipping: σ_b for the clip counts instead of deriving it from r."}
+    )
+    adaptive_rescale_to_global: bool = field(
+        default=False,
+        metadata={"help": "Adaptive clipping: rescale thresholds so that ‖(C_1..C_K)‖ = C after each update."},
+    )
     poisson_sampling: bool = field(
         default=True,
         metadata={"help": "Poisson sampling as the accountant assumes (False: shuffled fixed batches, heuristic ε)."},
@@ -119,6 +157,22 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"per_sample_max_grad_norm (C) must be > 0, got {self.per_sample_max_grad_norm}.")
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}.")
+        if self.clipping == "group_wise" and not self.clipping_groups:
+            raise ValueError("clipping='group_wise' needs clipping_groups (parameter-name patterns, one per group).")
+        if self.noise_allocation is not None and self.noise_allocation not in NOISE_ALLOCATIONS:
+            raise ValueError(f"noise_allocation must be one of {NOISE_ALLOCATIONS}, got {self.noise_allocation!r}.")
+        if self.noise_allocation not in (None, "global") and self.clipping == "flat":
+            raise ValueError("noise_allocation applies to group-wise clipping modes, not to clipping='flat'.")
+        if self.group_max_grad_norms is not None and any(not c > 0 for c in self.group_max_grad_norms):
+            raise ValueError(f"group_max_grad_norms must all be > 0, got {self.group_max_grad_norms}.")
+        if not 0 < self.target_quantile < 1:
+            raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile}.")
+        if not self.quantile_lr > 0:
+            raise ValueError(f"quantile_lr must be > 0, got {self.quantile_lr}.")
+        if not 0 < self.quantile_budget_fraction < 1:
+            raise ValueError(f"quantile_budget_fraction must be in (0, 1), got {self.quantile_budget_fraction}.")
+        if self.quantile_noise_multiplier is not None and not self.quantile_noise_multiplier > 0:
+            raise ValueError(f"quantile_noise_multiplier must be > 0, got {self.quantile_noise_multiplier}.")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
         if self.max_grad_norm < 0:

@@ -9,6 +9,7 @@ exactly once whatever the world size, and every rank ends with the same gradient
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import torch
@@ -16,7 +17,9 @@ import torch.distributed as dist
 
 from .sampling import derive_seed
 
-__all__ = ["privatize", "NoiseGenerator"]
+__all__ = ["privatize", "NoiseGenerator", "group_noise_stds", "NOISE_ALLOCATIONS"]
+
+NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
 
 _NOISE_STREAM = 0x6E6F697365  # separates the noise stream from the sampler's stream under one dp_seed
 
@@ -36,6 +39,30 @@ class NoiseGenerator:
         gen = torch.Generator(device=device)
         gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step))
         return gen
+
+
+def group_noise_stds(thresholds: list[float], dims: list[int], allocation: str, noise_multiplier: float
+                     ) -> tuple[list[float], float]:
+    """Noise std per group for group-wise clipping (He et al. 2023, §3.3, App. E; Alg. 1 line 13).
+
+    The release ``(g̃_k / γ_k)_k`` has L2 sensitivity ``S = (Σ_k C_k² / γ_k²)^½``; the Gaussian mechanism adds
+    ``N(0, σ² S²)`` to it, i.e. ``z_k ~ N(0, σ² S² γ_k²)`` to ``g̃_k``. Strategies:
+    ``global`` (γ_k = 1, ``S = ‖C‖``), ``equal_budget`` (γ_k = C_k, ``S = √K``; a group's noise needs only its own
+    threshold — per-device clipping), ``weighted`` (γ_k = C_k / √d_k, ``S = (Σ d_k)^½``).
+
+    Returns:
+        ``([σ S γ_k]_k, S)``.
+    """
+    if allocation == "global":
+        gammas = [1.0] * len(thresholds)
+    elif allocation == "equal_budget":
+        gammas = list(thresholds)
+    elif allocation == "weighted":
+        gammas = [c / math.sqrt(d) for c, d in zip(thresholds, dims)]
+    else:
+        raise ValueError(f"noise_allocation must be one of {NOISE_ALLOCATIONS}, got {allocation!r}.")
+    sensitivity = math.sqrt(sum((c / g) ** 2 for c, g in zip(thresholds, gammas)))
+    return [noise_multiplier * sensitivity * g for g in gammas], sensitivity
 
 
 def _is_distributed() -> bool:

@@ -28,12 +28,12 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier
+from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .clipping.engine import ClippingEngine
-from .clipping.modes import flat_clip_factors
+from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
-from .noise import NoiseGenerator, privatize
+from .noise import NoiseGenerator, group_noise_stds, privatize
 from .sampling import PoissonBatchSampler, ShuffledBatchSampler
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 DP_STATE_NAME = "dp_state.json"
 _EMPTY = "_hf_dp_empty_batch"
+_COUNTS = "_hf_dp_clip_counts"
 
 
 class _EmptySafeCollator:
@@ -126,8 +127,13 @@ class DPTrainer(Trainer):
             self.task = "custom"
         self.per_example_loss = per_example_loss
         self.clipping_engine = ClippingEngine(self.model)
-        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
         self.noise_multiplier: float | None = self.args.noise_multiplier
+        self.group_clipper: GroupClipper | None = None
+        self.noise_allocation = self.args.noise_allocation or (
+            "equal_budget" if self.args.clipping == "per_device" else "global")
+        if self.args.clipping != "flat":
+            self._setup_group_clipping()
+        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
         self.budget_exhausted = False
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
@@ -148,6 +154,48 @@ class DPTrainer(Trainer):
                 NotPrivateWarning,
                 stacklevel=3,
             )
+
+    def _setup_group_clipping(self) -> None:
+        """Groups, thresholds and (for per-layer modes) clipping fused into the backward pass (He et al. 2023)."""
+        args = self.args
+        groups = build_groups(self.clipping_engine, args.clipping, args.clipping_groups)
+        k = len(groups)
+        if args.group_max_grad_norms is not None:
+            if len(args.group_max_grad_norms) != k:
+                raise ValueError(
+                    f"group_max_grad_norms has {len(args.group_max_grad_norms)} values but there are {k} clipping "
+                    f"groups: {[g.name for g in groups]}."
+                )
+            thresholds = list(args.group_max_grad_norms)
+        else:
+            thresholds = [args.per_sample_max_grad_norm / math.sqrt(k)] * k  # App. A.1: ‖C‖ = C
+        adaptive = args.clipping == "adaptive_per_layer"
+        self.group_clipper = GroupClipper(
+            groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
+            rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
+        )
+        self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
+        if adaptive and self.noise_multiplier is not None:
+            self._quantile_noise()  # fail now if σ_new is not real
+
+    def _quantile_noise(self) -> tuple[float, float]:
+        """``(σ_new, σ_b)`` for adaptive clipping (Prop. 3.1); ``(σ, 0)`` otherwise."""
+        if self.group_clipper is None or not self.group_clipper.adaptive:
+            return float(self.noise_multiplier), 0.0
+        fraction = None if self.args.quantile_noise_multiplier is not None else self.args.quantile_budget_fraction
+        return split_noise_for_quantiles(self.noise_multiplier, self.group_clipper.num_groups, fraction,
+                                         self.args.quantile_noise_multiplier)
+
+    def _noise_stds(self) -> float | dict[str, float]:
+        """Noise std on each parameter's summed clipped gradient: ``σ C`` (flat) or per group (noise.py)."""
+        if self.group_clipper is None:
+            return self.noise_std
+        sigma_grad, _ = self._quantile_noise()
+        groups = self.group_clipper.groups
+        engine = self.clipping_engine
+        dims = [sum(engine.params[n].numel() for n in g.params) for g in groups]
+        stds, _ = group_noise_stds(self.group_clipper.thresholds.tolist(), dims, self.noise_allocation, sigma_grad)
+        return {n: std for g, std in zip(groups, stds) for n in g.params}
 
     # ------------------------------------------------------------------ quantities of the mechanism
     @property
@@ -311,9 +359,12 @@ class DPTrainer(Trainer):
                         raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
                     if losses.requires_grad:
                         losses.sum().backward()
-                norms_sq = engine.per_example_norms_sq()
-                factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, b)
-                engine.accumulate_clipped(factors.to(losses.device))
+                if self.group_clipper is None:
+                    norms_sq = engine.per_example_norms_sq()
+                    factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, b)
+                    engine.accumulate_clipped(factors.to(losses.device))
+                else:
+                    engine.finish_fused()  # groups were clipped during the backward pass
                 engine.clear()
                 loss_sum = loss_sum + losses.detach().sum().to(loss_sum.device)
         if self.accelerator.gradient_state.sync_gradients:
@@ -334,8 +385,16 @@ class DPTrainer(Trainer):
                 p.grad = None
             return
         device = next(iter(summed.values())).device
-        grads = privatize(summed, self.noise_std, self.expected_batch_size,
-                          self._noise.for_step(self.accountant.steps, device))
+        stds = self._noise_stds()
+        adaptive = self.group_clipper is not None and self.group_clipper.adaptive
+        if adaptive:
+            # The clip counts are released with the gradient, in the same noised all-reduce (Alg. 1 lines 15-16).
+            first = next(iter(summed.values()))
+            summed[_COUNTS] = self.group_clipper.pop_counts().to(device=device, dtype=first.dtype)
+            stds = {**stds, _COUNTS: self._quantile_noise()[1]}
+        grads = privatize(summed, stds, self.expected_batch_size, self._noise.for_step(self.accountant.steps, device))
+        if adaptive:
+            self.group_clipper.update(grads.pop(_COUNTS) + 0.5)  # b̃_k = (Σ(b − ½) + z) / B + ½
         for name, p in engine.params.items():
             p.grad = grads[name].to(p.dtype)
         self.accountant.step(self.noise_multiplier, self.sample_rate)
@@ -359,6 +418,8 @@ class DPTrainer(Trainer):
             logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
                         self.noise_multiplier, remaining, self.sample_rate, self.args.target_epsilon,
                         self.target_delta)
+        if self.group_clipper is not None:
+            self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
         self._allowed_steps = self._steps_within_budget(remaining)
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
@@ -391,6 +452,22 @@ class DPTrainer(Trainer):
     @property
     def _steps_at_train_begin(self) -> int:
         return getattr(self, "_dp_steps_at_begin", 0)
+
+    def _group_logs(self) -> dict[str, float]:
+        """Thresholds and privatized unclipped fractions per group (only released quantities are logged)."""
+        gc = self.group_clipper
+        c = gc.thresholds
+        out = {"clip_threshold_min": float(c.min()), "clip_threshold_median": float(c.median()),
+               "clip_threshold_max": float(c.max())}
+        per_group = gc.num_groups <= 8
+        if per_group:
+            out.update({f"clip_threshold/{g.name}": float(v) for g, v in zip(gc.groups, c)})
+        if gc.released_unclipped_fraction is not None:
+            b = gc.released_unclipped_fraction
+            out["clipped_fraction_mean"] = float(1 - b.mean())
+            if per_group:
+                out.update({f"clipped_fraction/{g.name}": float(1 - v) for g, v in zip(gc.groups, b)})
+        return {k: round(v, 6) for k, v in out.items()}
 
     def dp_guarantee_notes(self) -> list[str]:
         """Why the run's guarantee is not the strict (ε, δ)-DP that the accountant reports, if it is not.
@@ -438,6 +515,8 @@ class DPTrainer(Trainer):
         """Adds ``epsilon`` (spent so far) to every log, next to the loss."""
         if self.accountant.steps > 0 and self.train_dataset is not None:
             logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4)}
+            if self.group_clipper is not None:
+                logs.update(self._group_logs())
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
@@ -487,6 +566,8 @@ class DPTrainer(Trainer):
             "epsilon": self.accountant.get_epsilon(self.target_delta) if self.accountant.steps else 0.0,
             "expected_batch_size": self.expected_batch_size,
             "dp_guarantee": self.dp_guarantee,
+            "noise_allocation": self.noise_allocation if self.group_clipper is not None else None,
+            "group_clipping": self.group_clipper.state_dict() if self.group_clipper is not None else None,
         }
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
@@ -511,6 +592,8 @@ class DPTrainer(Trainer):
             state = json.load(f)
         self.accountant = PrivacyAccountant(accountant=self.args.accountant)
         self.accountant.load_state_dict(state["accountant"])
+        if self.group_clipper is not None and state.get("group_clipping"):
+            self.group_clipper.load_state_dict(state["group_clipping"])  # thresholds continue where they were
         if self.args.noise_multiplier is None:
             self.noise_multiplier = state["noise_multiplier"]
         else:

@@ -25,7 +25,9 @@ from torch import nn
 
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 
-__all__ = ["ClippingEngine", "use_ghost_norm", "UnsupportedLayerError"]
+__all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError"]
+
+GroupHandler = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 
 
 def use_ghost_norm(uses: list[Use]) -> bool:
@@ -137,7 +139,11 @@ class ClippingEngine:
                 "through a PEFT adapter."
             )
         self._names = {id(p): n for n, p in self.params.items()}
-        self._uses: list[Use] = []
+        self._uses: dict[str, list[Use]] = {}
+        self._pending: dict[str, int] = {}
+        self._groups: list[list[str]] | None = None
+        self._handler: GroupHandler | None = None
+        self._group_of: dict[str, int] = {}
         self._verified: set[int] = set()
         self._batch_size: int | None = None
         self.summed_grads: dict[str, torch.Tensor] = {}
@@ -190,6 +196,8 @@ class ClippingEngine:
         Raises :class:`UnsupportedLayerError` naming what failed.
         """
         saved = self.summed_grads
+        saved_groups, saved_handler = self._groups, self._handler
+        self.set_fused_groups(None, None)  # the check compares plain per-parameter norms
         self.summed_grads = {}
         try:
             with self.record(batch_size, freeze=False):
@@ -234,6 +242,7 @@ class ClippingEngine:
             self.clear()
             self._instantiated = {}
             self.summed_grads = saved
+            self.set_fused_groups(saved_groups, saved_handler)
             for p in self.params.values():
                 p.grad = None
 
@@ -251,6 +260,9 @@ class ClippingEngine:
         return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
     def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
+        owned = [self._names[id(getattr(module, n))] for n in rule.params
+                 if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+
         def hook(mod, args, kwargs, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
@@ -273,8 +285,20 @@ class ClippingEngine:
                             "computed once and repeated), so per-example gradients would merge examples. Materialise "
                             "the input per example."
                         )
-                self._uses.extend(uses)
+                touched = set()
+                for u in uses:
+                    name_u = self._names[id(u.param)]
+                    self._uses.setdefault(name_u, []).append(u)
+                    self._pending[name_u] = self._pending.get(name_u, 0) - 1
+                    touched.add(name_u)
+                if self._groups is not None:
+                    for k in sorted({self._group_of[n] for n in touched}):
+                        if self._group_ready(k):
+                            self._process_group(k)
 
+            if self._groups is not None:
+                for n in owned:
+                    self._pending[n] = self._pending.get(n, 0) + 1
             output.register_hook(grad_hook)
             return output
 
@@ -282,15 +306,43 @@ class ClippingEngine:
 
     def clear(self) -> None:
         """Drop the stored factors of the last micro-batch."""
-        self._uses = []
+        self._uses = {}
+        self._pending = {}
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
-        by: dict[str, list[Use]] = {}
-        for u in self._uses:
-            by.setdefault(self._names[id(u.param)], []).append(u)
-        return by
+        return self._uses
 
     # ------------------------------------------------------------------ norms and sums
+    @staticmethod
+    def _norm_sq_of(uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(B,)`` squared per-example norms of one parameter's gradient, and its instantiation if that was cheaper."""
+        dtype = _acc_dtype(*[u.right for u in uses])
+        if use_ghost_norm(uses):
+            total = None
+            for i, u in enumerate(uses):
+                ru = u.right.to(dtype)
+                for v in uses[i:]:
+                    rv = v.right.to(dtype)
+                    term = (_left_gram(u, v, dtype) * torch.bmm(ru, rv.transpose(1, 2))).sum((1, 2))
+                    term = term if v is u else 2 * term
+                    total = term if total is None else total + term
+            return total, None
+        g = sum(_instantiate(u, dtype) for u in uses)
+        return g.pow(2).sum((1, 2)), g
+
+    def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None) -> None:
+        p = self.params[name]
+        if inst is not None:
+            s = torch.einsum("b,blr->lr", c.to(inst.dtype), inst)
+        else:
+            dtype = _acc_dtype(*[u.right for u in uses])
+            s = sum(_clipped_sum(u, c, dtype) for u in uses)
+        s = s.reshape(p.shape)
+        if name in self.summed_grads:
+            self.summed_grads[name] += s
+        else:
+            self.summed_grads[name] = s.clone()
+
     @torch.no_grad()
     def per_example_norms_sq(self) -> dict[str, torch.Tensor]:
         """``{param name: (B,) squared per-example gradient norms}`` for every parameter that got a gradient.
@@ -300,21 +352,9 @@ class ClippingEngine:
         out: dict[str, torch.Tensor] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
         for name, uses in self._uses_by_param().items():
-            dtype = _acc_dtype(*[u.right for u in uses])
-            if use_ghost_norm(uses):
-                total = None
-                for i, u in enumerate(uses):
-                    ru = u.right.to(dtype)
-                    for v in uses[i:]:
-                        rv = v.right.to(dtype)
-                        term = (_left_gram(u, v, dtype) * torch.bmm(ru, rv.transpose(1, 2))).sum((1, 2))
-                        term = term if v is u else 2 * term
-                        total = term if total is None else total + term
-                out[name] = total
-            else:
-                g = sum(_instantiate(u, dtype) for u in uses)
-                self._instantiated[name] = g
-                out[name] = g.pow(2).sum((1, 2))
+            out[name], inst = self._norm_sq_of(uses)
+            if inst is not None:
+                self._instantiated[name] = inst
         return out
 
     @torch.no_grad()
@@ -327,18 +367,45 @@ class ClippingEngine:
         inst = getattr(self, "_instantiated", {})
         for name, uses in self._uses_by_param().items():
             c = factors[name] if isinstance(factors, dict) else factors
-            p = self.params[name]
-            if name in inst:
-                s = torch.einsum("b,blr->lr", c.to(inst[name].dtype), inst[name])
-            else:
-                dtype = _acc_dtype(*[u.right for u in uses])
-                s = sum(_clipped_sum(u, c, dtype) for u in uses)
-            s = s.reshape(p.shape)
-            if name in self.summed_grads:
-                self.summed_grads[name] += s
-            else:
-                self.summed_grads[name] = s.clone()
+            self._add_clipped(name, uses, c, inst.get(name))
         self._instantiated = {}
+
+    # ------------------------------------------------------------------ clipping fused into back-propagation
+    def set_fused_groups(self, groups: list[list[str]] | None, handler: GroupHandler | None) -> None:
+        """Clip group by group *during* the backward pass (He et al. 2023, §3.1).
+
+        With groups set, as soon as every captured use of every parameter of a group has received its output
+        gradient, the engine computes the group's per-example squared norms, asks ``handler(k, norms_sq)`` for the
+        ``(B,)`` clipping factors of group ``k``, adds the clipped sums, and frees that group's activations and
+        output gradients. Nothing waits for the end of the backward pass except groups whose parameters are shared
+        with a layer whose gradient arrives later (tied embeddings: the cross term needs both). ``None`` turns it off.
+        """
+        self._groups = groups
+        self._handler = handler
+        self._group_of = {n: k for k, names in enumerate(groups or []) for n in names}
+
+    def _group_ready(self, k: int) -> bool:
+        return all(self._pending.get(n, 0) == 0 for n in self._groups[k])
+
+    @torch.no_grad()
+    def _process_group(self, k: int) -> None:
+        stored = {n: self._uses.pop(n) for n in self._groups[k] if n in self._uses}
+        if not stored:
+            return
+        norms, insts = {}, {}
+        for n, uses in stored.items():
+            norms[n], insts[n] = self._norm_sq_of(uses)
+        factors = self._handler(k, norms)
+        for n, uses in stored.items():
+            self._add_clipped(n, uses, factors, insts[n])
+
+    def finish_fused(self) -> None:
+        """After the backward pass: process the groups not completed during it (some use got no gradient)."""
+        if self._groups is None:
+            return
+        for k in sorted({self._group_of[n] for n in self._uses}):
+            self._process_group(k)
+        self._pending = {}
 
     def pop_summed_grads(self) -> dict[str, torch.Tensor]:
         """The clipped sums accumulated since the last call (zeros for untouched parameters); resets them."""

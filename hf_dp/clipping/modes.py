@@ -2,13 +2,25 @@
 
 Flat clipping (Abadi et al. 2016; Li et al. 2022 §2): one norm over all trainable parameters,
 ``c_i = min(1, C / ‖g_i‖)``, so ``‖c_i g_i‖ ≤ C`` and the L2 sensitivity of ``Σ_i c_i g_i`` is ``C``.
+
+Group-wise clipping (He et al. 2023, §2-3): parameters are split into groups ``k = 1..K`` (layers, named groups,
+devices), each example's gradient restricted to group ``k`` is clipped to ``C_k``, so the release
+``(Σ_i c_{i,k} g_{i,k})_k`` has sensitivity ``(Σ_k C_k²)^½``; with per-layer groups the clipping runs inside the
+backward pass (``ClippingEngine.set_fused_groups``). Adaptive thresholds follow Alg. 1.
 """
 
 from __future__ import annotations
 
-import torch
+import re
+from dataclasses import dataclass
 
-__all__ = ["flat_clip_factors", "clip_factors_from_norms", "STABILITY_EPS"]
+import torch
+from torch import nn
+
+from .engine import ClippingEngine
+
+__all__ = ["flat_clip_factors", "clip_factors_from_norms", "STABILITY_EPS", "ClipGroup", "GroupClipper",
+           "build_groups"]
 
 STABILITY_EPS = 1e-6
 
@@ -24,3 +36,149 @@ def flat_clip_factors(norms_sq: dict[str, torch.Tensor], max_norm: float, batch_
         return torch.ones(batch_size)
     total = torch.stack(list(norms_sq.values())).sum(0)
     return clip_factors_from_norms(total.sqrt(), max_norm)
+
+
+# ---------------------------------------------------------------------- group-wise clipping (He et al. 2023)
+@dataclass
+class ClipGroup:
+    """A set of parameters clipped together with one threshold ``C_k``."""
+
+    name: str
+    params: list[str]
+
+
+def _union_find_groups(engine: ClippingEngine) -> list[ClipGroup]:
+    """One group per layer; layers that share a parameter (tied embeddings) form one group."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    layer_params: list[tuple[str, list[str]]] = []
+    for mname, module, rule in engine._modules:
+        names = [engine._names[id(getattr(module, n))] for n in rule.params
+                 if getattr(module, n, None) is not None and id(getattr(module, n)) in engine._names]
+        if names:
+            layer_params.append((mname, names))
+            for n in names[1:]:
+                parent[find(n)] = find(names[0])
+    groups: dict[str, ClipGroup] = {}
+    for mname, names in layer_params:
+        root = find(names[0])
+        if root not in groups:
+            groups[root] = ClipGroup(mname, [])
+        elif mname not in groups[root].name.split("+"):
+            groups[root].name += "+" + mname
+        for n in names:
+            if n not in groups[root].params:
+                groups[root].params.append(n)
+    return list(groups.values())
+
+
+def _device_of(name: str, model: nn.Module, param: torch.Tensor) -> str:
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        best = max((m for m in device_map if m == "" or name == m or name.startswith(m + ".")), key=len, default=None)
+        if best is not None:
+            return str(device_map[best])
+    return str(param.device)
+
+
+def build_groups(engine: ClippingEngine, mode: str, patterns: list[str] | None = None) -> list[ClipGroup]:
+    """The clipping groups of a mode (He et al. 2023, §2: group-wise clipping).
+
+    * ``per_layer`` / ``adaptive_per_layer``: one group per layer (parameters of one module; tied layers merged);
+    * ``group_wise``: one group per regular expression in ``patterns`` (first match wins, in order), plus a group
+      ``other`` for parameters no pattern matches;
+    * ``per_device``: one group per device holding parameters (``model.hf_device_map`` when the model was placed
+      with one, else each parameter's device) — §4 and App. C.
+    """
+    if mode in ("per_layer", "adaptive_per_layer"):
+        return _union_find_groups(engine)
+    if mode == "group_wise":
+        if not patterns:
+            raise ValueError("clipping='group_wise' needs clipping_groups: a list of parameter-name patterns.")
+        groups = [ClipGroup(p, []) for p in patterns]
+        other = ClipGroup("other", [])
+        for name in engine.params:
+            match = next((g for g in groups if re.search(g.name, name)), other)
+            match.params.append(name)
+        groups = [g for g in groups + [other] if g.params]
+    elif mode == "per_device":
+        by_device: dict[str, ClipGroup] = {}
+        for name, p in engine.params.items():
+            dev = _device_of(name, engine.model, p)
+            by_device.setdefault(dev, ClipGroup(dev, [])).params.append(name)
+        groups = list(by_device.values())
+    else:
+        raise ValueError(f"No groups for clipping mode {mode!r}.")
+    return groups
+
+
+class GroupClipper:
+    """Per-group thresholds ``C_k``, clipping factors, and the private quantile estimate of Alg. 1 (He et al. 2023).
+
+    Args:
+        groups: the clipping groups.
+        thresholds: initial ``C_k``.
+        adaptive: update thresholds from privatized counts (Alg. 1, lines 10 and 15-17).
+        target_quantile: ``q``, the fraction of examples whose group norm should fall below ``C_k``.
+        quantile_lr: ``η`` of the geometric update ``C_k ← C_k exp(−η (b̃_k − q))``.
+        rescale_to: if set, after each update thresholds are rescaled so that ``‖(C_1..C_K)‖ = rescale_to``
+            (App. A.1: ``C̃_k = C · C_k / (Σ C_k²)^½``).
+    """
+
+    def __init__(self, groups: list[ClipGroup], thresholds: list[float], adaptive: bool = False,
+                 target_quantile: float = 0.5, quantile_lr: float = 0.3, rescale_to: float | None = None):
+        if len(thresholds) != len(groups):
+            raise ValueError(f"{len(groups)} clipping groups but {len(thresholds)} thresholds.")
+        if any(not c > 0 for c in thresholds):
+            raise ValueError(f"Clipping thresholds must be > 0, got {thresholds}.")
+        self.groups = groups
+        self.thresholds = torch.tensor(thresholds, dtype=torch.float64)
+        self.adaptive = adaptive
+        self.target_quantile = target_quantile
+        self.quantile_lr = quantile_lr
+        self.rescale_to = rescale_to
+        self.released_unclipped_fraction: torch.Tensor | None = None
+        self._counts = torch.zeros(len(groups), dtype=torch.float64)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def factors(self, k: int, norms_sq: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Group ``k``'s per-example factors ``min(1, C_k / ‖g_{i,k}‖)``; counts ``Σ_i (1[‖g_{i,k}‖ ≤ C_k] − ½)``."""
+        norm = torch.stack(list(norms_sq.values())).sum(0).sqrt()
+        c_k = float(self.thresholds[k])
+        if self.adaptive:
+            # Symmetrised count (Andrew et al. 2019; He et al. 2023 App. D): sensitivity 1/2 per group.
+            self._counts[k] += float(((norm <= c_k).double() - 0.5).sum())
+        return clip_factors_from_norms(norm, c_k)
+
+    def pop_counts(self) -> torch.Tensor:
+        """This step's ``Σ_i (b_{i,k} − ½)`` per group (to be privatized); resets them."""
+        counts, self._counts = self._counts, torch.zeros_like(self._counts)
+        return counts
+
+    def update(self, released_unclipped_fraction: torch.Tensor) -> None:
+        """Alg. 1 line 16 with the privatized fraction ``b̃_k``: ``C_k ← C_k · exp(−η (b̃_k − q))``."""
+        b = released_unclipped_fraction.to(torch.float64).cpu()
+        self.released_unclipped_fraction = b
+        self.thresholds = self.thresholds * torch.exp(-self.quantile_lr * (b - self.target_quantile))
+        if self.rescale_to is not None:
+            self.thresholds = self.rescale_to * self.thresholds / self.thresholds.norm()
+
+    def state_dict(self) -> dict:
+        return {"groups": [g.name for g in self.groups], "thresholds": self.thresholds.tolist(),
+                "released_unclipped_fraction": None if self.released_unclipped_fraction is None
+                else self.released_unclipped_fraction.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["groups"] != [g.name for g in self.groups]:
+            raise ValueError("The checkpoint's clipping groups differ from this model's.")
+        self.thresholds = torch.tensor(state["thresholds"], dtype=torch.float64)
+        fraction = state.get("released_unclipped_fraction")
+        self.released_unclipped_fraction = None if fraction is None else torch.tensor(fraction, dtype=torch.float64)

@@ -1,0 +1,859 @@
+"""Privacy metadata in model cards: write it, validate it locally, read it back.
+
+A DP model is only as useful as what its card says about the guarantee. This module turns a :class:`~hf_dp.DPTrainer`
+into a ``differential_privacy`` mapping of the card's YAML metadata (a custom ``ModelCardData`` field, emitted as a
+nested mapping by ``huggingface_hub``) and a plain-words card body, rendered from the Jinja template
+``hf_dp/templates/dp_model_card.md`` with ``huggingface_hub.ModelCard.from_template``: the pattern of trl's
+``generate_model_card`` (``trl/trainer/utils.py``, template ``trl/templates/lm_model_card.md``).
+
+* :func:`privacy_metadata` — the ``differential_privacy`` record: ε (PRV upper bound, Gopi, Lee & Wutschitz 2021,
+  and RDP, Mironov 2017), δ, accountant and ``prv-accountant`` version, σ, q, sampling method, steps, epochs,
+  expected batch size, N, C, clipping mode (and group thresholds when the trainer has them), noise allocation,
+  privacy unit, trained parameters (full / LoRA / prefix / prompt, from the PEFT config) and ``dp_guarantee``.
+* :func:`create_model_card` — writes ``README.md``: the card body says what the guarantee covers and what it does
+  not (pre-training data, hyperparameter tuning and model selection on private data, logged training loss, ...) and
+  how to reproduce ε. The training loss is never written to the card. A README that ``peft`` wrote for an adapter
+  is merged (its metadata and body are kept; the hf_dp block is inserted or replaced), never overwritten.
+* :func:`validate_card` — local validation (the Hub's ``/api/validate-yaml`` endpoint is unreachable offline):
+  the YAML parses with ``ModelCard.load``, the required keys are present and have the right types.
+* :func:`privacy_report` — reads the record back from a card, a README or a repo directory; refuses a card without
+  one, loudly.
+
+The same record, unchanged, is the ``differential_privacy`` metadata of DP synthetic data sets
+(``hf_dp.synthetic.write_dataset_card``): sampling from a DP model is post-processing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from importlib import metadata as _metadata
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from huggingface_hub import DatasetCard, ModelCard, ModelCardData
+from huggingface_hub.repocard import RepoCard
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .trainer import DPTrainer
+
+__all__ = [
+    "BLOCK_BEGIN",
+    "BLOCK_END",
+    "CARD_MARKER",
+    "CARD_TAGS",
+    "REQUIRED_KEYS",
+    "create_model_card",
+    "load_template",
+    "privacy_metadata",
+    "privacy_report",
+    "render_model_card",
+    "reproduce_epsilon_code",
+    "validate_card",
+]
+
+logger = logging.getLogger(__name__)
+
+CARD_MARKER = "<!-- hf_dp:card"
+"""Starts the comment that marks a card written entirely by hf_dp (re-rendered in full at every save)."""
+BLOCK_BEGIN = "<!-- hf_dp:begin -->"
+BLOCK_END = "<!-- hf_dp:end -->"
+"""The hf_dp block: the only part of a merged (e.g. peft-written) card that hf_dp replaces."""
+
+CARD_TAGS: tuple[str, ...] = ("differential-privacy", "hf_dp")
+"""Tags on every hf_dp card, besides ``dp-sgd`` or ``dp-adam``."""
+
+MODEL_CARD_TEMPLATE = "dp_model_card.md"
+DATASET_CARD_TEMPLATE = "dp_dataset_card.md"
+
+_NUMBER = "number"
+_INT = "int"
+_STR = "str"
+_MAP = "mapping"
+_LIST = "list"
+
+REQUIRED_KEYS: dict[str, str] = {
+    "epsilon": _NUMBER,
+    "epsilon_rdp": _NUMBER,
+    "delta": _NUMBER,
+    "accountant": _STR,
+    "prv_accountant_version": _STR,
+    "eps_error": _NUMBER,
+    "noise_multiplier": _NUMBER,
+    "sampling_rate": _NUMBER,
+    "sampling": _STR,
+    "steps": _INT,
+    "epochs": _NUMBER,
+    "expected_batch_size": _INT,
+    "dataset_size": _INT,
+    "per_sample_max_grad_norm": _NUMBER,
+    "l2_sensitivity": _NUMBER,
+    "clipping": _STR,
+    "noise_allocation": _STR,
+    "privacy_unit": _STR,
+    "trained_parameters": _MAP,
+    "mechanisms": _LIST,
+    "optimizer": _STR,
+    "dp_guarantee": _STR,
+}
+"""Keys every ``differential_privacy`` record must have, with their YAML types (checked by :func:`validate_card`)."""
+
+_ACCOUNTANTS = ("prv", "rdp")
+_SAMPLING = ("poisson", "shuffled")
+_UNITS = ("example", "user")
+_PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt", "P_TUNING": "p-tuning"}
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+def _version(dist: str) -> str | None:
+    try:
+        return _metadata.version(dist)
+    except _metadata.PackageNotFoundError:
+        return None
+
+
+def _hf_dp_version() -> str:
+    return _version("hf_dp") or "unknown"
+
+
+def load_template(name: str) -> str:
+    """The text of a card template shipped inside the package (``hf_dp/templates/<name>``).
+
+    Read through :mod:`importlib.resources`, so it works for editable and regular (wheel) installs alike; the
+    repository's ``model_cards/`` directory holds links to the same files.
+    """
+    return resources.files("hf_dp").joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def _plain(x: Any) -> Any:
+    """Converts tensors, numpy scalars/arrays, enums, sets and tuples into YAML-safe Python values."""
+    if isinstance(x, enum.Enum):  # before str: transformers' ExplicitEnum subclasses str
+        return _plain(x.value)
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x)
+    if hasattr(x, "tolist") and callable(x.tolist):  # torch.Tensor, numpy arrays and scalars
+        return _plain(x.tolist())
+    if hasattr(x, "item") and callable(x.item):
+        return _plain(x.item())
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (set, frozenset)):
+        return sorted((_plain(v) for v in x), key=str)
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return str(x)
+
+
+def _first_attr(objs: Sequence[Any], names: Sequence[str]) -> Any:
+    """The first attribute among ``names`` that is set (not None) on any of ``objs``; None otherwise."""
+    for name in names:
+        for obj in objs:
+            value = getattr(obj, name, None)
+            if value is not None and not callable(value):
+                return value
+    return None
+
+
+def _unwrap(trainer: Any) -> Any:
+    model = trainer.model
+    accelerator = getattr(trainer, "accelerator", None)
+    if accelerator is not None:
+        try:
+            model = accelerator.unwrap_model(model)
+        except Exception:  # pragma: no cover - unwrap only fails for exotic wrappers
+            pass
+    return model
+
+
+def _optimizer_info(trainer: Any) -> tuple[str, str]:
+    """(optimizer description, ``dp-adam`` or ``dp-sgd`` tag) from the trainer's optimizer or ``args.optim``."""
+    opt = getattr(trainer, "optimizer", None)
+    opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
+    name = type(opt).__name__ if opt is not None else str(_plain(trainer.args.optim))
+    tag = "dp-adam" if "adam" in name.lower() else "dp-sgd"
+    label = "DP-Adam" if tag == "dp-adam" else "DP-SGD"
+    return f"{label} ({name})", tag
+
+
+def _trained_parameters(trainer: Any) -> dict[str, Any]:
+    """Which parameters were trained (and hence are covered): full / partial / LoRA / prefix / prompt, and counts."""
+    model = _unwrap(trainer)
+    engine = getattr(trainer, "clipping_engine", None)
+    params = getattr(engine, "params", None)
+    if not params:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    seen: set[int] = set()
+    count = 0
+    for p in params.values():
+        if id(p) not in seen:
+            seen.add(id(p))
+            count += p.numel()
+    total = sum(p.numel() for p in model.parameters())  # parameters() deduplicates tied weights
+    info: dict[str, Any] = {"count": int(count), "total": int(total), "tensors": len(seen)}
+    peft_configs = getattr(model, "peft_config", None)
+    if isinstance(peft_configs, Mapping) and peft_configs:
+        active = getattr(model, "active_adapter", None)
+        if isinstance(active, (list, tuple)):
+            active = active[0] if active else None
+        cfg = peft_configs.get(active) if active in peft_configs else next(iter(peft_configs.values()))
+        peft_type = str(_plain(getattr(cfg, "peft_type", "unknown"))).upper()
+        info["method"] = _PEFT_METHODS.get(peft_type, peft_type.lower())
+        peft: dict[str, Any] = {"peft_type": peft_type, "peft_version": _version("peft")}
+        for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "num_virtual_tokens", "modules_to_save",
+                    "use_rslora", "use_dora", "prefix_projection", "task_type"):
+            value = getattr(cfg, key, None)
+            if value is not None and value is not False:
+                peft[key] = _plain(value)
+        info["peft"] = peft
+    else:
+        info["method"] = "full" if count == total else "partial"
+    return info
+
+
+def _trained_phrase(tp: Mapping[str, Any]) -> str:
+    method = tp.get("method", "unknown")
+    count, total = tp.get("count"), tp.get("total")
+    peft = tp.get("peft") or {}
+    if method == "full":
+        what = "all parameters (full fine-tuning)"
+    elif method == "partial":
+        what = "a subset of the parameters (the others were frozen)"
+    elif method == "lora":
+        targets = peft.get("target_modules")
+        what = f"LoRA adapters (r={peft.get('r')}, alpha={peft.get('lora_alpha')}" + (
+            f", on {', '.join(map(str, targets)) if isinstance(targets, list) else targets})" if targets else ")")
+    elif method in ("prefix", "prompt", "p-tuning"):
+        what = f"{method} tuning ({peft.get('num_virtual_tokens')} virtual tokens)"
+    else:
+        what = f"{method} parameters"
+    if isinstance(count, int) and isinstance(total, int) and total > 0:
+        what += f": {count:,} of {total:,} parameters ({100.0 * count / total:.3g} %)"
+    return what
+
+
+def _group_clipping(trainer: Any) -> tuple[Any, dict[str, Any] | None]:
+    """(final group thresholds ``{group: C_k}`` or None, adaptive-clipping settings or None), read defensively."""
+    gc = getattr(trainer, "group_clipper", None)
+    if gc is None:
+        return None, None
+    thresholds = _plain(getattr(gc, "thresholds", None))
+    names = [getattr(g, "name", str(i)) for i, g in enumerate(getattr(gc, "groups", None) or [])]
+    if isinstance(thresholds, list) and len(names) == len(thresholds):
+        thresholds = dict(zip(names, thresholds))
+    adaptive = None
+    if getattr(gc, "adaptive", False):
+        args = trainer.args
+        adaptive = {"target_quantile": _plain(getattr(gc, "target_quantile", getattr(args, "target_quantile", None))),
+                    "quantile_lr": _plain(getattr(gc, "quantile_lr", getattr(args, "quantile_lr", None)))}
+        split = getattr(trainer, "_quantile_noise", None)
+        if callable(split):
+            try:  # (σ of the gradient, σ_b of the clip counts); composed they are the accounted σ (Prop. 3.1)
+                sigma_grad, sigma_b = split()
+                adaptive.update(gradient_noise_multiplier=float(sigma_grad), count_noise_multiplier=float(sigma_b))
+            except Exception:  # pragma: no cover - only informative
+                pass
+    return thresholds, adaptive
+
+
+def _epsilons(trainer: Any, delta: float) -> tuple[float, float | None, float]:
+    """(reported ε, PRV upper bound or None if PRV cannot compute it, RDP ε)."""
+    acc = trainer.accountant
+    eps_rdp = float(acc.get_epsilon(delta, accountant="rdp"))
+    try:
+        eps_prv: float | None = float(acc.get_epsilon_bounds(delta)[2])
+    except ValueError as err:  # PRV failed numerically: get_epsilon("prv") would fall back to RDP
+        logger.warning("hf_dp: PRV accounting failed (%s); the card reports the RDP bound only.", err)
+        eps_prv = None
+    configured = getattr(trainer.args, "accountant", "prv")
+    reported = eps_rdp if configured == "rdp" or eps_prv is None else eps_prv
+    return reported, eps_prv, eps_rdp
+
+
+def _aggregate_mechanisms(history: Sequence[Any]) -> list[dict[str, Any]]:
+    """The accountant's history, equal (σ, q) merged, as the accountant composes them."""
+    counts: dict[tuple[float, float], int] = {}
+    for r in history:
+        key = (float(r.noise_multiplier), float(r.sample_rate))
+        counts[key] = counts.get(key, 0) + int(r.steps)
+    return [{"noise_multiplier": s, "sampling_rate": q, "steps": n} for (s, q), n in counts.items() if n > 0]
+
+
+def _round(x: float | None, digits: int = 6) -> float | None:
+    if x is None or not math.isfinite(x):
+        return x
+    return float(f"{x:.{digits}g}")
+
+
+# ------------------------------------------------------------------------------------------------ the metadata
+def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
+    """The ``differential_privacy`` record of a trained :class:`~hf_dp.DPTrainer` (a YAML-safe dict).
+
+    Reads the trainer's accountant and settings only, never a training example (``len(train_dataset)`` gives N).
+    Optional fields of group-wise / adaptive clipping and user-level DP are read defensively, so they appear as soon
+    as the trainer has them: ``trainer.group_clipper`` (its groups and current thresholds, i.e. the final ones for
+    adaptive clipping; or a ``trainer.group_thresholds`` attribute), ``noise_allocation`` (trainer or args),
+    ``args.privacy_unit`` and ``args.user_id_column``.
+
+    Args:
+        trainer: A DPTrainer after at least one DP step.
+
+    Returns:
+        The mapping described in :data:`REQUIRED_KEYS` (plus optional keys): ``epsilon`` is the guarantee the trainer
+        reports (its configured accountant; the PRV upper bound by default), ``epsilon_prv`` the PRV upper bound and
+        ``epsilon_rdp`` the RDP bound, all at ``delta``; ``mechanisms`` lists the (σ, q, steps) phases the
+        accountant composed, enough to recompute ε without hf_dp.
+
+    Raises:
+        ValueError: If no DP step has run yet (there is no guarantee to describe).
+    """
+    acc = trainer.accountant
+    steps = int(acc.steps)
+    if steps == 0:
+        raise ValueError("No DP step has been recorded yet: train before writing privacy metadata.")
+    args = trainer.args
+    delta = float(trainer.target_delta)
+    eps, eps_prv, eps_rdp = _epsilons(trainer, delta)
+    sigma = trainer.noise_multiplier
+    C = float(args.per_sample_max_grad_norm)
+    mechanisms = _aggregate_mechanisms(acc.history)
+    optimizer, _ = _optimizer_info(trainer)
+
+    objs = (trainer, args)
+    clipping = str(_plain(getattr(args, "clipping", "flat")))
+    group_thresholds, adaptive = _group_clipping(trainer)
+    if group_thresholds is None:
+        group_thresholds = _first_attr(objs, ("group_thresholds", "clipping_thresholds"))
+    # L2 sensitivity of one step's summed clipped gradient: C (flat), ‖(C_1..C_K)‖ (groups; He et al. 2023 §3.3).
+    sensitivity = C
+    values = list(group_thresholds.values()) if isinstance(group_thresholds, Mapping) else group_thresholds
+    if isinstance(values, list) and values and all(_is_number(v) for v in values):
+        sensitivity = math.sqrt(sum(float(v) ** 2 for v in values))
+    noise_allocation = _first_attr(objs, ("noise_allocation",)) or "global"
+    unit = str(_plain(getattr(args, "privacy_unit", None) or "example"))
+    user_id_column = getattr(args, "user_id_column", None) if unit == "user" else None
+
+    rec: dict[str, Any] = {
+        "epsilon": _round(eps),
+        "epsilon_prv": _round(eps_prv),
+        "epsilon_rdp": _round(eps_rdp),
+        "delta": float(delta),
+        "target_epsilon": _plain(args.target_epsilon),
+        "accountant": str(getattr(args, "accountant", "prv")),
+        "accountant_library": "prv-accountant",
+        "prv_accountant_version": str(acc.state_dict().get("prv_accountant_version") or _version("prv-accountant")),
+        "eps_error": float(acc.eps_error),
+        "delta_error": float(acc.delta_error) if acc.delta_error is not None else float(delta) / 1000,
+        "noise_multiplier": _plain(sigma),
+        "sampling_rate": float(trainer.sample_rate),
+        "sampling": "poisson" if args.poisson_sampling else "shuffled",
+        "steps": steps,
+        "epochs": _round(sum(m["steps"] * m["sampling_rate"] for m in mechanisms), 4),
+        "expected_batch_size": int(trainer.expected_batch_size),
+        "dataset_size": int(trainer.num_examples_private),
+        "per_sample_max_grad_norm": C,
+        "l2_sensitivity": _round(sensitivity),
+        "clipping": clipping,
+    }
+    if group_thresholds is not None:
+        rec["group_thresholds"] = _plain(group_thresholds)
+    if adaptive is not None:
+        rec["adaptive_clipping"] = adaptive
+    rec["noise_allocation"] = str(_plain(noise_allocation))
+    rec["privacy_unit"] = unit
+    if user_id_column is not None:
+        rec["user_id_column"] = str(user_id_column)
+    rec["trained_parameters"] = _trained_parameters(trainer)
+    rec["mechanisms"] = mechanisms
+    rec["optimizer"] = optimizer
+    rec["dp_seed"] = "secret (drawn from the OS)" if args.dp_seed is None else "fixed (known seed: voids the guarantee)"
+    rec["budget_exhausted"] = bool(getattr(trainer, "budget_exhausted", False))
+    rec["dp_guarantee"] = str(trainer.dp_guarantee)
+    rec["hf_dp_version"] = _hf_dp_version()
+    return rec
+
+
+# ------------------------------------------------------------------------------------------------ the card body
+def reproduce_epsilon_code(dp: Mapping[str, Any]) -> str:
+    """Python code that recomputes the record's ε with ``prv-accountant`` alone (PRV upper bound and RDP)."""
+    delta = dp["delta"]
+    prvs, steps = [], []
+    for m in dp["mechanisms"]:
+        if m["sampling_rate"] == 1.0:  # no subsampling: the plain Gaussian mechanism (as hf_dp's accountant)
+            prvs.append(f"GaussianMechanism(noise_multiplier={m['noise_multiplier']!r})")
+        else:
+            prvs.append(f"PoissonSubsampledGaussianMechanism(sampling_probability={m['sampling_rate']!r}, "
+                        f"noise_multiplier={m['noise_multiplier']!r})")
+        steps.append(int(m["steps"]))
+    prv_list = ",\n    ".join(prvs)
+    return (
+        f"# pip install prv-accountant=={dp.get('prv_accountant_version', '0.2.0')}\n"
+        "from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism, PRVAccountant\n"
+        "from prv_accountant.other_accountants import RDP\n"
+        "\n"
+        f"prvs = [\n    {prv_list},\n]\n"
+        f"steps = {steps!r}\n"
+        f"delta = {delta!r}\n"
+        f"acc = PRVAccountant(prvs=prvs, max_self_compositions=steps, eps_error={dp.get('eps_error', 0.01)!r}, "
+        f"delta_error={dp.get('delta_error', delta / 1000)!r})\n"
+        "eps_low, eps_estimate, eps_up = acc.compute_epsilon(delta=delta, num_self_compositions=steps)\n"
+        f"print(eps_up)  # epsilon_prv = {dp.get('epsilon_prv')}\n"
+        f"print(RDP(prvs=prvs).compute_epsilon(delta=delta, num_self_compositions=steps)[2])"
+        f"  # epsilon_rdp = {dp.get('epsilon_rdp')}"
+    )
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        x = float(x)
+        if math.isinf(x):
+            return "∞"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _clipping_phrase(dp: Mapping[str, Any]) -> str:
+    mode = str(dp.get("clipping", "flat"))
+    gt = dp.get("group_thresholds")
+    if gt is None:
+        return f"{mode}, threshold C = {_fmt(dp.get('per_sample_max_grad_norm'), 4)}"
+    k = len(gt) if isinstance(gt, (Mapping, list)) else "?"
+    adaptive = " (adaptive: final thresholds)" if dp.get("adaptive_clipping") else ""
+    return (f"{mode}: {k} groups{adaptive}, ‖(C_1..C_K)‖ = {_fmt(dp.get('l2_sensitivity'), 4)}; the thresholds are "
+            "in the metadata (`group_thresholds`)")
+
+
+def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
+    g = str(dp.get("dp_guarantee", ""))
+    if g.startswith("not strict"):
+        rest = g.split(":", 1)[1] if ":" in g else g
+        return [n.strip() for n in rest.split(";") if n.strip()]
+    return []
+
+
+def _unit_words(dp: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(phrase, noun, long explanation) for the privacy unit."""
+    if dp.get("privacy_unit") == "user":
+        col = dp.get("user_id_column")
+        key = f" (all rows with the same `{col}`)" if col else ""
+        return ("adding or removing all training examples of one user", "user",
+                f"one user{key}: all of a user's examples together are protected.")
+    return ("adding or removing one training example", "example",
+            "one training example (one row of the training set). A person who contributed several rows is protected "
+            "as a group of that many examples (see below).")
+
+
+def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
+    phrase, noun, long = _unit_words(dp)
+    eps = dp.get("epsilon")
+    exp_eps = "∞" if eps is None or not math.isfinite(float(eps)) or float(eps) > 700 else _fmt(math.exp(float(eps)))
+    q = dp.get("sampling_rate")
+    sampling_phrase = (f"Poisson sampling, rate q = {_fmt(q, 4)}" if dp.get("sampling") == "poisson" else
+                       f"shuffled fixed-size batches, q = {_fmt(q, 4)} (ε assumes Poisson sampling: heuristic)")
+    accountant = dp.get("accountant", "prv")
+    return {
+        "dp": dict(dp),
+        "eps_text": f"ε = {_fmt(eps)}",
+        "delta_text": f"δ = {_fmt(dp.get('delta'))}",
+        "delta_value": _fmt(dp.get("delta")),
+        "eps_prv_text": _fmt(dp.get("epsilon_prv"), 4),
+        "eps_rdp_text": _fmt(dp.get("epsilon_rdp"), 4),
+        "exp_eps_text": exp_eps,
+        "unit_phrase": phrase,
+        "unit_noun": noun,
+        "unit_long": long,
+        "sampling_phrase": sampling_phrase,
+        "accountant_phrase": (
+            f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
+            if accountant == "prv" else "RDP accountant (Mironov 2017)"),
+        "trained_phrase": _trained_phrase(dp.get("trained_parameters") or {}),
+        "clipping_phrase": _clipping_phrase(dp),
+        "guarantee_notes": _guarantee_notes(dp),
+    }
+
+
+def _hyperparameters(trainer: Any) -> list[tuple[str, Any]]:
+    """The Trainer's training hyperparameters (public settings; never a metric computed on the data)."""
+    a = trainer.args
+    hp: list[tuple[str, Any]] = [
+        ("learning_rate", a.learning_rate),
+        ("optimizer", _optimizer_info(trainer)[0] + f", args.optim={_plain(a.optim)}"),
+    ]
+    if "adam" in str(_plain(a.optim)).lower():
+        hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
+        hp.append(("adam_epsilon", a.adam_epsilon))
+    hp += [
+        ("weight_decay", a.weight_decay),
+        ("lr_scheduler_type", _plain(a.lr_scheduler_type)),
+        ("warmup_steps", getattr(a, "warmup_steps", 0)),
+        ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
+        ("gradient_accumulation_steps", a.gradient_accumulation_steps),
+        ("num_processes", a.world_size),
+        ("expected_batch_size", trainer.expected_batch_size),
+        ("training_steps", trainer.accountant.steps),
+        ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
+        ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
+        ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
+        ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
+    ]
+    return hp
+
+
+def _versions(is_peft: bool) -> list[tuple[str, str]]:
+    names = ["hf_dp", "prv-accountant", "transformers", "torch", "huggingface_hub", "datasets"]
+    if is_peft:
+        names.insert(2, "peft")
+    return [(n, v) for n in names if (v := _version(n)) is not None]
+
+
+def _base_model(model: Any) -> str | None:
+    """The Hub id the model was fine-tuned from (trl's rule: ``config._name_or_path`` unless a local directory)."""
+    candidates = []
+    peft_configs = getattr(model, "peft_config", None)
+    if isinstance(peft_configs, Mapping):
+        candidates += [getattr(c, "base_model_name_or_path", None) for c in peft_configs.values()]
+    config = getattr(model, "config", None)
+    candidates.append(getattr(config, "_name_or_path", None))
+    for name in candidates:
+        if isinstance(name, str) and name and not os.path.isdir(name) and not os.path.isabs(name):
+            return name
+    return None
+
+
+def _merge_tags(*groups: Sequence[str] | str | None) -> list[str]:
+    out: list[str] = []
+    for g in groups:
+        if g is None:
+            continue
+        for t in [g] if isinstance(g, str) else g:
+            if t and t not in out:
+                out.append(str(t))
+    return out
+
+
+def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset_name: str | None = None,
+                      tags: Sequence[str] | str | None = None, **kwargs: Any) -> ModelCard:
+    """Renders the full hf_dp model card of ``trainer`` (template ``dp_model_card.md``), without writing it.
+
+    Args:
+        trainer: A trained DPTrainer.
+        model_name: Title of the card (default: the output directory's name).
+        dataset_name: Name or Hub id of the private training data set (YAML ``datasets``).
+        tags: Extra tags (``differential-privacy``, ``dp-sgd``/``dp-adam`` and ``hf_dp`` are always added).
+        **kwargs: ``ModelCardData`` fields (``license``, ``language``, ``base_model``, ``pipeline_tag``, ...) and the
+            names ``Trainer.create_model_card`` uses: ``finetuned_from`` (→ ``base_model``), ``dataset`` (→
+            ``datasets``), ``tasks`` (→ ``pipeline_tag``), ``dataset_tags``/``dataset_args`` (ignored).
+    """
+    dp = privacy_metadata(trainer)
+    model = _unwrap(trainer)
+    _, opt_tag = _optimizer_info(trainer)
+    extra = dict(kwargs)
+    finetuned_from = extra.pop("finetuned_from", None)
+    base_model = extra.pop("base_model", None) or finetuned_from or _base_model(model)
+    dataset = extra.pop("dataset", None)
+    datasets = extra.pop("datasets", None) or dataset or dataset_name
+    if isinstance(datasets, str):
+        datasets = [datasets]
+    tasks = extra.pop("tasks", None)
+    if tasks and "pipeline_tag" not in extra:
+        extra["pipeline_tag"] = tasks if isinstance(tasks, str) else tasks[0]
+    extra.pop("dataset_tags", None)
+    extra.pop("dataset_args", None)
+    extra.pop("eval_results", None)  # results on (possibly private) evaluation data are not put on the card
+    is_peft = "peft" in dp["trained_parameters"]
+    all_tags = _merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags,
+                           getattr(model, "model_tags", None))
+    if model_name is None:
+        model_name = Path(trainer.args.output_dir).name or "model"
+    card_data = ModelCardData(
+        base_model=base_model,
+        datasets=datasets,
+        library_name="peft" if is_peft else "transformers",
+        model_name=model_name,
+        tags=all_tags,
+        differential_privacy=dp,
+        **extra,
+    )
+    dataset_label = ", ".join(datasets) if datasets else None
+    template_kwargs = _common_template_kwargs(dp)
+    template_kwargs.update(
+        model_name=model_name,
+        base_model=base_model,
+        dataset_name=dataset_label,
+        optimizer_phrase=("DP-Adam (Adam on privatized gradients)" if opt_tag == "dp-adam" else
+                          "DP-SGD (the optimizer steps on privatized gradients)"),
+        is_peft=is_peft,
+        load_best_model_at_end=bool(getattr(trainer.args, "load_best_model_at_end", False)),
+        reproduce_code=reproduce_epsilon_code(dp),
+        hyperparameters=_hyperparameters(trainer),
+        versions=_versions(is_peft),
+    )
+    return ModelCard.from_template(card_data, template_str=load_template(MODEL_CARD_TEMPLATE), **template_kwargs)
+
+
+def _block(text: str) -> str:
+    """The hf_dp block (markers included) of a card body."""
+    start, end = text.index(BLOCK_BEGIN), text.index(BLOCK_END) + len(BLOCK_END)
+    return text[start:end]
+
+
+def _splice_block(existing: str, block: str) -> str:
+    """Replaces the hf_dp block of ``existing``; inserts it before the first ``##`` heading if there is none."""
+    if BLOCK_BEGIN in existing and BLOCK_END in existing:
+        start, end = existing.index(BLOCK_BEGIN), existing.index(BLOCK_END) + len(BLOCK_END)
+        return existing[:start] + block + existing[end:]
+    lines = existing.split("\n")
+    seen_title = False
+    for i, line in enumerate(lines):
+        if line.startswith("# "):
+            seen_title = True
+        elif line.startswith("## ") and (seen_title or i > 0):
+            return "\n".join(lines[:i] + [block, ""] + lines[i:])
+    return existing.rstrip("\n") + "\n\n" + block + "\n"
+
+
+def _merge_into(existing: RepoCard, ours: RepoCard, explicit_keys: Sequence[str]) -> RepoCard:
+    """``existing`` with hf_dp's metadata and block added: its own metadata and body are kept."""
+    data = existing.data.to_dict()
+    new = ours.data.to_dict()
+    data["differential_privacy"] = new["differential_privacy"]
+    data["tags"] = _merge_tags(data.get("tags"), new.get("tags"))
+    for key in ("base_model", "datasets", "license", "language", "pipeline_tag", *explicit_keys):
+        if new.get(key) not in (None, "", []) and (key in explicit_keys or data.get(key) in (None, "", [])):
+            data[key] = new[key]
+    text = _splice_block(existing.text, _block(ours.text))
+    if ours.data.get("model_name"):  # peft's placeholder title
+        text = text.replace("# Model Card for Model ID\n", f"# {ours.data.get('model_name')}\n", 1)
+    merged_yaml = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    return type(ours)(f"---\n{merged_yaml}---\n{text}")
+
+
+def _is_full_hf_dp_card(card: RepoCard) -> bool:
+    return CARD_MARKER in card.text and card.data.get("library_name") != "peft"
+
+
+def _write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> RepoCard:
+    """Writes ``card`` to ``path``, merging with an existing README that hf_dp did not write in full."""
+    if path.is_file():
+        existing = type(card).load(path)
+        tags = existing.data.get("tags") or []
+        if _is_full_hf_dp_card(existing):
+            pass  # ours: re-rendered in full
+        elif "generated_from_trainer" in tags and BLOCK_BEGIN not in existing.text:
+            # transformers' TrainingSummary card for this run: it reports the training loss (private); replace it.
+            logger.info("hf_dp: replacing the transformers-generated card %s (it reports the training loss).", path)
+        else:
+            card = _merge_into(existing, card, explicit_keys)
+    validate_card(card)
+    card.save(path)
+    return card
+
+
+def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None = None, model_name: str | None = None,
+                      dataset_name: str | None = None, tags: Sequence[str] | str | None = None,
+                      **kwargs: Any) -> ModelCard | None:
+    """Writes ``output_dir/README.md``: the model card with the ``differential_privacy`` metadata.
+
+    A card written by hf_dp is re-rendered in full. A README written by someone else — in particular the one
+    ``peft`` writes next to an adapter (``library_name: peft``) — is merged: its metadata and body are kept, the
+    ``differential_privacy`` mapping and the tags are added, and the hf_dp block (between ``<!-- hf_dp:begin -->``
+    and ``<!-- hf_dp:end -->``) is inserted or replaced. The card is validated (:func:`validate_card`) before it is
+    written. Only the main process writes.
+
+    Args:
+        trainer: A trained DPTrainer.
+        output_dir: Where to write (default: ``trainer.args.output_dir``).
+        model_name, dataset_name, tags, **kwargs: As for :func:`render_model_card`.
+
+    Returns:
+        The card written (None on processes other than the main one).
+    """
+    if hasattr(trainer, "is_world_process_zero") and not trainer.is_world_process_zero():
+        return None
+    out = Path(output_dir if output_dir is not None else trainer.args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if model_name is None:
+        model_name = out.name or None
+    card = render_model_card(trainer, model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
+    explicit = [k for k in ("license", "language", "base_model", "pipeline_tag") if kwargs.get(k)]
+    if kwargs.get("finetuned_from"):
+        explicit.append("base_model")
+    if dataset_name or kwargs.get("dataset") or kwargs.get("datasets"):
+        explicit.append("datasets")
+    return _write_card(out / "README.md", card, explicit)
+
+
+# ------------------------------------------------------------------------------------------- validate / read back
+def _load_any(path_or_card: Any, card_cls: type[RepoCard] = ModelCard) -> tuple[RepoCard, str]:
+    """(card, description) from a card object, card text, a README path or a directory holding README.md."""
+    if isinstance(path_or_card, RepoCard):
+        text = str(path_or_card)
+        label = f"{type(path_or_card).__name__} object"
+        try:  # the YAML round trip: what would be written must parse back
+            return type(path_or_card)(text), label
+        except Exception as err:
+            raise ValueError(f"{label}: its metadata does not parse back from YAML: {err}") from err
+    if isinstance(path_or_card, str) and path_or_card.lstrip().startswith("---"):
+        try:
+            return card_cls(path_or_card), "card text"
+        except Exception as err:
+            raise ValueError(f"card text: the YAML metadata does not parse: {err}") from err
+    path = Path(path_or_card)
+    if path.is_dir():
+        path = path / "README.md"
+    if not path.is_file():
+        raise FileNotFoundError(f"No model card at {path} (expected a README.md, or a directory holding one).")
+    try:
+        return card_cls.load(path), str(path)
+    except Exception as err:
+        raise ValueError(f"{path}: the YAML metadata does not parse: {err}") from err
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not (isinstance(x, float) and math.isnan(x))
+
+
+def _check_type(kind: str, x: Any) -> bool:
+    if kind == _NUMBER:
+        return _is_number(x)
+    if kind == _INT:
+        return isinstance(x, int) and not isinstance(x, bool)
+    if kind == _STR:
+        return isinstance(x, str)
+    if kind == _MAP:
+        return isinstance(x, Mapping)
+    if kind == _LIST:
+        return isinstance(x, list)
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _record_problems(dp: Any) -> list[str]:
+    if not isinstance(dp, Mapping):
+        return [f"`differential_privacy` must be a mapping, got {type(dp).__name__}"]
+    problems = []
+    for key, kind in REQUIRED_KEYS.items():
+        if key not in dp:
+            problems.append(f"missing key `differential_privacy.{key}`")
+        elif not _check_type(kind, dp[key]):
+            problems.append(f"`differential_privacy.{key}` must be a {kind}, got {dp[key]!r}")
+    if problems:
+        return problems
+
+    def bad(key: str, why: str) -> None:
+        problems.append(f"`differential_privacy.{key}` {why}, got {dp[key]!r}")
+
+    for key in ("epsilon", "epsilon_rdp", "noise_multiplier", "epochs"):
+        if dp[key] < 0:
+            bad(key, "must be >= 0")
+    if dp.get("epsilon_prv") is not None and not (_is_number(dp["epsilon_prv"]) and dp["epsilon_prv"] >= 0):
+        bad("epsilon_prv", "must be a number >= 0 or null")
+    if not 0 < dp["delta"] < 1:
+        bad("delta", "must be in (0, 1)")
+    if not 0 < dp["sampling_rate"] <= 1:
+        bad("sampling_rate", "must be in (0, 1]")
+    for key in ("per_sample_max_grad_norm", "l2_sensitivity", "eps_error"):
+        if not dp[key] > 0:
+            bad(key, "must be > 0")
+    for key in ("expected_batch_size", "dataset_size"):
+        if dp[key] <= 0:
+            bad(key, "must be > 0")
+    if dp["steps"] < 0:
+        bad("steps", "must be >= 0")
+    if dp["accountant"] not in _ACCOUNTANTS:
+        bad("accountant", f"must be one of {_ACCOUNTANTS}")
+    if dp["sampling"] not in _SAMPLING:
+        bad("sampling", f"must be one of {_SAMPLING}")
+    if dp["privacy_unit"] not in _UNITS:
+        bad("privacy_unit", f"must be one of {_UNITS}")
+    elif dp["privacy_unit"] == "user" and not isinstance(dp.get("user_id_column"), str):
+        problems.append("`differential_privacy.user_id_column` (a string) is required when privacy_unit is 'user'")
+    if not (dp["dp_guarantee"] == "strict" or dp["dp_guarantee"].startswith("not strict")):
+        bad("dp_guarantee", "must be 'strict' or start with 'not strict'")
+    tp = dp["trained_parameters"]
+    if not isinstance(tp.get("method"), str):
+        problems.append(f"`differential_privacy.trained_parameters.method` must be a str, got {tp.get('method')!r}")
+    if not (isinstance(tp.get("count"), int) and not isinstance(tp.get("count"), bool) and tp["count"] >= 0):
+        problems.append(f"`differential_privacy.trained_parameters.count` must be an int >= 0, got {tp.get('count')!r}")
+    total = 0
+    for i, m in enumerate(dp["mechanisms"]):
+        ok = (isinstance(m, Mapping) and _is_number(m.get("noise_multiplier")) and m["noise_multiplier"] >= 0
+              and _is_number(m.get("sampling_rate")) and 0 < m["sampling_rate"] <= 1
+              and isinstance(m.get("steps"), int) and m["steps"] >= 0)
+        if not ok:
+            problems.append(f"`differential_privacy.mechanisms[{i}]` must be a mapping with noise_multiplier >= 0, "
+                            f"sampling_rate in (0, 1] and integer steps >= 0, got {m!r}")
+        else:
+            total += m["steps"]
+    if not problems and total != dp["steps"]:
+        problems.append(f"`differential_privacy.steps` ({dp['steps']}) differs from the steps of its mechanisms "
+                        f"({total})")
+    return problems
+
+
+def validate_card(path_or_card: Any) -> None:
+    """Local validation of a card's privacy metadata (the Hub's YAML validation endpoint needs the network).
+
+    Checks that the YAML metadata parses (``ModelCard.load`` for files; a ``str(card)`` round trip for card objects),
+    that it has a ``differential_privacy`` mapping with every key of :data:`REQUIRED_KEYS` of the right type and in
+    range (δ in (0, 1), q in (0, 1], ...), that the mechanisms add up to the steps, and that the tags include
+    ``differential-privacy``. Works for model cards and for hf_dp's synthetic-data dataset cards.
+
+    Args:
+        path_or_card: A ``ModelCard``/``DatasetCard``, card text (starting with ``---``), a README path, or a
+            directory holding ``README.md``.
+
+    Raises:
+        ValueError: Listing everything that is wrong.
+        FileNotFoundError: If there is no card at the path.
+    """
+    card, label = _load_any(path_or_card)
+    data = card.data.to_dict()
+    problems = []
+    if "differential_privacy" not in data:
+        problems.append("no `differential_privacy` metadata")
+    else:
+        problems += _record_problems(data["differential_privacy"])
+    tags = data.get("tags") or []
+    if not isinstance(tags, list) or "differential-privacy" not in tags:
+        problems.append(f"tags must include 'differential-privacy', got {tags!r}")
+    if "synthetic_data" in data and not isinstance(data["synthetic_data"], Mapping):
+        problems.append(f"`synthetic_data` must be a mapping, got {data['synthetic_data']!r}")
+    if problems:
+        raise ValueError(f"Invalid hf_dp card ({label}):\n  - " + "\n  - ".join(problems))
+
+
+def privacy_report(card_or_repo_dir: Any) -> dict[str, Any]:
+    """The ``differential_privacy`` record of a model or dataset card written by hf_dp.
+
+    Args:
+        card_or_repo_dir: A local repo directory (holding ``README.md``), a README path, card text, or a
+            ``ModelCard``/``DatasetCard``.
+
+    Returns:
+        A copy of the record (ε, δ, mechanism, privacy unit, trained parameters, ``dp_guarantee``, ...).
+
+    Raises:
+        ValueError: If the card has no privacy metadata (the model's guarantee is then unknown: hf_dp does not
+            guess), or if the metadata is malformed (see :func:`validate_card`).
+        FileNotFoundError: If there is no card at the path.
+    """
+    card, label = _load_any(card_or_repo_dir)
+    data = card.data.to_dict()
+    if "differential_privacy" not in data:
+        raise ValueError(
+            f"{label} has no `differential_privacy` metadata: it was not written by hf_dp (or the metadata was "
+            "removed), so nothing is known about a privacy guarantee for this model. Do not assume one."
+        )
+    validate_card(card)
+    return dict(data["differential_privacy"])
