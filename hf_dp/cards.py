@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from huggingface_hub import DatasetCard, ModelCard, ModelCardData
+from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import RepoCard
 
 if TYPE_CHECKING:  # pragma: no cover
