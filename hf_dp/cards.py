@@ -639,6 +639,23 @@ def _merge_into(existing: RepoCard, ours: RepoCard, explicit_keys: Sequence[str]
     return type(ours)(f"---\n{merged_yaml}---\n{text}")
 
 
+def _carry_over(existing: RepoCard, ours: RepoCard) -> RepoCard:
+    """``ours`` plus the metadata of ``existing`` that ``ours`` does not set (e.g. a license given earlier)."""
+    data = ours.data.to_dict()
+    old = existing.data.to_dict()
+    changed = False
+    for key, value in old.items():
+        if key != "differential_privacy" and data.get(key) in (None, "", []) and value not in (None, "", []):
+            data[key] = value
+            changed = True
+    tags = _merge_tags(data.get("tags"), old.get("tags"))
+    if tags != data.get("tags"):
+        data["tags"], changed = tags, True
+    if not changed:
+        return ours
+    return type(ours)(f"---\n{yaml.safe_dump(data, sort_keys=False, allow_unicode=True)}---\n{ours.text}")
+
+
 def _is_full_hf_dp_card(card: RepoCard) -> bool:
     return CARD_MARKER in card.text and card.data.get("library_name") != "peft"
 
@@ -649,15 +666,27 @@ def _write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> Rep
         existing = type(card).load(path)
         tags = existing.data.get("tags") or []
         if _is_full_hf_dp_card(existing):
-            pass  # ours: re-rendered in full
+            card = _carry_over(existing, card)  # ours: re-rendered in full, keeping metadata set earlier
         elif "generated_from_trainer" in tags and BLOCK_BEGIN not in existing.text:
             # transformers' TrainingSummary card for this run: it reports the training loss (private); replace it.
             logger.info("hf_dp: replacing the transformers-generated card %s (it reports the training loss).", path)
         else:
             card = _merge_into(existing, card, explicit_keys)
+    card = _canonical(card)
     validate_card(card)
     card.save(path)
     return card
+
+
+_LAST_KEYS = ("synthetic_data", "differential_privacy")
+
+
+def _canonical(card: RepoCard) -> RepoCard:
+    """The card with its metadata keys in a fixed order (sorted; the hf_dp mappings last), so rewrites are stable."""
+    data = card.data.to_dict()
+    ordered = {k: data[k] for k in sorted(data) if k not in _LAST_KEYS}
+    ordered.update({k: data[k] for k in _LAST_KEYS if k in data})
+    return type(card)(f"---\n{yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)}---\n{card.text}")
 
 
 def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None = None, model_name: str | None = None,

@@ -45,16 +45,22 @@ def _mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return per_token.sum(1) / counts.clamp(min=1)
 
 
+def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The logits of the labelled positions: prompt-learning adapters (PEFT prompt tuning) prepend virtual tokens,
+    whose logits come first and have no labels (PEFT itself pads their labels with -100)."""
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    return logits[:, logits.shape[1] - labels.shape[1]:] if logits.shape[1] > labels.shape[1] else logits
+
+
 def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally)."""
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    logits = _token_logits(outputs, labels)
     return _mean_token_loss(logits[:, :-1], labels[:, 1:])
 
 
 def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """Unshifted token loss: masked LM, token classification, seq2seq decoder labels."""
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    return _mean_token_loss(logits, labels)
+    return _mean_token_loss(_token_logits(outputs, labels), labels)
 
 
 def sequence_classification_loss(problem_type: str | None = None, num_labels: int | None = None) -> PerExampleLoss:

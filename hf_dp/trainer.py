@@ -34,6 +34,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
 from .noise import NoiseGenerator, group_noise_stds, privatize
+from .peft_support import apply_peft_config, per_example_prompts
 from .sampling import PoissonBatchSampler, ShuffledBatchSampler
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
@@ -105,11 +106,20 @@ class DPTrainer(Trainer):
     Args:
         per_example_loss: ``fn(outputs, labels) -> Tensor[B]``, each example's own loss. Defaults by model head:
             causal LM, masked LM, seq2seq, sequence and token classification (``losses.py``).
+        peft_config: a ``peft.PeftConfig`` (LoRA, prefix tuning, prompt tuning): the model is wrapped with
+            ``get_peft_model`` and only the adapter is trained (TRL-style); or pass a ``PeftModel`` as ``model``.
         *args, **kwargs: passed to ``Trainer``. ``compute_loss_func`` is refused: its normalisation spans the batch.
     """
 
-    def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, peft_config: Any = None,
+                 **kwargs: Any):
+        if peft_config is not None:
+            if args:
+                args = (apply_peft_config(args[0], peft_config), *args[1:])
+            else:
+                kwargs["model"] = apply_peft_config(kwargs.get("model"), peft_config)
         super().__init__(*args, **kwargs)
+        per_example_prompts(self.model)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (target_epsilon or noise_multiplier, clipping, ...).")
         if self.compute_loss_func is not None:

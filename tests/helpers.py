@@ -144,11 +144,13 @@ def single_example_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     Causal LM: mean next-token cross-entropy over the labelled tokens; classification: cross-entropy.
     """
     labels = batch.pop("labels")
-    shift = type(model).__name__.endswith(("LMHeadModel", "ForCausalLM"))
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    shift = name.endswith(("LMHeadModel", "ForCausalLM"))
     if type(model).__name__.endswith("ForConditionalGeneration"):
         batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
     logits = model(**batch).logits
     if logits.dim() == 3:  # token-level: causal LM (shifted), masked LM, token classification, seq2seq
+        logits = logits[:, logits.shape[1] - labels.shape[1]:]  # drop virtual-token positions (prompt tuning)
         logits, labels = (logits[0, :-1], labels[0, 1:]) if shift else (logits[0], labels[0])
         keep = labels != -100
         return torch.nn.functional.cross_entropy(logits[keep], labels[keep])

@@ -1,0 +1,297 @@
+"""Model cards with privacy metadata: contents, YAML round trip, validation, read-back, push_to_hub, PEFT merge."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+from helpers import lm_dataset, tiny_gpt2
+from huggingface_hub import HfApi, ModelCard
+from transformers import Trainer
+
+from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
+from hf_dp.cards import (
+    BLOCK_BEGIN,
+    REQUIRED_KEYS,
+    create_model_card,
+    load_template,
+    privacy_metadata,
+    privacy_report,
+    validate_card,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------- fixtures
+def _integrated() -> bool:
+    return DPTrainer.create_model_card is not Trainer.create_model_card
+
+
+class _CardDPTrainer(DPTrainer):
+    """Until DPTrainer itself has them: the card overrides proposed for hf_dp/trainer.py (same code)."""
+
+    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
+                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs):
+        if self.accountant.steps == 0:
+            return None
+        return create_model_card(self, output_dir=self.args.output_dir, model_name=model_name, tags=tags,
+                                 language=language, license=license, finetuned_from=finetuned_from, tasks=tasks,
+                                 dataset=dataset, **kwargs)
+
+    def save_model(self, output_dir=None, *args, **kwargs):
+        super().save_model(output_dir, *args, **kwargs)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):
+            create_model_card(self, output_dir=output_dir, model_name=Path(self.args.output_dir).name)
+
+
+TrainerCls = DPTrainer if _integrated() else _CardDPTrainer
+
+
+def make_trainer(out, model=None, n=32, **kw) -> DPTrainer:
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=2, use_cpu=True,
+                report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
+                per_sample_max_grad_norm=1.0)
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        args = DPTrainingArguments(**base)
+    torch.manual_seed(0)
+    return TrainerCls(model=model if model is not None else tiny_gpt2(), args=args, train_dataset=lm_dataset(n))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "dp-gpt2"
+    trainer = make_trainer(out)
+    trainer.train()
+    trainer.save_model()
+    create_model_card(trainer, dataset_name="my-org/private-notes", license="apache-2.0", language="en")
+    return trainer, out
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+# --------------------------------------------------------------------------------------------------- contents
+def test_card_metadata_round_trips_and_matches_the_accountant(trained):
+    trainer, out = trained
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    dp = data["differential_privacy"]
+    assert set(REQUIRED_KEYS) <= set(dp)
+    spent = trainer.privacy_spent()
+    assert dp["epsilon"] == pytest.approx(spent["epsilon"], rel=1e-5)
+    assert dp["epsilon_prv"] == pytest.approx(trainer.accountant.get_epsilon(spent["delta"], "prv"), rel=1e-5)
+    assert dp["epsilon_rdp"] == pytest.approx(trainer.accountant.get_epsilon(spent["delta"], "rdp"), rel=1e-5)
+    assert dp["epsilon_rdp"] >= dp["epsilon_prv"] > 0
+    assert dp["delta"] == spent["delta"] and dp["noise_multiplier"] == 1.0
+    assert dp["sampling_rate"] == 4 / 32 and dp["sampling"] == "poisson"
+    assert dp["steps"] == 2 and dp["epochs"] == pytest.approx(2 * 4 / 32)
+    assert dp["expected_batch_size"] == 4 and dp["dataset_size"] == 32
+    assert dp["per_sample_max_grad_norm"] == 1.0 and dp["l2_sensitivity"] == 1.0
+    assert dp["clipping"] == "flat" and dp["privacy_unit"] == "example"
+    assert dp["accountant"] == "prv" and dp["prv_accountant_version"] == "0.2.0"
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    assert dp["trained_parameters"] == {"count": n_params, "total": n_params, "tensors": 28, "method": "full"}
+    assert dp["mechanisms"] == [{"noise_multiplier": 1.0, "sampling_rate": 0.125, "steps": 2}]
+    assert dp["optimizer"].startswith("DP-Adam") and dp["dp_guarantee"] == "strict"
+    assert dp["dp_seed"].startswith("secret")
+    assert data["tags"][:3] == ["differential-privacy", "dp-adam", "hf_dp"]
+    assert data["datasets"] == ["my-org/private-notes"] and data["license"] == "apache-2.0"
+    # YAML round trip: what huggingface_hub renders parses back to the same metadata
+    assert ModelCard(str(card)).data.to_dict() == data
+    assert privacy_report(out) == dp == privacy_report(out / "README.md") == privacy_report(card)
+    validate_card(out)
+    json.dumps(dp)  # plain types only
+
+
+def test_card_body_explains_the_guarantee_and_omits_the_training_loss(trained):
+    trainer, out = trained
+    text = (out / "README.md").read_text()
+    body = ModelCard.load(out / "README.md").text
+    for phrase in ("(ε = ", "differential privacy** for adding or removing one training example",
+                   "### What the guarantee covers", "### What it does not cover", "pre-training data",
+                   "Hyperparameter tuning on the private data", "Model selection on an evaluation set",
+                   "training loss", "### How to reproduce ε", "## Training hyperparameters", "learning_rate: 0.001",
+                   "### Framework versions", "prv-accountant 0.2.0", "Poisson sampling, rate q = 0.125"):
+        assert phrase in body, phrase
+    losses = [h[k] for h in trainer.state.log_history for k in ("loss", "train_loss") if k in h]
+    assert len(losses) >= 3
+    for loss in losses:
+        for digits in (3, 4, 5):
+            assert f"{loss:.{digits}f}" not in text
+        assert repr(loss) not in text and str(round(loss, 4)) not in text
+    assert "train_loss" not in text and "Training Loss" not in text and "eval_loss" not in text
+
+
+def test_reproduction_snippet_recomputes_epsilon(trained):
+    _, out = trained
+    dp = privacy_report(out)
+    code = _python_blocks(ModelCard.load(out / "README.md").text)[0]
+    assert "prv_accountant" in code
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, "card-snippet", "exec"), {})
+    eps_prv, eps_rdp = (float(x) for x in buf.getvalue().split())
+    assert eps_prv == pytest.approx(dp["epsilon_prv"], abs=2e-4)
+    assert eps_rdp == pytest.approx(dp["epsilon_rdp"], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ validation
+def _edited(out: Path, tmp_path: Path, edit) -> Path:
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    edit(data)
+    target = tmp_path / "README.md"
+    target.write_text(str(ModelCard.from_template(type(card.data)(**data), template_str="---\n{{ card_data }}\n---\n")))
+    return target
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["differential_privacy"].pop("delta"), "missing key `differential_privacy.delta`"),
+    (lambda d: d["differential_privacy"].update(steps="2"), "`differential_privacy.steps` must be a int"),
+    (lambda d: d["differential_privacy"].update(delta=1.5), "must be in (0, 1)"),
+    (lambda d: d["differential_privacy"].update(sampling="random"), "must be one of ('poisson', 'shuffled')"),
+    (lambda d: d["differential_privacy"].update(steps=3), "differs from the steps of its mechanisms"),
+    (lambda d: d["differential_privacy"].update(privacy_unit="user"), "user_id_column"),
+    (lambda d: d["differential_privacy"]["trained_parameters"].pop("method"), "trained_parameters.method"),
+    (lambda d: d.update(tags=["hf_dp"]), "tags must include 'differential-privacy'"),
+    (lambda d: d.update(differential_privacy=[1, 2]), "must be a mapping"),
+])
+def test_validate_card_names_what_is_wrong(trained, tmp_path, edit, message):
+    _, out = trained
+    path = _edited(out, tmp_path, edit)
+    with pytest.raises(ValueError) as err:
+        validate_card(path)
+    assert message in str(err.value)
+
+
+def test_privacy_report_refuses_cards_without_metadata(trained, tmp_path):
+    _, out = trained
+    path = _edited(out, tmp_path, lambda d: d.pop("differential_privacy"))
+    with pytest.raises(ValueError, match="no `differential_privacy` metadata"):
+        privacy_report(path)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "README.md").write_text("# Just a model\n")
+    with pytest.raises(ValueError, match="not written by hf_dp"):
+        privacy_report(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError):
+        privacy_report(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="does not parse"):
+        validate_card("---\nkey: [unclosed\n---\n")
+
+
+def test_templates_ship_inside_the_package_and_model_cards_dir_matches():
+    for name in ("dp_model_card.md", "dp_dataset_card.md"):
+        text = load_template(name)
+        assert "{{ card_data }}" in text and BLOCK_BEGIN in text
+        assert (REPO / "model_cards" / name).read_text() == text
+        assert (REPO / "hf_dp" / "templates" / name).is_file()
+
+
+# ---------------------------------------------------------------------------------------- trainer integration
+def test_card_in_every_checkpoint_and_not_strict_runs_say_so(tmp_path):
+    trainer = make_trainer(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=1, dp_seed=0)
+    trainer.train()
+    for step in (1, 2):
+        dp = privacy_report(tmp_path / "run" / f"checkpoint-{step}")
+        assert dp["steps"] == step
+        assert dp["dp_guarantee"].startswith("not strict") and "dp_seed" in dp["dp_guarantee"]
+    body = ModelCard.load(tmp_path / "run" / "checkpoint-2" / "README.md").text
+    assert "Warning: the guarantee is not strict" in body and "fixed dp_seed" in body
+    assert ModelCard.load(tmp_path / "run" / "checkpoint-2" / "README.md").data.model_name == "run"
+
+
+def test_optional_fields_slot_in(trained):
+    trainer, _ = trained
+    fake_args = SimpleNamespace(**{**trainer.args.to_dict(), "privacy_unit": "user", "user_id_column": "author",
+                                   "optim": trainer.args.optim})
+    fake = SimpleNamespace(**{k: getattr(trainer, k) for k in (
+        "accountant", "noise_multiplier", "sample_rate", "expected_batch_size", "num_examples_private", "target_delta",
+        "dp_guarantee", "model", "clipping_engine", "accelerator", "optimizer", "budget_exhausted")})
+    fake.args = fake_args
+    fake.group_clipper = SimpleNamespace(thresholds=torch.tensor([0.3, 0.4]), adaptive=False,
+                                         groups=[SimpleNamespace(name="wte"), SimpleNamespace(name="h.0")])
+    fake.noise_allocation = "weighted"
+    dp = privacy_metadata(fake)
+    assert dp["privacy_unit"] == "user" and dp["user_id_column"] == "author"
+    assert dp["group_thresholds"] == {"wte": pytest.approx(0.3), "h.0": pytest.approx(0.4)}
+    assert dp["l2_sensitivity"] == pytest.approx(0.5) and dp["noise_allocation"] == "weighted"
+
+
+def test_push_to_hub_uploads_the_card_and_the_weights(trained):
+    trainer, out = trained
+    uploads = []
+
+    def fake_upload(self, *, repo_id, folder_path, **kwargs):
+        files = sorted(os.listdir(folder_path))
+        uploads.append({"repo_id": repo_id, "files": files, "readme": Path(folder_path, "README.md").read_text(),
+                        "ignore": kwargs.get("ignore_patterns")})
+        return SimpleNamespace(commit_url="https://hub.invalid/commit/1")
+
+    trainer.hub_model_id = None
+    with mock.patch.object(HfApi, "create_repo", return_value=SimpleNamespace(repo_id="me/dp-gpt2")) as create, \
+            mock.patch.object(HfApi, "upload_folder", autospec=True, side_effect=fake_upload):
+        trainer.push_to_hub(license="mit", tags=["my-tag"])
+    create.assert_called_once()
+    (up,) = uploads
+    assert up["repo_id"] == "me/dp-gpt2"
+    assert "model.safetensors" in up["files"] and "config.json" in up["files"] and "dp_state.json" in up["files"]
+    card = ModelCard(up["readme"])
+    dp = card.data.get("differential_privacy")
+    assert dp == privacy_metadata(trainer)
+    assert card.data.license == "mit" and "my-tag" in card.data.tags and "differential-privacy" in card.data.tags
+    assert card.data.model_name == "dp-gpt2" and card.data.datasets == ["my-org/private-notes"]  # kept from before
+    validate_card(card)
+
+
+# ----------------------------------------------------------------------------------------------------- PEFT
+def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_gpt2(), LoraConfig(r=4, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    trainer = make_trainer(tmp_path / "lora", model=model)
+    trainer.train()
+    trainer.save_model()  # peft writes its README, then hf_dp merges into it
+    readme = tmp_path / "lora" / "README.md"
+    create_model_card(trainer, license="apache-2.0")
+    first = readme.read_text()
+    trainer.save_model()  # peft rewrites the tags of the existing card; the merge restores ours
+    create_model_card(trainer, license="apache-2.0")
+    assert readme.read_text() == first  # idempotent: one block, same metadata
+    card = ModelCard.load(readme)
+    assert card.data.library_name == "peft" and card.data.pipeline_tag == "text-generation"
+    assert {"lora", "transformers", "differential-privacy", "dp-adam", "hf_dp"} <= set(card.data.tags)
+    assert card.text.count(BLOCK_BEGIN) == 1
+    assert "## Model Details" in card.text and "- PEFT " in card.text  # peft's body kept
+    dp = privacy_report(readme)
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert dp["trained_parameters"]["method"] == "lora" and dp["trained_parameters"]["count"] == lora
+    assert dp["trained_parameters"]["peft"]["r"] == 4 and dp["trained_parameters"]["peft"]["target_modules"] == [
+        "c_attn"]
+    assert "LoRA adapters (r=4" in card.text and "frozen base-model weights" in card.text
+    assert math.isfinite(dp["epsilon"])
+
+
+def test_no_noise_card_reports_infinite_epsilon_and_not_strict(tmp_path):
+    trainer = make_trainer(tmp_path / "nonoise", noise_multiplier=0.0)
+    trainer.train()
+    card = create_model_card(trainer)
+    dp = privacy_report(tmp_path / "nonoise")
+    assert math.isinf(dp["epsilon"]) and math.isinf(dp["epsilon_rdp"])
+    assert dp["dp_guarantee"].startswith("not strict") and "no noise" in dp["dp_guarantee"]
+    assert "Warning: the guarantee is not strict" in card.text and "e^ε = ∞" in card.text
