@@ -68,6 +68,15 @@ class DPTrainingArguments(TrainingArguments):
             (compared with autograd) and that per-example norms equal single-example runs; fail loudly otherwise.
             Costs one extra forward/backward plus two single-example ones, once.
 
+    > Privacy unit
+
+    Parameters:
+        privacy_unit (`str`, defaults to `"example"`):
+            `"user"`: users (rows sharing `user_id_column`) are Poisson-sampled and each user's whole contribution
+            (`user_contribution`: the mean or sum of their examples' gradients, at most `max_examples_per_user`
+            examples per step) is clipped as one unit, so ε is a user-level guarantee. The expected batch size then
+            counts users, and q = expected users per step / number of users.
+
     The expected logical batch size is `per_device_train_batch_size × gradient_accumulation_steps × world_size`, so
     the sampling rate is q = that / N. `per_device_train_batch_size` only bounds memory: a Poisson batch larger than
     expected is split into more micro-batches, never truncated. The Trainer's own `max_grad_norm` (clipping of the
@@ -114,6 +123,20 @@ class DPTrainingArguments(TrainingArguments):
     adaptive_rescale_to_global: bool = field(
         default=False,
         metadata={"help": "Adaptive clipping: rescale thresholds so that ‖(C_1..C_K)‖ = C after each update."},
+    )
+    privacy_unit: str = field(
+        default="example",
+        metadata={"help": "'example' (each row) or 'user' (all rows sharing `user_id_column`): what ε protects."},
+    )
+    user_id_column: str | None = field(
+        default=None, metadata={"help": "For privacy_unit='user': the dataset column that identifies the user."}
+    )
+    max_examples_per_user: int | None = field(
+        default=None, metadata={"help": "For privacy_unit='user': at most this many of a user's examples per step."}
+    )
+    user_contribution: str = field(
+        default="mean",
+        metadata={"help": "For privacy_unit='user': clip the 'mean' or the 'sum' of a user's example gradients."},
     )
     poisson_sampling: bool = field(
         default=True,
@@ -175,6 +198,17 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"quantile_noise_multiplier must be > 0, got {self.quantile_noise_multiplier}.")
         if self.accountant not in ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}.")
+        if self.privacy_unit not in ("example", "user"):
+            raise ValueError(f"privacy_unit must be 'example' or 'user', got {self.privacy_unit!r}.")
+        if self.privacy_unit == "user":
+            if not self.user_id_column:
+                raise ValueError("privacy_unit='user' needs user_id_column (the column identifying each user).")
+            if not self.poisson_sampling:
+                raise ValueError("privacy_unit='user' needs poisson_sampling=True (Poisson sampling of users).")
+        if self.user_contribution not in ("mean", "sum"):
+            raise ValueError(f"user_contribution must be 'mean' or 'sum', got {self.user_contribution!r}.")
+        if self.max_examples_per_user is not None and self.max_examples_per_user < 1:
+            raise ValueError(f"max_examples_per_user must be >= 1, got {self.max_examples_per_user}.")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}.")
         if self.label_smoothing_factor:

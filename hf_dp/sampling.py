@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PoissonBatchSampler", "ShuffledBatchSampler", "derive_seed"]
+__all__ = ["PoissonBatchSampler", "PoissonUserSampler", "ShuffledBatchSampler", "derive_seed"]
 
 
 def derive_seed(*keys: int) -> int:
@@ -102,3 +102,54 @@ class ShuffledBatchSampler(_StepSampler):
         for step in range(self.steps_per_epoch):
             batch = perm[step * self.batch_size:(step + 1) * self.batch_size]
             yield from self._chunks(batch[self.rank::self.world_size])
+
+
+class PoissonUserSampler(_StepSampler):
+    """User-level Poisson sampling: each *user* is in a step's batch independently with probability ``q``.
+
+    All of a sampled user's examples (or, with ``max_examples_per_user = k``, ``k`` of them drawn uniformly without
+    replacement for this step) enter the batch, and a user's examples are never split across chunks, so the
+    trainer can clip each user's total contribution as one unit. Users are sharded over ranks (``user % world``).
+
+    Args:
+        user_of_example: ``(N,)`` user index ``0..U-1`` of every example.
+        sample_rate: ``q`` = expected users per step / ``U``.
+    """
+
+    def __init__(self, user_of_example: np.ndarray, sample_rate: float, steps_per_epoch: int, num_chunks: int = 1,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, max_examples_per_user: int | None = None):
+        user_of_example = np.asarray(user_of_example, dtype=np.int64)
+        super().__init__(len(user_of_example), steps_per_epoch, num_chunks, seed, rank, world_size)
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}.")
+        if max_examples_per_user is not None and max_examples_per_user < 1:
+            raise ValueError(f"max_examples_per_user must be >= 1, got {max_examples_per_user}.")
+        self.sample_rate = sample_rate
+        self.max_examples_per_user = max_examples_per_user
+        self.num_users = int(user_of_example.max()) + 1
+        order = np.argsort(user_of_example, kind="stable")  # examples grouped by user (CSR layout)
+        self._examples = order
+        self._user_sorted = user_of_example[order]
+        self.user_shard = np.arange(rank, self.num_users, world_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
+        for _ in range(self.steps_per_epoch):
+            chosen = torch.rand(len(self.user_shard), generator=gen, dtype=torch.float64).numpy() < self.sample_rate
+            users = self.user_shard[chosen]
+            keep = np.isin(self._user_sorted, users)
+            ex, owner = self._examples[keep], self._user_sorted[keep]
+            priority = torch.rand(len(ex), generator=gen, dtype=torch.float64).numpy()
+            if self.max_examples_per_user is not None and len(ex):
+                order = np.lexsort((priority, owner))  # by user, then a random priority within each user
+                ex, owner = ex[order], owner[order]
+                starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+                rank_in_user = np.arange(len(ex)) - np.repeat(starts, np.diff(np.r_[starts, len(ex)]))
+                within_cap = rank_in_user < self.max_examples_per_user
+                ex, owner = ex[within_cap], owner[within_cap]
+            yield from self._user_chunks(ex, owner)
+
+    def _user_chunks(self, examples: np.ndarray, owner: np.ndarray) -> Iterator[list[int]]:
+        users = np.unique(owner)
+        for part in np.array_split(users, self.num_chunks):
+            yield examples[np.isin(owner, part)].tolist()

@@ -189,10 +189,11 @@ def generate_synthetic_dataset(
         for b, start in enumerate(range(0, num_samples, batch_size)):
             n = min(batch_size, num_samples - start)
             if prompts is None:
-                rows = [[start_id]] * n
+                rows = [[start_id]] * batch_size
             else:
                 rows = [[start_id] + tokenizer(p, add_special_tokens=False)["input_ids"]
                         for p in prompts[start:start + n]]
+                rows += [rows[-1]] * (batch_size - n)  # a full batch always: sample i depends on i, not on N
             width = max(len(r) for r in rows)
             input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
             attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
@@ -204,7 +205,7 @@ def generate_synthetic_dataset(
                     top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, temperature=temperature,
                     max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id, **generate_kwargs,
                 )
-            for row in out[:, width:].tolist():
+            for row in out[:n, width:].tolist():
                 if eos_id is not None and eos_id in row:
                     row = row[:row.index(eos_id)]
                 texts.append(tokenizer.decode(row, skip_special_tokens=True).strip())

@@ -22,6 +22,7 @@ import secrets
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
@@ -35,7 +36,7 @@ from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
-from .sampling import PoissonBatchSampler, ShuffledBatchSampler
+from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
@@ -44,10 +45,12 @@ logger = logging.getLogger(__name__)
 DP_STATE_NAME = "dp_state.json"
 _EMPTY = "_hf_dp_empty_batch"
 _COUNTS = "_hf_dp_clip_counts"
+_UNIT = "_hf_dp_unit"
 
 
 class _EmptySafeCollator:
-    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error."""
+    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, and the
+    privacy-unit ids that :class:`_UnitTaggedDataset` attaches are collated into one tensor."""
 
     def __init__(self, collator):
         self.collator = collator
@@ -55,7 +58,26 @@ class _EmptySafeCollator:
     def __call__(self, features: list) -> dict:
         if len(features) == 0:
             return {_EMPTY: True}
+        if isinstance(features[0], dict) and _UNIT in features[0]:
+            units = torch.tensor([f[_UNIT] for f in features], dtype=torch.long)
+            batch = self.collator([{k: v for k, v in f.items() if k != _UNIT} for f in features])
+            batch[_UNIT] = units
+            return batch
         return self.collator(features)
+
+
+class _UnitTaggedDataset(torch.utils.data.Dataset):
+    """The training set, each row tagged with its privacy unit (user) id for user-level clipping."""
+
+    def __init__(self, dataset, unit_of_example):
+        self.dataset = dataset
+        self.unit_of_example = unit_of_example
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.dataset[i], _UNIT: int(self.unit_of_example[i])}
 
 
 def _is_empty(inputs: dict) -> bool:
@@ -209,24 +231,45 @@ class DPTrainer(Trainer):
 
     # ------------------------------------------------------------------ quantities of the mechanism
     @property
+    def user_level(self) -> bool:
+        return self.args.privacy_unit == "user"
+
+    @property
     def num_examples_private(self) -> int:
-        """N: the number of examples (privacy units) in the training set."""
+        """N: the number of privacy units in the training set (examples, or users with ``privacy_unit='user'``)."""
         if self.train_dataset is None:
             raise ValueError("DPTrainer needs a train_dataset.")
+        if self.user_level:
+            return int(self._unit_ids().max()) + 1
         return len(self.train_dataset)
+
+    def _unit_ids(self) -> np.ndarray:
+        """User index (0..U-1) of every training example, from ``user_id_column``."""
+        cached = getattr(self, "_unit_cache", None)
+        if cached is not None and cached[0] is self.train_dataset:
+            return cached[1]
+        column = self.args.user_id_column
+        try:
+            values = self.train_dataset[column]
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise ValueError(f"privacy_unit='user': the training set has no column {column!r}.") from err
+        ids = np.unique(np.asarray(list(values)), return_inverse=True)[1].reshape(-1)
+        self._unit_cache = (self.train_dataset, ids)
+        return ids
 
     @property
     def expected_batch_size(self) -> int:
-        """Expected logical batch: per-device batch × gradient accumulation steps × processes."""
+        """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
         return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
 
     @property
     def sample_rate(self) -> float:
-        """q = expected batch size / N."""
+        """q = expected batch size / N (N counts privacy units)."""
         q = self.expected_batch_size / self.num_examples_private
         if q > 1:
+            unit = "users" if self.user_level else "training set size"
             raise ValueError(
-                f"The expected batch size {self.expected_batch_size} exceeds the training set size "
+                f"The expected batch size {self.expected_batch_size} exceeds the {unit} "
                 f"{self.num_examples_private} (q = {q:.3f} > 1). Lower per_device_train_batch_size or "
                 "gradient_accumulation_steps."
             )
@@ -267,7 +310,12 @@ class DPTrainer(Trainer):
         self._noise = NoiseGenerator(seed)
         common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
-        if self.args.poisson_sampling:
+        if self.user_level:
+            units = self._unit_ids()
+            sampler = PoissonUserSampler(units, self.sample_rate, self.steps_per_epoch,
+                                         max_examples_per_user=self.args.max_examples_per_user, **common)
+            dataset = _UnitTaggedDataset(dataset, units)
+        elif self.args.poisson_sampling:
             sampler = PoissonBatchSampler(self.num_examples_private, self.sample_rate, self.steps_per_epoch, **common)
         else:
             sampler = ShuffledBatchSampler(self.num_examples_private, self.expected_batch_size, **common)
@@ -311,14 +359,40 @@ class DPTrainer(Trainer):
         return {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
                 for k, v in inputs.items()}
 
-    def _micro_batches(self, inputs: dict, labels: torch.Tensor) -> list[tuple[dict, torch.Tensor]]:
+    def _micro_batches(self, inputs: dict, labels: torch.Tensor,
+                       units: torch.Tensor | None = None) -> list[tuple[dict, torch.Tensor, torch.Tensor | None]]:
+        """Split a chunk into micro-batches of at most ``per_device_train_batch_size`` examples (memory only).
+
+        With user-level units, a user's examples (contiguous in the chunk) are never split: a micro-batch holds whole
+        users, and a user with more examples than the bound gets a micro-batch of their own.
+        """
         batch = labels.shape[0]
         size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
+        if units is None:
+            bounds = list(range(0, batch, size)) + [batch]
+        else:
+            changes = (units[1:] != units[:-1]).nonzero().flatten() + 1
+            edges = [0, *changes.tolist(), batch]
+            bounds = [0]
+            for block_start, block_end in zip(edges[:-1], edges[1:]):
+                if block_end - bounds[-1] > size and block_start > bounds[-1]:
+                    bounds.append(block_start)  # close the micro-batch before this user
+            bounds.append(batch)
         out = []
-        for start in range(0, batch, size):
-            sl = slice(start, min(start + size, batch))
-            out.append((self._slice_batch(inputs, sl, batch), labels[sl]))
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            sl = slice(a, b)
+            out.append((self._slice_batch(inputs, sl, batch), labels[sl], None if units is None else units[sl]))
         return out
+
+    def _unit_layout(self, units: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Local unit ids ``0..U-1`` of a micro-batch and the weights ``w_i`` of each user's contribution."""
+        if units is None:
+            return None, None
+        local = torch.unique_consecutive(units, return_inverse=True)[1]
+        if self.args.user_contribution == "sum":
+            return local, None
+        counts = torch.bincount(local)
+        return local, 1.0 / counts[local].double()
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """Once per run: the engine against autograd and single-example runs on real data (engine.self_check)."""
@@ -356,13 +430,17 @@ class DPTrainer(Trainer):
             if "labels" not in inputs:
                 raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
             labels = inputs.pop("labels")
+            units_all = inputs.pop(_UNIT, None)
             net = self.accelerator.unwrap_model(model)
             engine = self.clipping_engine
-            for micro, micro_labels in self._micro_batches(inputs, labels):
+            for micro, micro_labels, micro_units in self._micro_batches(inputs, labels, units_all):
                 b = micro_labels.shape[0]
                 if self.args.dp_self_check and not getattr(self, "_self_checked", False):
                     self._self_check(net, micro, micro_labels)
-                with self.compute_loss_context_manager(), engine.record(b):
+                units, weights = self._unit_layout(micro_units)
+                if units is not None:
+                    units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
+                with self.compute_loss_context_manager(), engine.record(b, units=units, unit_weights=weights):
                     outputs = net(**self._model_inputs(net, micro, micro_labels))
                     losses = self.per_example_loss(outputs, micro_labels)
                     if losses.shape != (b,):
@@ -370,8 +448,9 @@ class DPTrainer(Trainer):
                     if losses.requires_grad:
                         losses.sum().backward()
                 if self.group_clipper is None:
-                    norms_sq = engine.per_example_norms_sq()
-                    factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, b)
+                    norms_sq = engine.per_example_norms_sq()  # per user with user-level units
+                    n_units = b if units is None else int(units.max()) + 1
+                    factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, n_units)
                     engine.accumulate_clipped(factors.to(losses.device))
                 else:
                     engine.finish_fused()  # groups were clipped during the backward pass

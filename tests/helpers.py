@@ -164,7 +164,7 @@ def per_example_grads(model: torch.nn.Module, dataset: Dataset, indices: list[in
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     for i in indices:
         row = dataset[i]
-        batch = {k: torch.tensor([v]) for k, v in row.items()}
+        batch = {k: torch.tensor([v]) for k, v in row.items() if not isinstance(v, str)}
         model.zero_grad(set_to_none=True)
         single_example_loss(model, batch).backward()
         out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})

@@ -141,6 +141,8 @@ class ClippingEngine:
         self._names = {id(p): n for n, p in self.params.items()}
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
+        self._units: torch.Tensor | None = None
+        self._unit_weights: torch.Tensor | None = None
         self._groups: list[list[str]] | None = None
         self._handler: GroupHandler | None = None
         self._group_of: dict[str, int] = {}
@@ -150,15 +152,23 @@ class ClippingEngine:
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
-    def record(self, batch_size: int, freeze: bool = True) -> Iterator[None]:
+    def record(self, batch_size: int, freeze: bool = True, units: torch.Tensor | None = None,
+               unit_weights: torch.Tensor | None = None) -> Iterator[None]:
         """Capture the per-example factors of one micro-batch of ``batch_size`` examples.
 
         Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it
         (unless ``freeze=False``, used by :meth:`self_check`), so no ``.grad`` is produced; the factors stay
         available (:meth:`per_example_norms_sq`) until :meth:`clear`.
+
+        Args:
+            units: ``(B,)`` privacy unit of each example (user-level DP), ids ``0..U-1``. Norms are then those of each
+                unit's gradient ``G_u = Σ_{i∈u} w_i G_i`` (ghost norms over the unit's concatenated tokens, cross terms
+                between its examples included), and factors given to :meth:`accumulate_clipped` are per unit.
+            unit_weights: ``(B,)`` weights ``w_i`` (1 for a user's sum, ``1/n_u`` for their mean).
         """
         self.clear()
         self._batch_size = batch_size
+        self._set_units(units, unit_weights)
         handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
@@ -226,7 +236,7 @@ class ClippingEngine:
                     "clipped per example: " + ", ".join(escaped) + ". Freeze them (requires_grad_(False))."
                 )
             for i in range(min(num_single, batch_size)):
-                with self.record(1):
+                with self.record(1):  # per example: unit regrouping is exact tensor algebra, tested separately
                     single = run_losses(slice(i, i + 1))
                     if single.requires_grad:
                         single.sum().backward()
@@ -313,9 +323,52 @@ class ClippingEngine:
         return self._uses
 
     # ------------------------------------------------------------------ norms and sums
+    def _set_units(self, units: torch.Tensor | None, weights: torch.Tensor | None) -> None:
+        self._units = units
+        self._unit_weights = weights
+        if units is None:
+            return
+        counts = torch.bincount(units)
+        order = torch.argsort(units, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(units)
+        slot[order] = torch.arange(len(units), device=units.device) - starts[units[order]]
+        self._unit_slot = slot
+        self._num_units = len(counts)
+        self._unit_capacity = int(counts.max())
+
+    def _to_units(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, ...)`` per example → ``(U, n_max·T, ...)`` per unit: its examples concatenated, zero-padded."""
+        out = x.new_zeros(self._num_units, self._unit_capacity, *x.shape[1:])
+        out[self._units, self._unit_slot] = x
+        return out.reshape(self._num_units, self._unit_capacity * x.shape[1], *x.shape[2:])
+
+    def _unit_uses(self, uses: list[Use]) -> list[Use]:
+        """The uses of a parameter regrouped by privacy unit: ``G_u = Σ_{i∈u} w_i L_iᵀ R_i = L_uᵀ R_u``."""
+        out = []
+        for u in uses:
+            right = u.right if self._unit_weights is None else u.right * self._unit_weights.to(u.right.dtype).view(
+                -1, 1, 1)
+            left = None if u.left is None else self._to_units(u.left)
+            out.append(Use(u.param, left, self._to_units(right), u.left_dim, u.module_name))
+        return out
+
+    def unit_factors(self, unit_factors: torch.Tensor) -> torch.Tensor:
+        """Per-unit clipping factors → per-example factors ``c_{u(i)} w_i`` for the clipped sum."""
+        if self._units is None:
+            return unit_factors
+        c = unit_factors[self._units]
+        return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
+
+    def _norm_sq_of(self, uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
+        instantiation if that was cheaper (per example only)."""
+        if self._units is not None:
+            return self._plain_norm_sq(self._unit_uses(uses))[0], None
+        return self._plain_norm_sq(uses)
+
     @staticmethod
-    def _norm_sq_of(uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(B,)`` squared per-example norms of one parameter's gradient, and its instantiation if that was cheaper."""
+    def _plain_norm_sq(uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = _acc_dtype(*[u.right for u in uses])
         if use_ghost_norm(uses):
             total = None
@@ -362,11 +415,12 @@ class ClippingEngine:
         """Add ``Σ_i c_i G_{i,p}`` into :attr:`summed_grads` for every parameter ``p``.
 
         Args:
-            factors: one ``(B,)`` vector for all parameters (flat clipping), or ``{param name: (B,)}``.
+            factors: one ``(B,)`` vector for all parameters (flat clipping), or ``{param name: (B,)}``; per unit
+                ``(U,)`` when the micro-batch was recorded with ``units``.
         """
         inst = getattr(self, "_instantiated", {})
         for name, uses in self._uses_by_param().items():
-            c = factors[name] if isinstance(factors, dict) else factors
+            c = self.unit_factors(factors[name] if isinstance(factors, dict) else factors)
             self._add_clipped(name, uses, c, inst.get(name))
         self._instantiated = {}
 
@@ -395,7 +449,7 @@ class ClippingEngine:
         norms, insts = {}, {}
         for n, uses in stored.items():
             norms[n], insts[n] = self._norm_sq_of(uses)
-        factors = self._handler(k, norms)
+        factors = self.unit_factors(self._handler(k, norms))
         for n, uses in stored.items():
             self._add_clipped(n, uses, factors, insts[n])
 
