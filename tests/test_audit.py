@@ -72,6 +72,15 @@ def tiny_lm(vocab: int, n_positions: int = T, seed: int = 0) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one intra-op thread is much faster than two on a shared, busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared training runs
 # ---------------------------------------------------------------------------------------------------------------------
@@ -85,16 +94,16 @@ def runs(tmp_path_factory):
     data = canaries.insert_into(train)
     out = {"tok": tok, "canaries": canaries, "train": train, "heldout": heldout, "data": data}
     for name, sigma in (("nonprivate", 0.0), ("dp", 1.0)):
-        args = DPTrainingArguments(output_dir=str(tmp_path_factory.mktemp(name)), noise_multiplier=sigma,
-                                   per_sample_max_grad_norm=1.0, per_device_train_batch_size=16, max_steps=30,
-                                   learning_rate=2e-2, use_cpu=True, report_to="none", save_strategy="no",
-                                   disable_tqdm=True, logging_steps=10, dp_seed=0)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NotPrivateWarning)
+            warnings.simplefilter("ignore", NotPrivateWarning)  # σ = 0 is the non-private run
+            args = DPTrainingArguments(output_dir=str(tmp_path_factory.mktemp(name)), noise_multiplier=sigma,
+                                       per_sample_max_grad_norm=1.0, per_device_train_batch_size=16, max_steps=30,
+                                       learning_rate=2e-2, use_cpu=True, report_to="none", save_strategy="no",
+                                       disable_tqdm=True, logging_steps=10, dp_seed=0)
             trainer = DPTrainer(model=tiny_lm(len(tok)), args=args, train_dataset=data)
-        exposure = CanaryExposureCallback(canaries).attach(trainer)
-        mia = MembershipInferenceCallback(train, heldout).attach(trainer)
-        trainer.train()
+            exposure = CanaryExposureCallback(canaries).attach(trainer)
+            mia = MembershipInferenceCallback(train, heldout).attach(trainer)
+            trainer.train()
         out[name] = {"trainer": trainer, "exposure": exposure, "mia": mia}
     return out
 

@@ -1,0 +1,5 @@
+"""Optional behaviour for DPTrainer as ``TrainerCallback``s."""
+
+from .flatness import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
+
+__all__ = ["CrossLayerFlattening", "CrossModelFlattening", "WithinLayerFlattening"]
