@@ -151,6 +151,12 @@ class DPTrainer(Trainer):
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            raise ValueError(
+                "DPTrainer does not support FSDP or DeepSpeed sharding yet: the per-example hooks need whole "
+                "parameters on each rank. Use multi-process DDP (`accelerate launch --multi_gpu`), and for models "
+                "placed across devices, clipping='per_device'."
+            )
         if self.neftune_noise_alpha is not None:
             raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
         if per_example_loss is None:

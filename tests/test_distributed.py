@@ -24,11 +24,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out_dir, sigma: float) -> tuple[list[dict], list[dict]]:
+def launch(out_dir, sigma: float, clipping: str = "flat", steps: int = 1) -> tuple[list[dict], list[dict]]:
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), WORKER, str(out_dir), str(sigma)]
+           "--main_process_port", str(_free_port()), WORKER, str(out_dir), str(sigma), clipping, str(steps)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,3 +69,27 @@ def test_two_processes_identical_exact_and_noised_once(tmp_path):
     acc = PrivacyAccountant()
     acc.step(SIGMA, q)
     assert info[0]["epsilon"] == pytest.approx(acc.get_epsilon(1 / N**1.1))
+
+
+@pytest.mark.slow
+def test_two_processes_per_layer_and_adaptive(tmp_path):
+    """Per-layer clipping across ranks equals the union oracle; adaptive thresholds stay identical across ranks."""
+    from test_groupwise import group_clipped_sum
+
+    clean, info = launch(tmp_path / "per_layer", 0.0, "per_layer")
+    for k in clean[0]:
+        assert torch.equal(clean[0][k], clean[1][k]), k
+    q, expected_batch = info[0]["sample_rate"], info[0]["expected_batch_size"]
+    indices = []
+    for rank in range(2):
+        sampler = PoissonBatchSampler(N, q, -(-N // expected_batch), num_chunks=2, seed=SEED, rank=rank, world_size=2)
+        indices += [i for chunk in list(sampler)[:2] for i in chunk]
+    torch.manual_seed(0)
+    grads = per_example_grads(tiny_gpt2().double(), lm_dataset(N, seed=3), indices)
+    expected = group_clipped_sum(grads, info[0]["groups"], info[0]["thresholds"])
+    for k, upd in clean[0].items():
+        torch.testing.assert_close(upd, expected[k] / expected_batch, rtol=1e-7, atol=1e-10, msg=k)
+
+    _, info = launch(tmp_path / "adaptive", 1.0, "adaptive_per_layer", 3)
+    assert info[0]["thresholds"] == info[1]["thresholds"]  # counts summed across ranks, noised once
+    assert info[0]["thresholds"] != [info[0]["thresholds"][0]] * len(info[0]["thresholds"])  # they adapted

@@ -250,6 +250,8 @@ def make_canaries(
             raise ValueError("Without a tokenizer, prefix must be a list of token ids (None marks a <word> slot).")
         sub_ids = [int(t) for t in subvocab]
     else:
+        if not isinstance(prefix, str):
+            raise ValueError("With a tokenizer, prefix must be a string ({} marks a <word> slot).")
         if isinstance(subvocab, int):
             pool = _word_tokens(tokenizer)
             if len(pool) < subvocab:
@@ -295,11 +297,11 @@ def make_canaries(
         secret = tuple(sub_ids[j] for j in secret_idx)
         if tokenizer is None:
             it = iter(slots[k])
-            prefix_ids = tuple(sub_ids[next(it)] if t is None else int(t) for t in prefix)  # type: ignore[union-attr]
+            prefix_ids = tuple(sub_ids[next(it)] if t is None else int(t) for t in prefix)
             canaries.append(Canary(prefix_ids, secret, int(r), None))
             continue
-        assert words is not None
-        prefix_text = prefix.format(*[words[j] for j in slots[k]])  # type: ignore[union-attr]
+        assert words is not None and isinstance(prefix, str)
+        prefix_text = prefix.format(*[words[j] for j in slots[k]])
         text = prefix_text + " " + " ".join(words[j] for j in secret_idx)
         prefix_ids = tuple(int(t) for t in tokenizer(prefix_text, add_special_tokens=False)["input_ids"])
         core = list(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -420,6 +422,7 @@ def canary_exposure(
     method: str = "skewnorm",
     batch_size: int = 256,
     seed: int = 0,
+    max_fit_reference: int | None = 20000,
 ) -> dict[str, Any]:
     """Exposure of every canary under a causal LM (Carlini et al. 2019; the Li et al. 2022, App. M protocol).
 
@@ -433,7 +436,9 @@ def canary_exposure(
             With the full space enumerated, the distribution model is fitted to all non-inserted candidates.
         method: distribution model, see :func:`exposure_by_distribution`.
         batch_size: sequences per forward pass.
-        seed: seeds the reference candidates.
+        seed: seeds the reference candidates and the fit subsample.
+        max_fit_reference: fit the distribution model to at most this many references (a seeded random subsample;
+            the maximum-likelihood fit costs about 3 s per 10^5 points). ``None``: all.
 
     Returns a JSON-serialisable dict: ``canaries`` (per canary: ``repetitions``, ``log_perplexity`` in bits,
     ``exposure`` (distribution model), ``exposure_exact`` and ``rank`` (or ``None``), ``text``), ``by_repetitions``
@@ -483,7 +488,10 @@ def canary_exposure(
                     match = (heads.numpy() == np.array(s[:h])).all(axis=1) if h else np.ones(draws, dtype=bool)
                     keep[match, s[-1]] = False
                 reference = scores[keep]
-            exposure, info = exposure_by_distribution(own, reference, method)
+            fit_ref = reference
+            if max_fit_reference is not None and reference.size > max_fit_reference:
+                fit_ref = rng.choice(reference, size=max_fit_reference, replace=False)
+            exposure, info = exposure_by_distribution(own, fit_ref, method)
             rows.append({
                 "repetitions": c.repetitions,
                 "log_perplexity": own,

@@ -16,7 +16,7 @@ from helpers import lm_dataset, tiny_gpt2  # noqa: E402
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
 
-def main(out_dir: str, sigma: float) -> None:
+def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> None:
     torch.manual_seed(0)  # same init on every rank (DDP also broadcasts rank 0's parameters)
     model = tiny_gpt2().double()
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -24,7 +24,7 @@ def main(out_dir: str, sigma: float) -> None:
         warnings.simplefilter("ignore")
         args = DPTrainingArguments(
             output_dir=out_dir, noise_multiplier=sigma, per_sample_max_grad_norm=0.5, per_device_train_batch_size=3,
-            gradient_accumulation_steps=2, max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1.0, clipping=clipping, optim="sgd", lr_scheduler_type="constant",
             weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no", dp_seed=17, disable_tqdm=True,
         )
     trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(24, seed=3))
@@ -35,8 +35,11 @@ def main(out_dir: str, sigma: float) -> None:
     with open(os.path.join(out_dir, f"info_rank{rank}.json"), "w") as f:
         json.dump({"world_size": trainer.args.world_size, "expected_batch_size": trainer.expected_batch_size,
                    "sample_rate": trainer.sample_rate, "epsilon": trainer.privacy_spent()["epsilon"],
-                   "steps": trainer.accountant.steps, "seed": trainer._noise.seed}, f)
+                   "steps": trainer.accountant.steps, "seed": trainer._noise.seed,
+                   "thresholds": None if trainer.group_clipper is None else trainer.group_clipper.thresholds.tolist(),
+                   "groups": None if trainer.group_clipper is None else [g.params for g in trainer.group_clipper.groups]},
+                  f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), *(sys.argv[3:4]), *(int(a) for a in sys.argv[4:5]))
