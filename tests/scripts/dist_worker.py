@@ -24,21 +24,22 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
         warnings.simplefilter("ignore")
         args = DPTrainingArguments(
             output_dir=out_dir, noise_multiplier=sigma, per_sample_max_grad_norm=0.5, per_device_train_batch_size=3,
-            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1.0, clipping=clipping, optim="sgd", lr_scheduler_type="constant",
+            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1.0,
+            clipping=clipping, optim="sgd", lr_scheduler_type="constant",
             weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no", dp_seed=17, disable_tqdm=True,
         )
     trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(24, seed=3))
     trainer.train()
     rank = trainer.args.process_index
+    gc = trainer.group_clipper
     update = {k: (before[k] - p.detach()) for k, p in model.named_parameters()}
     torch.save(update, os.path.join(out_dir, f"update_rank{rank}.pt"))
     with open(os.path.join(out_dir, f"info_rank{rank}.json"), "w") as f:
         json.dump({"world_size": trainer.args.world_size, "expected_batch_size": trainer.expected_batch_size,
                    "sample_rate": trainer.sample_rate, "epsilon": trainer.privacy_spent()["epsilon"],
                    "steps": trainer.accountant.steps, "seed": trainer._noise.seed,
-                   "thresholds": None if trainer.group_clipper is None else trainer.group_clipper.thresholds.tolist(),
-                   "groups": None if trainer.group_clipper is None else [g.params for g in trainer.group_clipper.groups]},
-                  f)
+                   "thresholds": None if gc is None else gc.thresholds.tolist(),
+                   "groups": None if gc is None else [g.params for g in gc.groups]}, f)
 
 
 if __name__ == "__main__":
