@@ -515,6 +515,7 @@ class DPTrainer(Trainer):
                         self.target_delta)
         if self.group_clipper is not None:
             self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
+        self.accountant.planned_steps = state.max_steps
         self._allowed_steps = self._steps_within_budget(remaining)
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
@@ -528,6 +529,7 @@ class DPTrainer(Trainer):
 
         def eps_after(n: int) -> float:
             acc = self.accountant.copy()
+            acc.planned_steps = None  # the same computation as the calibration
             acc.step(self.noise_multiplier, self.sample_rate, n)
             return acc.get_epsilon(self.target_delta)
 
@@ -594,8 +596,10 @@ class DPTrainer(Trainer):
     def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
         """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism."""
         delta = self.target_delta if delta is None else delta
+        exact = self.accountant.copy()
+        exact.planned_steps = None  # a discretisation sized for exactly the steps taken, as in the calibration
         return {
-            "epsilon": self.accountant.get_epsilon(delta),
+            "epsilon": exact.get_epsilon(delta),
             "delta": delta,
             "accountant": self.args.accountant,
             "steps": self.accountant.steps,

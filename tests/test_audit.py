@@ -349,3 +349,31 @@ def test_metric_module_agrees_with_canary_exposure_on_a_model(runs):
                                                  space_size=cs.space_size)
     assert out["exposure_exact"] == pytest.approx([row["exposure_exact"] for row in res["canaries"]])
     assert out["exposure"] == pytest.approx([row["exposure"] for row in res["canaries"]], rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The example script
+# ---------------------------------------------------------------------------------------------------------------------
+def test_example_script_runs_end_to_end_with_tiny_settings(tmp_path):
+    """examples/dp_audit.py on real fortunes and a BPE trained on Austen, with tiny sizes (a smoke test)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "dp_audit.py"
+    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_audit", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out = module.main(["--output_dir", str(tmp_path), "--num_train", "48", "--num_heldout", "16", "--num_members",
+                       "16", "--repetitions", "0", "2", "--canaries_per_repetition", "1", "--secret_length", "2",
+                       "--pretrain_steps", "2", "--epochs", "1", "--batch_size", "16", "--width", "16",
+                       "--target_epsilon", "8"])
+    dp, nonpriv = out["results"]
+    assert dp["private"] and 0 < dp["epsilon"] <= 8 and not nonpriv["private"]
+    for res in (dp, nonpriv):
+        assert set(res["exposure"]["by_repetitions"]) == {"0", "2"}
+        assert set(res["mia"]["attacks"]) == {"loss", "calibrated", "zlib"}
+        assert res["audit_report"]["covered_by_dp"] is False
+    saved = json.loads((tmp_path / "audit_results.json").read_text())
+    assert saved["results"][0]["exposure"]["space_size"] == 100
