@@ -3,8 +3,10 @@
 Public API: everything a user needs is importable from here.
 """
 
+from . import audit
 from .accounting import MechanismRecord, PrivacyAccountant, calibrate_noise_multiplier, group_privacy
 from .arguments import DPTrainingArguments, NotPrivateWarning
+from .audit import CanaryExposureCallback, MembershipInferenceCallback, audit_report, make_canaries
 from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
 from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
@@ -16,6 +18,11 @@ from .trainer import DPTrainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CanaryExposureCallback",
+    "MembershipInferenceCallback",
+    "audit",
+    "audit_report",
+    "make_canaries",
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",

@@ -365,12 +365,18 @@ def test_example_script_runs_end_to_end_with_tiny_settings(tmp_path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    out = module.main(["--output_dir", str(tmp_path), "--num_train", "48", "--num_heldout", "16", "--num_members",
-                       "16", "--repetitions", "0", "2", "--canaries_per_repetition", "1", "--secret_length", "2",
-                       "--pretrain_steps", "2", "--epochs", "1", "--batch_size", "16", "--width", "16",
-                       "--target_epsilon", "8"])
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    try:
+        out = module.main(["--output_dir", str(tmp_path), "--num_train", "48", "--num_heldout", "16",
+                           "--num_members", "16", "--repetitions", "0", "2", "--canaries_per_repetition", "1",
+                           "--secret_length", "2", "--pretrain_steps", "2", "--epochs", "1", "--batch_size", "16",
+                           "--width", "16", "--noise_multiplier", "1.0"])
+    finally:
+        hf_logging.set_verbosity(verbosity)
     dp, nonpriv = out["results"]
-    assert dp["private"] and 0 < dp["epsilon"] <= 8 and not nonpriv["private"]
+    assert dp["private"] and dp["noise_multiplier"] == 1.0 and 0 < dp["epsilon"] < math.inf and not nonpriv["private"]
     for res in (dp, nonpriv):
         assert set(res["exposure"]["by_repetitions"]) == {"0", "2"}
         assert set(res["mia"]["attacks"]) == {"loss", "calibrated", "zlib"}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .canaries import CanarySet, canary_exposure
 from .membership import DEFAULT_FPRS, membership_inference, per_example_losses
@@ -78,8 +78,8 @@ class AuditCallback(TrainerCallback):
                 return {}
         return {}
 
-    def _run(self, args: Any, state: Any, event: str, model: Any, metrics: dict[str, Any] | None = None,
-             **kwargs: Any) -> None:
+    def _run(self, args: TrainingArguments, state: TrainerState, event: str, model: Any,
+             metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if not state.is_world_process_zero or model is None:
             return
         result = self.compute(model, **kwargs)
@@ -99,11 +99,13 @@ class AuditCallback(TrainerCallback):
             state.log_history.append({**flat, "step": state.global_step})
         logger.info("hf_dp audit (%s, step %d): %s", self.name, state.global_step, flat)
 
-    def on_train_end(self, args, state, control, model=None, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+                     **kwargs: Any) -> None:
         if self.run_on_train_end:
             self._run(args, state, "train_end", model, **kwargs)
 
-    def on_evaluate(self, args, state, control, model=None, metrics=None, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+                    metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
         if self.run_on_evaluate:
             self._run(args, state, "evaluate", model, metrics=metrics, **kwargs)
 
@@ -166,8 +168,9 @@ class MembershipInferenceCallback(AuditCallback):
     Args:
         members: tokenized training examples (a subset of ``train_dataset``; rows with ``input_ids``, ``labels``).
         nonmembers: tokenized examples of a real held-out split of the same data, never trained on.
-        reference: ``"initial"`` (default): record every example's loss under the model at ``on_train_begin`` (the
-            pre-trained / initial model) and run the difficulty-calibrated attack; ``None``: loss attack only.
+        reference: ``"initial"`` (default): record every example's loss under the model at the first
+            ``on_train_begin`` (the pre-trained / initial model; for a run resumed from a checkpoint, the checkpoint's
+            model) and run the difficulty-calibrated attack; ``None``: loss attack only.
         text_column: column with each example's text: enables the zlib-calibrated attack (Carlini et al. 2021).
         delta: δ for the empirical ε lower bound; default: the trainer's ``target_delta`` when attached to a
             ``DPTrainer``; ``None`` without a DPTrainer disables the bound unless given.
@@ -201,7 +204,8 @@ class MembershipInferenceCallback(AuditCallback):
         return per_example_losses(model, data, batch_size=self.batch_size, per_example_loss=self.per_example_loss,
                                   return_counts=counts)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+                       **kwargs: Any) -> None:
         if self.reference == "initial" and model is not None and state.is_world_process_zero \
                 and self.reference_losses is None:
             self.reference_losses = (self._losses(model, self.members), self._losses(model, self.nonmembers))

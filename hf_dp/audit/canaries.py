@@ -7,13 +7,13 @@ is a random secret from a known space ``R`` — into the training data, and afte
     exposure(s) = log2 |R| − log2 rank(s),
 
 where ``rank(s)`` is the position of the inserted secret when all candidates of ``R`` are sorted by the model's
-log-perplexity ``Px(s) = −Σ_t log2 Pr(s_t | prefix, s_<t)`` (§4.1, Def. 4). Exposure is 0 bits when the canary looks
-like any other candidate and ``log2 |R|`` when it is the most likely one (then it can be extracted, §8). When ``R`` is
-too large to enumerate, §4.3 ("approximation by distribution model") fits a skew-normal distribution to the
-log-perplexities of many *non-inserted* candidates and estimates ``exposure ≈ −log2 F(Px(s))`` with ``F`` the fitted
-CDF. Li et al. 2022 (App. M, Table 9) use this with ``V = 10`` random words of the GPT-2 vocabulary as the
-sub-vocabulary, secrets of about ``l = 5`` words (``|R| = V^l``), prefixes whose ``<word>`` slots are also drawn from
-the sub-vocabulary, and repetition counts ``r ∈ {1, 10, 100}``.
+log-perplexity ``Px(s) = −Σ_t log2 Pr(s_t | prefix, s_<t)`` (§4 of the paper). Exposure is ≈ 0–2 bits when the canary
+looks like any other candidate and ``log2 |R|`` when it is the most likely one (then it "can likely be extracted", Li et
+al. 2022, App. M). When ``R`` is too large to enumerate, the paper's *approximation by distribution modeling* fits a
+skew-normal distribution to the log-perplexities of many *non-inserted* candidates and estimates
+``exposure ≈ −log2 F(Px(s))`` with ``F`` the fitted CDF. Li et al. 2022 (App. M, Table 9) use this with ``V = 10``
+random words of the GPT-2 vocabulary as the sub-vocabulary, secrets of about ``l = 5`` words (``|R| = V^l``), prefixes
+whose ``<word>`` slots are also drawn from the sub-vocabulary, and repetition counts ``r ∈ {1, 10, 100}``.
 
 This module builds such canaries for any Hugging Face tokenizer (or directly from token ids), inserts their ``r``
 copies into a tokenized training set as ordinary rows (they go through the same Poisson sampling and per-example
@@ -27,6 +27,7 @@ candidates costs ``V^(l−1)`` forward passes, and ``n`` reference candidates co
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -217,7 +218,7 @@ def make_canaries(
     pad_token_id: int | None = None,
     seed: int = 0,
 ) -> CanarySet:
-    """Build secret-sharer canaries (Carlini et al. 2019, §3; the format of Li et al. 2022, App. M).
+    """Build secret-sharer canaries (Carlini et al. 2019; the format of Li et al. 2022, App. M).
 
     Args:
         tokenizer: a Hugging Face tokenizer, or ``None`` to work on token ids directly (then ``subvocab`` must be a
@@ -340,37 +341,51 @@ def _device(model: torch.nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
 @torch.no_grad()
 def _score_heads(model: torch.nn.Module, context: Sequence[int], heads: torch.Tensor, subvocab: torch.Tensor,
                  batch_size: int) -> torch.Tensor:
     """Log-perplexities (bits) of the secrets ``head + [w]`` for every head (rows) and every ``w`` in the sub-vocab.
 
-    ``heads`` is ``[M, l − 1]`` (``l − 1`` may be 0). Returns ``[M, V]`` in float64.
+    ``heads`` is ``[M, l − 1]`` (``l − 1`` may be 0). Returns ``[M, V]`` in float64. Only the last ``l`` positions'
+    logits are needed (``logits_to_keep`` when the model accepts it); normalisers are computed in float32.
     """
     device = _device(model)
     c = len(context)
     m, h = heads.shape
     ctx = torch.tensor(list(context), dtype=torch.long)
+    sub = subvocab.to(device)
+    keep = {"logits_to_keep": h + 1} if _accepts_logits_to_keep(model) else {}
     out = []
     for start in range(0, m, batch_size):
         part = heads[start:start + batch_size]
         ids = torch.cat([ctx.expand(part.shape[0], c), part], dim=1).to(device)
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        logp = torch.log_softmax(logits[:, c - 1:].double(), dim=-1)  # predicts positions c .. c+h
-        head_lp = logp[:, :h].gather(-1, ids[:, c:].unsqueeze(-1)).squeeze(-1).sum(-1) if h else 0.0
-        last_lp = logp[:, h][:, subvocab.to(device)]
-        out.append((-(last_lp + (head_lp.unsqueeze(-1) if h else 0.0)) / _LN2).cpu())
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **keep).logits
+        lg = logits[:, -(h + 1):].float()  # positions c-1 .. c+h-1 predict the secret tokens c .. c+h
+        lse = torch.logsumexp(lg, dim=-1).double()
+        lp = -(lg[:, h][:, sub].double() - lse[:, h:h + 1])  # the last secret token, all V choices
+        if h:
+            head = lg[:, :h].gather(-1, ids[:, c:].unsqueeze(-1)).squeeze(-1).double() - lse[:, :h]
+            lp = lp - head.sum(-1, keepdim=True)
+        out.append((lp / _LN2).cpu())
     return torch.cat(out)
 
 
 def exposure_from_rank(rank: int, space_size: int) -> float:
-    """Carlini et al. 2019, Def. 4: ``log2 |R| − log2 rank`` (rank 1 = the most likely candidate)."""
+    """Carlini et al. 2019: exposure ``= log2 |R| − log2 rank`` (rank 1 = the most likely candidate)."""
     return math.log2(space_size) - math.log2(rank)
 
 
 def exposure_by_distribution(canary_log_perplexity: float, reference_log_perplexities: Sequence[float] | np.ndarray,
                              method: str = "skewnorm") -> tuple[float, dict[str, Any]]:
-    """Carlini et al. 2019, §4.3: exposure ≈ ``−log2 F(Px(canary))``, ``F`` fitted to non-inserted candidates.
+    """Carlini et al. 2019, distribution modeling: exposure ≈ ``−log2 F(Px(canary))``, ``F`` fitted to non-inserted
+    candidates.
 
     Args:
         canary_log_perplexity: ``Px`` of the inserted secret (bits).
@@ -443,6 +458,8 @@ def canary_exposure(
     Returns a JSON-serialisable dict: ``canaries`` (per canary: ``repetitions``, ``log_perplexity`` in bits,
     ``exposure`` (distribution model), ``exposure_exact`` and ``rank`` (or ``None``), ``text``), ``by_repetitions``
     (mean/std/n per ``r``, as Li et al. 2022 Table 9), and the settings (``space_size``, ``max_exposure``, ``method``).
+    The distribution-model estimate is not capped at ``log2 |R|`` (Li et al. report values above it too); the exact
+    exposure is at most ``log2 |R|``.
     The model is put in eval mode for scoring and restored afterwards.
     """
     v, length = len(canaries.subvocab_ids), canaries.secret_length

@@ -12,7 +12,7 @@ Attacks (a higher score means "member"), all computed from per-example losses, n
   model is trained ("reference-model-free"). For a randomly initialised model the calibration is nearly constant and
   the attack reduces to ``"loss"``.
 * ``"zlib"`` — the zlib calibration of Carlini et al. 2021 ("Extracting Training Data from Large Language Models",
-  USENIX Security 2021, §5.2), in its code-length form: ``score = −(Σ_t NLL_t in bits) / (8 · len(zlib(text)))``,
+  USENIX Security 2021), in its code-length form: ``score = −(Σ_t NLL_t in bits) / (8 · len(zlib(text)))``,
   the model's code length of the example relative to zlib's (examples that the model compresses much better than a
   generic compressor are suspicious). Needs the examples' text.
 
@@ -133,7 +133,7 @@ def per_example_losses(
 
 
 def zlib_bits(texts: Sequence[str]) -> np.ndarray:
-    """zlib entropy of each text (Carlini et al. 2021, §5.2): bits of its zlib-compressed UTF-8 bytes (level 9)."""
+    """zlib entropy of each text (Carlini et al. 2021): bits of its zlib-compressed UTF-8 bytes (level 9)."""
     return np.array([8.0 * len(zlib.compress(t.encode("utf-8"), 9)) for t in texts], dtype=np.float64)
 
 

@@ -27,9 +27,9 @@ _CITATION = """\
 
 _DESCRIPTION = """\
 Exposure of inserted canaries: exposure = log2|R| - log2 rank (exact, when every candidate of the space R is given)
-and its approximation by a distribution model (Carlini et al. 2019, section 4.3): a skew-normal (or normal) is fitted to
-the log-perplexities of non-inserted candidates and exposure ~= -log2 CDF(log-perplexity of the canary). Li et al.
-2022, App. M report it for repetitions r in {1, 10, 100} (Table 9).
+and its 'approximation by distribution modeling' (Carlini et al. 2019): a skew-normal (or normal) is fitted to the
+log-perplexities of non-inserted candidates and exposure ~= -log2 CDF(log-perplexity of the canary). Li et al. 2022,
+App. M report it for repetitions r in {1, 10, 100} (Table 9).
 """
 
 _KWARGS_DESCRIPTION = """\
