@@ -222,3 +222,22 @@ def test_self_check_passes_on_a_supported_model():
     engine = ClippingEngine(model)
     engine.self_check(lambda sl: model(ids[sl]).pow(2).sum((1, 2)), 4)
     assert all(p.grad is None for p in model.parameters()) and all(p.requires_grad for p in model.parameters())
+
+
+def test_recorded_graph_is_freed_after_the_step():
+    """Regression: a hook closure that referred to its own output tensor kept every micro-batch's graph alive."""
+    import gc
+    import weakref
+
+    model = Seq(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    engine = ClippingEngine(model)
+    with engine.record(3):
+        hidden = model.mods[0](torch.randn(3, 5, 4))
+        out = model.mods[2](model.mods[1](hidden))
+        out.pow(2).sum().backward()
+    engine.per_example_norms_sq()
+    engine.clear()
+    refs = [weakref.ref(hidden), weakref.ref(out)]
+    del hidden, out
+    gc.collect()
+    assert all(r() is None for r in refs)

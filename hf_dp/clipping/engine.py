@@ -285,8 +285,13 @@ class ClippingEngine:
                 # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
                 output = output.detach().requires_grad_(True)
 
+            # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
+            # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
+            # every micro-batch's graph.
+            out_data = output.detach()
+
             def grad_hook(grad: torch.Tensor) -> None:
-                uses = [u for u in rule.uses(module, name, inp, output, grad.detach()) if id(u.param) in self._names]
+                uses = [u for u in rule.uses(module, name, inp, out_data, grad.detach()) if id(u.param) in self._names]
                 for u in uses:
                     if u.batch_size != self._batch_size:
                         raise UnsupportedLayerError(
