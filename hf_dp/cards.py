@@ -30,6 +30,7 @@ import logging
 import math
 import numbers
 import os
+import re
 from collections.abc import Mapping, Sequence
 from importlib import metadata as _metadata
 from importlib import resources
@@ -105,6 +106,7 @@ REQUIRED_KEYS: dict[str, str] = {
 """Keys every ``differential_privacy`` record must have, with their YAML types (checked by :func:`validate_card`)."""
 
 _ACCOUNTANTS = ("prv", "rdp")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _SAMPLING = ("poisson", "shuffled")
 _UNITS = ("example", "user")
 _PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt", "P_TUNING": "p-tuning"}
@@ -370,8 +372,16 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
         rec["adaptive_clipping"] = adaptive
     rec["noise_allocation"] = str(_plain(noise_allocation))
     rec["privacy_unit"] = unit
-    if user_id_column is not None:
-        rec["user_id_column"] = str(user_id_column)
+    if unit == "user":
+        rec["user_id_column"] = None if user_id_column is None else str(user_id_column)
+        for key in ("max_examples_per_user", "user_contribution"):
+            value = getattr(args, key, None)
+            if value is not None:
+                rec[key] = _plain(value)
+        try:  # rows (examples) of all users; dataset_size counts users
+            rec["num_examples"] = int(len(trainer.train_dataset))
+        except (TypeError, AttributeError):
+            pass
     rec["trained_parameters"] = _trained_parameters(trainer)
     rec["mechanisms"] = mechanisms
     rec["optimizer"] = optimizer
@@ -576,6 +586,9 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
                            getattr(model, "model_tags", None))
     if model_name is None:
         model_name = Path(trainer.args.output_dir).name or "model"
+    dataset_label = ", ".join(datasets) if datasets else None
+    if datasets and not all(_HUB_ID.match(d) for d in datasets):
+        datasets = None  # the YAML `datasets` field takes Hub ids; a free-form name goes to the body only
     card_data = ModelCardData(
         base_model=base_model,
         datasets=datasets,
@@ -585,7 +598,6 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         differential_privacy=dp,
         **extra,
     )
-    dataset_label = ", ".join(datasets) if datasets else None
     template_kwargs = _common_template_kwargs(dp)
     template_kwargs.update(
         model_name=model_name,
@@ -698,7 +710,7 @@ def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None =
     ``peft`` writes next to an adapter (``library_name: peft``) — is merged: its metadata and body are kept, the
     ``differential_privacy`` mapping and the tags are added, and the hf_dp block (between ``<!-- hf_dp:begin -->``
     and ``<!-- hf_dp:end -->``) is inserted or replaced. The card is validated (:func:`validate_card`) before it is
-    written. Only the main process writes.
+    written. Only processes that save (``args.should_save``) write.
 
     Args:
         trainer: A trained DPTrainer.
@@ -706,9 +718,9 @@ def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None =
         model_name, dataset_name, tags, **kwargs: As for :func:`render_model_card`.
 
     Returns:
-        The card written (None on processes other than the main one).
+        The card written (None on processes that do not save).
     """
-    if hasattr(trainer, "is_world_process_zero") and not trainer.is_world_process_zero():
+    if not getattr(trainer.args, "should_save", True):  # the processes that save weights write the card
         return None
     out = Path(output_dir if output_dir is not None else trainer.args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

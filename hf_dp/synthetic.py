@@ -95,7 +95,9 @@ def _model_name(model: Any) -> str | None:
     base = getattr(model, "get_base_model", None)
     config = getattr(base() if callable(base) else model, "config", None)
     name = getattr(config, "_name_or_path", None)
-    return name or None
+    if not name or os.path.isabs(name) or os.path.isdir(name):
+        return None  # a local path is not a public name (and would be published on the card)
+    return name
 
 
 def synthetic_info(dataset: datasets.Dataset) -> dict[str, Any]:
@@ -293,6 +295,8 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
     for key, value in sampling.items():
         if key == "top_k" and value is None:
             value = "none (∞)"
+        elif value is None:
+            value = "—"
         elif isinstance(value, list):
             value = "; ".join(map(str, value[:5])) + (f"; ... ({len(value)} prompts)" if len(value) > 5 else "")
         rows.append((key, str(value).replace("|", "\\|").replace("\n", " ")))

@@ -31,6 +31,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
+from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
@@ -679,6 +680,20 @@ class DPTrainer(Trainer):
         if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):
             with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
                 json.dump(self._dp_state(), f, indent=2)
+            # Every checkpoint and the final output carry a card with the privacy metadata (cards.py).
+            create_model_card(self, output_dir=output_dir, model_name=os.path.basename(os.path.normpath(
+                self.args.output_dir)))
+
+    def create_model_card(self, language: str | None = None, license: str | None = None, tags: Any = None,
+                          model_name: str | None = None, finetuned_from: str | None = None, tasks: Any = None,
+                          dataset_tags: Any = None, dataset: Any = None, dataset_args: Any = None,
+                          **kwargs: Any) -> None:
+        """The model card with a ``differential_privacy`` record (``hf_dp/cards.py``), also what ``push_to_hub``
+        uploads. Same signature as ``Trainer.create_model_card``."""
+        if self.accountant.steps == 0:
+            return None
+        create_model_card(self, output_dir=self.args.output_dir, model_name=model_name, tags=tags, language=language,
+                          license=license, finetuned_from=finetuned_from, tasks=tasks, dataset=dataset, **kwargs)
 
     def _load_dp_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, DP_STATE_NAME)

@@ -204,15 +204,17 @@ def test_templates_ship_inside_the_package_and_model_cards_dir_matches():
 
 # ---------------------------------------------------------------------------------------- trainer integration
 def test_card_in_every_checkpoint_and_not_strict_runs_say_so(tmp_path):
-    trainer = make_trainer(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=1, dp_seed=0)
+    trainer = make_trainer(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=1, dp_seed=0,
+                           noise_multiplier=0.0)
     trainer.train()
     for step in (1, 2):
         dp = privacy_report(tmp_path / "run" / f"checkpoint-{step}")
         assert dp["steps"] == step
         assert dp["dp_guarantee"].startswith("not strict") and "dp_seed" in dp["dp_guarantee"]
-    body = ModelCard.load(tmp_path / "run" / "checkpoint-2" / "README.md").text
-    assert "Warning: the guarantee is not strict" in body and "fixed dp_seed" in body
-    assert ModelCard.load(tmp_path / "run" / "checkpoint-2" / "README.md").data.model_name == "run"
+        assert "no noise" in dp["dp_guarantee"] and math.isinf(dp["epsilon"]) and math.isinf(dp["epsilon_rdp"])
+    card = ModelCard.load(tmp_path / "run" / "checkpoint-2" / "README.md")
+    assert "Warning: the guarantee is not strict" in card.text and "fixed dp_seed" in card.text
+    assert "e^ε = ∞" in card.text and card.data.model_name == "run"
 
 
 def test_optional_fields_slot_in(trained):
@@ -286,12 +288,3 @@ def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
     assert "LoRA adapters (r=4" in card.text and "frozen base-model weights" in card.text
     assert math.isfinite(dp["epsilon"])
 
-
-def test_no_noise_card_reports_infinite_epsilon_and_not_strict(tmp_path):
-    trainer = make_trainer(tmp_path / "nonoise", noise_multiplier=0.0)
-    trainer.train()
-    card = create_model_card(trainer)
-    dp = privacy_report(tmp_path / "nonoise")
-    assert math.isinf(dp["epsilon"]) and math.isinf(dp["epsilon_rdp"])
-    assert dp["dp_guarantee"].startswith("not strict") and "no noise" in dp["dp_guarantee"]
-    assert "Warning: the guarantee is not strict" in card.text and "e^ε = ∞" in card.text

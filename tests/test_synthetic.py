@@ -84,8 +84,7 @@ def test_generation_is_reproducible_by_seed_and_leaves_the_global_rng_alone(trai
     assert len(set(a["text"])) > 5  # sampled, not greedy
     assert gen(model, seed=8)["text"] != a["text"]
     assert gen(model, n=6)["text"] == a["text"][:6]  # batch b's seed does not depend on num_samples
-    assert gen(model, top_k=1)["text"] != a["text"]  # settings are used
-    assert len(set(gen(model, top_k=1)["text"])) == 1  # top-k = 1 is greedy: one text from one start token
+    assert len(set(gen(model, top_k=1)["text"])) == 1  # settings are used: top-k = 1 is greedy, one text
     info = synthetic_info(a)
     assert info["differential_privacy"] is None
     assert info["sampling"] | {"seed": 7} == info["sampling"] and info["sampling"]["top_k"] == 50
