@@ -106,13 +106,13 @@ class SyntheticDataArguments:
     target_epsilon: float = field(default=8.0, metadata={"help": "ε of both DP runs (generator and small model)."})
     target_delta: float = field(default=1e-5, metadata={"help": "δ of both DP runs."})
     per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "C of both DP runs."})
-    dp_batch_size: int = field(default=128, metadata={"help": "Expected DP batch size (Poisson)."})
-    dp_epochs: float = field(default=2.0, metadata={"help": "Epochs of both DP runs."})
+    dp_batch_size: int = field(default=64, metadata={"help": "Expected DP batch size (Poisson)."})
+    dp_epochs: float = field(default=3.0, metadata={"help": "Epochs of both DP runs."})
     # generator ("large")
     generator_layers: int = field(default=2, metadata={"help": "Generator GPT-2 layers."})
     generator_dim: int = field(default=64, metadata={"help": "Generator GPT-2 width."})
     generator_pretrain_steps: int = field(default=250, metadata={"help": "Public pre-training steps (batch 32)."})
-    generator_lr: float = field(default=3e-3, metadata={"help": "DP fine-tuning learning rate of the generator."})
+    generator_lr: float = field(default=1e-2, metadata={"help": "DP fine-tuning learning rate of the generator."})
     generator_lora_r: int = field(default=0, metadata={"help": "0: full DP fine-tuning; > 0: DP LoRA of this rank."})
     # synthetic data
     num_synthetic: int = field(default=2000, metadata={"help": "Synthetic texts to generate (Yu et al.: ~10 N)."})
@@ -121,8 +121,8 @@ class SyntheticDataArguments:
     small_layers: int = field(default=1, metadata={"help": "Small GPT-2 layers."})
     small_dim: int = field(default=32, metadata={"help": "Small GPT-2 width."})
     small_pretrain_steps: int = field(default=250, metadata={"help": "Public pre-training steps (batch 32)."})
-    small_dp_lr: float = field(default=3e-3, metadata={"help": "Learning rate of the small model's DP run."})
-    small_lr: float = field(default=1e-3, metadata={"help": "Learning rate of the small model on synthetic data."})
+    small_dp_lr: float = field(default=1e-2, metadata={"help": "Learning rate of the small model's DP run."})
+    small_lr: float = field(default=3e-3, metadata={"help": "Learning rate of the small model without DP."})
     small_epochs: float = field(default=2.0, metadata={"help": "Epochs on the synthetic data (batch 32)."})
     non_private_baseline: bool = field(
         default=False, metadata={"help": "Also train the small model on the real data without DP (ε = ∞)."}

@@ -727,6 +727,11 @@ def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None =
     if model_name is None:
         model_name = out.name or None
     card = render_model_card(trainer, model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
+    from .audit import audit_report  # the audit package imports nothing from cards; imported here to stay light
+
+    report = audit_report(trainer) if hasattr(trainer, "callback_handler") else {}
+    if report:  # empirical audits (issue 8): computed on private data, so labelled as not covered by the guarantee
+        card.data.audit = _plain(report)
     explicit = [k for k in ("license", "language", "base_model", "pipeline_tag") if kwargs.get(k)]
     if kwargs.get("finetuned_from"):
         explicit.append("base_model")
