@@ -615,10 +615,11 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 if offload:
                     runner.to(device)
                     torch.cuda.empty_cache()
-                st = StepTimes(device, args.warmup, reset_peak_at_measured=True)
+                warm = args.warmup if rep == 0 else args.rewarm
+                st = StepTimes(device, warm, reset_peak_at_measured=True)
                 t_run = time.perf_counter()
                 try:
-                    runner.run(st, args.warmup + args.steps)
+                    runner.run(st, warm + args.steps)
                 except Exception as exc:  # noqa: BLE001
                     result["errors"][method] = _short_error(exc)
                     print(f"  {method}: failed: {result['errors'][method]}", flush=True)
@@ -639,10 +640,15 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 warm_s = ", ".join(f"{t * 1e3:.0f}" for t in st.warm)
                 print(f"  rep {rep} {method:>18}: steps {steps_s} ms (warm-up {warm_s} ms; "
                       f"run {time.perf_counter() - t_run:.0f} s)", flush=True)
+        base_reps = times.get("nonprivate", {}).get("repeat_medians", [])
         for method, rec in times.items():
             if method in result["errors"] or not rec["measured"]:
                 continue
+            # Paired ratio: per repeat, this method's median over the non-private median of the same repeat (the two
+            # ran minutes apart at most, so slow drifts of the machine's load cancel); median over repeats.
+            paired = [a / b for a, b in zip(rec["repeat_medians"], base_reps)]
             result["methods"][method] = {
+                "paired_ratio": statistics.median(paired) if paired else None,
                 "median_ms": 1e3 * statistics.median(rec["measured"]),
                 "min_ms": 1e3 * min(rec["measured"]),
                 "repeat_medians_ms": [1e3 * t for t in rec["repeat_medians"]],
@@ -710,14 +716,14 @@ def markdown(result: dict[str, Any], device_type: str) -> str:
     mem_key = "cuda_peak_bytes" if device_type == "cuda" else "peak_live_bytes"
     ghost = ms.get("opacus_ghost", {}).get("median_ms")
     lines.append("| method | step time (ms, median) | × non-private | per-repeat medians (ms) | first step (ms) | "
-                 "peak memory (MiB) | × non-private | live at step start (MiB) | live growth (MiB/step) | "
-                 "ru_maxrss growth (MiB) | time vs Opacus ghost |")
-    lines.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+                 "× non-private, paired | peak memory (MiB) | × non-private | live at step start (MiB) | "
+                 "live growth (MiB/step) | ru_maxrss growth (MiB) | time vs Opacus ghost |")
+    lines.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in ALL_METHODS:
         if method not in ms and method not in result["errors"]:
             continue
         if method not in ms:
-            lines.append(f"| {method} | failed: see below | | | | | | | | | |")
+            lines.append(f"| {method} | failed: see below | | | | | | | | | | |")
             continue
         m = ms[method]
         timed = "median_ms" in m
@@ -735,10 +741,11 @@ def markdown(result: dict[str, Any], device_type: str) -> str:
         start_s = "" if start is None else f"{start / 2**20:.0f}"
         growth = m.get("growth_per_step_bytes")
         growth_s = "" if growth is None else f"{growth / 2**20:.0f}"
+        paired_s = "—" if m.get("paired_ratio") is None else f"{m['paired_ratio']:.2f}×"
         lines.append(
             f"| {method} | {median_s} | {_fmt_ratio(t_ratio, TIME_TARGETS.get(method))} | {reps} | "
-            f"{first} | {mem_s} | {_fmt_ratio(m_ratio, MEM_TARGETS.get(method))} | {start_s} | {growth_s} | {rss_s} | "
-            f"{vs_ghost} |")
+            f"{first} | {paired_s} | {mem_s} | {_fmt_ratio(m_ratio, MEM_TARGETS.get(method))} | {start_s} | "
+            f"{growth_s} | {rss_s} | {vs_ghost} |")
     if result.get("max_batch"):
         lines += ["", "| method | largest batch |", "|---|---:|"]
         for method, r in result["max_batch"].items():
@@ -832,9 +839,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
-    p.add_argument("--repeats", type=int, default=3, help="Interleaved rounds over the methods (order rotated).")
-    p.add_argument("--steps", type=int, default=2, help="Timed steps per method per round.")
-    p.add_argument("--warmup", type=int, default=1, help="Untimed steps at the start of every run.")
+    p.add_argument("--repeats", type=int, default=5, help="Interleaved rounds over the methods (order rotated).")
+    p.add_argument("--steps", type=int, default=1, help="Timed steps per method per round.")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="Untimed steps at the start of each method's first run (includes DPTrainer's self-check).")
+    p.add_argument("--rewarm", type=int, default=0, help="Untimed steps at the start of each later run.")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="Skip the CPU memory subprocesses.")
     p.add_argument("--memory-steps", type=int, default=2,
                    help="Measured steps in each memory subprocess (the first one's peak is reported; with 2 or more, "

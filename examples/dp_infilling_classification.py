@@ -56,8 +56,8 @@ Ready-to-run commands::
         examples/dp_infilling_classification.py --gradient_accumulation_steps 1
 
 Every ``TrainingArguments`` / ``DPTrainingArguments`` field is an option (``--help``). Label words and template are
-fixed a priori (App. N's SST-2 pair, "great" for the positive class); choosing them on the private data would be
-outside the guarantee (Li et al. App. N).
+fixed a priori (App. N's SST-2 template and its "great"; "bad" for "other", which also holds 2-4-star reviews);
+choosing them on the private data would be outside the guarantee (Li et al. App. N).
 """
 
 from __future__ import annotations

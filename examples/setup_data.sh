@@ -62,3 +62,8 @@ fi
 # 3. Fetch, unpack and parse everything once -----------------------------------------------------------------------
 log "warming the data cache"
 "$PYTHON" "$here/data.py"
+
+# 4. GPT-2's tokenizer for examples/dp_clm.py: rebuilt from gpt2.tiktoken of the openai-whisper sdist
+#    (803 kB, MIT; `pip download --no-deps`, never installed), cached in $HF_DP_DATA_CACHE/gpt2_tokenizer.
+log "building the GPT-2 tokenizer (openai-whisper sdist)"
+"$PYTHON" "$here/gpt2_tokenizer.py" 8192 50257

@@ -67,6 +67,9 @@ BLOCK_BEGIN = "<!-- hf_dp:begin -->"
 BLOCK_END = "<!-- hf_dp:end -->"
 """The hf_dp block: the only part of a merged (e.g. peft-written) card that hf_dp replaces."""
 
+_OWNED_KEYS = ("differential_privacy", "synthetic_data", "audit")
+"""Metadata that hf_dp writes and replaces on every save (never carried over from an older card)."""
+
 CARD_TAGS: tuple[str, ...] = ("differential-privacy", "hf_dp")
 """Tags on every hf_dp card, besides ``dp-sgd`` or ``dp-adam``."""
 
@@ -467,7 +470,11 @@ def _unit_words(dp: Mapping[str, Any]) -> tuple[str, str, str]:
 def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
     phrase, noun, long = _unit_words(dp)
     eps = dp.get("epsilon")
-    exp_eps = "∞" if eps is None or not math.isfinite(float(eps)) or float(eps) > 700 else _fmt(math.exp(float(eps)))
+    if eps is None or not math.isfinite(float(eps)) or float(eps) > 700:
+        exp_eps = "∞"
+    else:
+        e = math.exp(float(eps))
+        exp_eps = f"{e:,.0f}" if 1e3 <= e < 1e9 else _fmt(e)
     q = dp.get("sampling_rate")
     sampling_phrase = (f"Poisson sampling, rate q = {_fmt(q, 4)}" if dp.get("sampling") == "poisson" else
                        f"shuffled fixed-size batches, q = {_fmt(q, 4)} (ε assumes Poisson sampling: heuristic)")
@@ -639,7 +646,10 @@ def _merge_into(existing: RepoCard, ours: RepoCard, explicit_keys: Sequence[str]
     """``existing`` with hf_dp's metadata and block added: its own metadata and body are kept."""
     data = existing.data.to_dict()
     new = ours.data.to_dict()
-    data["differential_privacy"] = new["differential_privacy"]
+    for key in _OWNED_KEYS:  # hf_dp's own records: always the current ones
+        data.pop(key, None)
+        if key in new:
+            data[key] = new[key]
     data["tags"] = _merge_tags(data.get("tags"), new.get("tags"))
     for key in ("base_model", "datasets", "license", "language", "pipeline_tag", *explicit_keys):
         if new.get(key) not in (None, "", []) and (key in explicit_keys or data.get(key) in (None, "", [])):
@@ -657,7 +667,7 @@ def _carry_over(existing: RepoCard, ours: RepoCard) -> RepoCard:
     old = existing.data.to_dict()
     changed = False
     for key, value in old.items():
-        if key != "differential_privacy" and data.get(key) in (None, "", []) and value not in (None, "", []):
+        if key not in _OWNED_KEYS and data.get(key) in (None, "", []) and value not in (None, "", []):
             data[key] = value
             changed = True
     tags = _merge_tags(data.get("tags"), old.get("tags"))
@@ -690,7 +700,7 @@ def _write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> Rep
     return card
 
 
-_LAST_KEYS = ("synthetic_data", "differential_privacy")
+_LAST_KEYS = ("audit", "synthetic_data", "differential_privacy")
 
 
 def _canonical(card: RepoCard) -> RepoCard:

@@ -187,32 +187,31 @@ def generate_synthetic_dataset(
     model.eval()
     texts: list[str] = []
     try:
-        bar = tqdm(total=num_samples, desc="synthetic samples", unit="text", disable=not progress)
-        for b, start in enumerate(range(0, num_samples, batch_size)):
-            n = min(batch_size, num_samples - start)
-            if prompts is None:
-                rows = [[start_id]] * batch_size
-            else:
-                rows = [[start_id] + tokenizer(p, add_special_tokens=False)["input_ids"]
-                        for p in prompts[start:start + n]]
-                rows += [rows[-1]] * (batch_size - n)  # a full batch always: sample i depends on i, not on N
-            width = max(len(r) for r in rows)
-            input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-            attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-            fork_devices = [device.index or 0] if device.type == "cuda" else []
-            with torch.random.fork_rng(devices=fork_devices):
-                torch.manual_seed(seed * _SEED_STRIDE + b)
-                out = model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
-                    top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, temperature=temperature,
-                    max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id, **generate_kwargs,
-                )
-            for row in out[:n, width:].tolist():
-                if eos_id is not None and eos_id in row:
-                    row = row[:row.index(eos_id)]
-                texts.append(tokenizer.decode(row, skip_special_tokens=True).strip())
-            bar.update(n)
-        bar.close()
+        with tqdm(total=num_samples, desc="synthetic samples", unit="text", disable=not progress) as bar:
+            for b, start in enumerate(range(0, num_samples, batch_size)):
+                n = min(batch_size, num_samples - start)
+                if prompts is None:
+                    rows = [[start_id]] * batch_size
+                else:
+                    rows = [[start_id] + tokenizer(p, add_special_tokens=False)["input_ids"]
+                            for p in prompts[start:start + n]]
+                    rows += [rows[-1]] * (batch_size - n)  # a full batch always: sample i depends on i, not on N
+                width = max(len(r) for r in rows)
+                input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+                attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+                fork_devices = [device.index or 0] if device.type == "cuda" else []
+                with torch.random.fork_rng(devices=fork_devices):
+                    torch.manual_seed(seed * _SEED_STRIDE + b)
+                    out = model.generate(
+                        input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                        top_k=top_k or 0, top_p=1.0 if top_p is None else top_p, temperature=temperature,
+                        max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_id, **generate_kwargs,
+                    )
+                for row in out[:n, width:].tolist():
+                    if eos_id is not None and eos_id in row:
+                        row = row[:row.index(eos_id)]
+                    texts.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+                bar.update(n)
     finally:
         model.train(was_training)
 

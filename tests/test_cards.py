@@ -9,6 +9,7 @@ import math
 import os
 import re
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -34,31 +35,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-def _integrated() -> bool:
-    return DPTrainer.create_model_card is not Trainer.create_model_card
-
-
-class _CardDPTrainer(DPTrainer):
-    """Until DPTrainer itself has them: the card overrides proposed for hf_dp/trainer.py (same code)."""
-
-    def create_model_card(self, language=None, license=None, tags=None, model_name=None, finetuned_from=None,
-                          tasks=None, dataset_tags=None, dataset=None, dataset_args=None, **kwargs):
-        if self.accountant.steps == 0:
-            return None
-        return create_model_card(self, output_dir=self.args.output_dir, model_name=model_name, tags=tags,
-                                 language=language, license=license, finetuned_from=finetuned_from, tasks=tasks,
-                                 dataset=dataset, **kwargs)
-
-    def save_model(self, output_dir=None, *args, **kwargs):
-        super().save_model(output_dir, *args, **kwargs)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):
-            create_model_card(self, output_dir=output_dir, model_name=Path(self.args.output_dir).name)
-
-
-TrainerCls = DPTrainer if _integrated() else _CardDPTrainer
-
-
 def make_trainer(out, model=None, n=32, **kw) -> DPTrainer:
     base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=2, use_cpu=True,
                 report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
@@ -68,7 +44,7 @@ def make_trainer(out, model=None, n=32, **kw) -> DPTrainer:
         warnings.simplefilter("ignore", NotPrivateWarning)
         args = DPTrainingArguments(**base)
     torch.manual_seed(0)
-    return TrainerCls(model=model if model is not None else tiny_gpt2(), args=args, train_dataset=lm_dataset(n))
+    return DPTrainer(model=model if model is not None else tiny_gpt2(), args=args, train_dataset=lm_dataset(n))
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +124,11 @@ def test_reproduction_snippet_recomputes_epsilon(trained):
     eps_prv, eps_rdp = (float(x) for x in buf.getvalue().split())
     assert eps_prv == pytest.approx(dp["epsilon_prv"], abs=2e-4)
     assert eps_rdp == pytest.approx(dp["epsilon_rdp"], rel=1e-5)
+    hf_dp_code = _python_blocks(ModelCard.load(out / "README.md").text)[1].replace("path/to/this/repo", str(out))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(hf_dp_code, "card-snippet-hf_dp", "exec"), {})
+    assert [float(x) for x in buf.getvalue().split()] == pytest.approx([dp["epsilon_prv"], dp["epsilon_rdp"]], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -288,3 +269,28 @@ def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
     assert "LoRA adapters (r=4" in card.text and "frozen base-model weights" in card.text
     assert math.isfinite(dp["epsilon"])
 
+
+
+@pytest.mark.skipif(DPTrainer._push_from_checkpoint is Trainer._push_from_checkpoint,
+                    reason="needs DPTrainer._push_from_checkpoint (copies the checkpoint's card and dp_state.json)")
+def test_checkpoint_pushes_upload_the_checkpoints_card(tmp_path):
+    uploads = []
+
+    def fake_upload(self, *, repo_id, folder_path, **kwargs):
+        readme = Path(folder_path, "README.md")
+        uploads.append({"path_in_repo": kwargs.get("path_in_repo"), "files": sorted(os.listdir(folder_path)),
+                        "readme": readme.read_text() if readme.is_file() else None})
+        job = Future()
+        job.set_result(None)
+        return job
+
+    with mock.patch.object(HfApi, "create_repo", return_value=SimpleNamespace(repo_id="me/ckpt")), \
+            mock.patch.object(HfApi, "upload_folder", autospec=True, side_effect=fake_upload):
+        trainer = make_trainer(tmp_path / "run", save_strategy="steps", save_steps=1, push_to_hub=True,
+                               hub_model_id="me/ckpt", hub_strategy="every_save")
+        trainer.train()
+    pushes = [u for u in uploads if u["path_in_repo"] is None]  # the uploads of output_dir, one per checkpoint
+    assert len(pushes) == 2
+    for step, push in enumerate(pushes, start=1):
+        assert {"README.md", "dp_state.json", "model.safetensors"} <= set(push["files"])
+        assert ModelCard(push["readme"]).data.get("differential_privacy")["steps"] == step
