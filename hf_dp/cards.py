@@ -15,7 +15,9 @@ nested mapping by ``huggingface_hub``) and a plain-words card body, rendered fro
   how to reproduce ε. The training loss is never written to the card. A README that ``peft`` wrote for an adapter
   is merged (its metadata and body are kept; the hf_dp block is inserted or replaced), never overwritten.
 * :func:`validate_card` — local validation (the Hub's ``/api/validate-yaml`` endpoint is unreachable offline):
-  the YAML parses with ``ModelCard.load``, the required keys are present and have the right types.
+  the YAML parses with ``ModelCard.load``, the required keys are present and have the right types, and
+  ``base_model`` holds Hub ids only (a base model loaded from a local directory is named ``local files <name>`` in
+  the body and the ``differential_privacy`` record instead).
 * :func:`privacy_report` — reads the record back from a card, a README or a repo directory; refuses a card without
   one, loudly.
 
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.repocard import RepoCard
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from .trainer import DPTrainer
@@ -51,6 +54,7 @@ __all__ = [
     "CARD_TAGS",
     "REQUIRED_KEYS",
     "create_model_card",
+    "is_hub_model_id",
     "load_template",
     "privacy_metadata",
     "privacy_report",
@@ -307,7 +311,8 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
     Optional fields of group-wise / adaptive clipping and user-level DP are read defensively, so they appear as soon
     as the trainer has them: ``trainer.group_clipper`` (its groups and current thresholds, i.e. the final ones for
     adaptive clipping; or a ``trainer.group_thresholds`` attribute), ``noise_allocation`` (trainer or args),
-    ``args.privacy_unit`` and ``args.user_id_column``.
+    ``args.privacy_unit`` and ``args.user_id_column``. ``base_model`` (the model's ``config._name_or_path`` or PEFT
+    base) is set when known: a Hub id, or ``"local files <name>"`` for a local directory.
 
     Args:
         trainer: A DPTrainer after at least one DP step.
@@ -386,6 +391,9 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
         except (TypeError, AttributeError):
             pass
     rec["trained_parameters"] = _trained_parameters(trainer)
+    hub_ids, local = _base_model(_unwrap(trainer))
+    if hub_ids or local:  # what the guarantee does not cover: the base model's (non-private) pre-training
+        rec["base_model"] = "; ".join([*hub_ids, *([local] if local else [])])
     rec["mechanisms"] = mechanisms
     rec["optimizer"] = optimizer
     rec["dp_seed"] = "secret (drawn from the OS)" if args.dp_seed is None else "fixed (known seed: voids the guarantee)"
@@ -534,17 +542,76 @@ def _versions(is_peft: bool) -> list[tuple[str, str]]:
     return [(n, v) for n in names if (v := _version(n)) is not None]
 
 
-def _base_model(model: Any) -> str | None:
-    """The Hub id the model was fine-tuned from (trl's rule: ``config._name_or_path`` unless a local directory)."""
-    candidates = []
-    peft_configs = getattr(model, "peft_config", None)
-    if isinstance(peft_configs, Mapping):
-        candidates += [getattr(c, "base_model_name_or_path", None) for c in peft_configs.values()]
-    config = getattr(model, "config", None)
-    candidates.append(getattr(config, "_name_or_path", None))
-    for name in candidates:
-        if isinstance(name, str) and name and not os.path.isdir(name) and not os.path.isabs(name):
-            return name
+_GENERIC_DIR_NAMES = frozenset({"model", "models", "weights", "pretrained", "checkpoint", "final", "snapshot", "hf",
+                                 "transformers", "base", "base_model", "output", "outputs"})
+"""Directory names too generic to name a local base model alone (the parent is added: ``pkg/model``)."""
+LOCAL_BASE_MODEL_PREFIX = "local files "
+"""How a base model loaded from a local directory is named in the card body and the ``differential_privacy``
+record (``base_model: local files <name>``); the YAML ``base_model`` field only takes Hub ids."""
+
+
+def is_hub_model_id(name: Any, check_local: bool = True) -> bool:
+    """Whether ``name`` can go into the YAML ``base_model`` field: a Hub repo id (``name`` or ``namespace/name``,
+    :func:`huggingface_hub.utils.validate_repo_id`), not a path (absolute, ``./``, ``~``).
+
+    With ``check_local`` (when a card is written), a name that exists as a local file or directory is not a Hub id
+    either (trl's rule: that is what ``from_pretrained`` loaded). :func:`validate_card` checks the syntax only, so
+    its verdict does not depend on the current directory.
+    """
+    if not isinstance(name, str) or not name or os.path.isabs(name) or name.startswith(("~", ".")):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return not (check_local and os.path.exists(name))
+
+
+def _local_model_name(path: str) -> str:
+    """A short name for a local base model directory (its last component; with the parent if that is generic)."""
+    parts = [p for p in re.split(r"[\\/]+", os.path.expanduser(path).strip()) if p not in ("", ".", "..")]
+    if not parts:
+        return "(unnamed)"
+    name = parts[-1]
+    if name.lower() in _GENERIC_DIR_NAMES and len(parts) > 1:
+        name = f"{parts[-2]}/{name}"
+    return name
+
+
+def _base_model(model: Any, explicit: Any = None) -> tuple[list[str], str | None]:
+    """``(hub_ids, local)``: where the model was fine-tuned from.
+
+    ``explicit`` (``finetuned_from`` / ``base_model`` given by the caller: a name, a path, or a list of them) wins;
+    otherwise the PEFT config's ``base_model_name_or_path``, then ``config._name_or_path``. Valid Hub ids
+    (:func:`is_hub_model_id`) are returned in ``hub_ids``, for the YAML ``base_model`` field and the Hub link;
+    anything else names local files and is returned as ``local`` (``"local files <name>"``, for the card body and
+    the privacy record), never as ``base_model``: a local path there renders as a broken Hub link and fails the
+    Hub's metadata validation.
+    """
+    def names(value: Any) -> list[str]:
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        values = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in values]
+        return [v for v in values if isinstance(v, str) and v.strip()]
+
+    found = names(explicit)
+    if not found:
+        peft_configs = getattr(model, "peft_config", None)
+        if isinstance(peft_configs, Mapping):
+            found = names([getattr(c, "base_model_name_or_path", None) for c in peft_configs.values()])[:1]
+    if not found:
+        found = names(getattr(getattr(model, "config", None), "_name_or_path", None))
+    hub_ids = [n for n in found if is_hub_model_id(n)]
+    local = [LOCAL_BASE_MODEL_PREFIX + _local_model_name(n) for n in found if not is_hub_model_id(n)]
+    return hub_ids, "; ".join(local) or None
+
+
+def _hub_base_models(value: Any, check_local: bool = True) -> Any:
+    """``value`` of a YAML ``base_model`` field without the entries that are not Hub ids (None if none is left)."""
+    if isinstance(value, str):
+        return value if is_hub_model_id(value, check_local) else None
+    if isinstance(value, list):
+        kept = [v for v in value if is_hub_model_id(v, check_local)]
+        return kept or None
     return None
 
 
@@ -577,7 +644,10 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
     _, opt_tag = _optimizer_info(trainer)
     extra = dict(kwargs)
     finetuned_from = extra.pop("finetuned_from", None)
-    base_model = extra.pop("base_model", None) or finetuned_from or _base_model(model)
+    hub_ids, base_model_local = _base_model(model, extra.pop("base_model", None) or finetuned_from)
+    if hub_ids or base_model_local:
+        dp["base_model"] = "; ".join([*hub_ids, *([base_model_local] if base_model_local else [])])
+    base_model = hub_ids[0] if hub_ids else None  # the one the body links to
     dataset = extra.pop("dataset", None)
     datasets = extra.pop("datasets", None) or dataset or dataset_name
     if isinstance(datasets, str):
@@ -597,7 +667,7 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
     if datasets and not all(_HUB_ID.match(d) for d in datasets):
         datasets = None  # the YAML `datasets` field takes Hub ids; a free-form name goes to the body only
     card_data = ModelCardData(
-        base_model=base_model,
+        base_model=(hub_ids if len(hub_ids) > 1 else base_model),
         datasets=datasets,
         library_name="peft" if is_peft else "transformers",
         model_name=model_name,
@@ -609,6 +679,7 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
     template_kwargs.update(
         model_name=model_name,
         base_model=base_model,
+        base_model_local=base_model_local,
         dataset_name=dataset_label,
         optimizer_phrase=("DP-Adam (Adam on privatized gradients)" if opt_tag == "dp-adam" else
                           "DP-SGD (the optimizer steps on privatized gradients)"),
@@ -694,10 +765,33 @@ def _write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> Rep
             logger.info("hf_dp: replacing the transformers-generated card %s (it reports the training loss).", path)
         else:
             card = _merge_into(existing, card, explicit_keys)
+    card = _without_local_base_model(card)
     card = _canonical(card)
     validate_card(card)
     card.save(path)
     return card
+
+
+def _without_local_base_model(card: RepoCard) -> RepoCard:
+    """``card`` without the YAML ``base_model`` entries that are local paths.
+
+    They come from a README written by someone else (peft writes ``base_model: <config._name_or_path>``, a local
+    directory when the base model was loaded from one) or from an older card. The card's hf_dp block and its
+    ``differential_privacy`` record already name such a base model as ``local files <name>``.
+    """
+    data = card.data.to_dict()
+    if "base_model" not in data:
+        return card
+    kept = _hub_base_models(data["base_model"])
+    if kept == data["base_model"]:
+        return card
+    logger.info("hf_dp: dropping base_model %r from the card metadata: not a Hub model id (a local path).",
+                data["base_model"])
+    if kept is None:
+        del data["base_model"]
+    else:
+        data["base_model"] = kept
+    return type(card)(f"---\n{yaml.safe_dump(data, sort_keys=False, allow_unicode=True)}---\n{card.text}")
 
 
 _LAST_KEYS = ("audit", "synthetic_data", "differential_privacy")
@@ -862,8 +956,9 @@ def validate_card(path_or_card: Any) -> None:
 
     Checks that the YAML metadata parses (``ModelCard.load`` for files; a ``str(card)`` round trip for card objects),
     that it has a ``differential_privacy`` mapping with every key of :data:`REQUIRED_KEYS` of the right type and in
-    range (δ in (0, 1), q in (0, 1], ...), that the mechanisms add up to the steps, and that the tags include
-    ``differential-privacy``. Works for model cards and for hf_dp's synthetic-data dataset cards.
+    range (δ in (0, 1), q in (0, 1], ...), that the mechanisms add up to the steps, that the tags include
+    ``differential-privacy``, and that ``base_model`` (if set) holds Hub model ids, not local paths (which the Hub's
+    validation rejects). Works for model cards and for hf_dp's synthetic-data dataset cards.
 
     Args:
         path_or_card: A ``ModelCard``/``DatasetCard``, card text (starting with ``---``), a README path, or a
@@ -875,6 +970,17 @@ def validate_card(path_or_card: Any) -> None:
     """
     card, label = _load_any(path_or_card)
     data = card.data.to_dict()
+    problems = _privacy_problems(data)
+    if "base_model" in data and _hub_base_models(data["base_model"], check_local=False) != data["base_model"]:
+        problems.append(f"`base_model` must be Hub model ids ('name' or 'namespace/name'), got "
+                        f"{data['base_model']!r}: a local path renders as a broken link and fails the Hub's metadata "
+                        "validation (hf_dp names a local base model as 'local files <name>' in the card body)")
+    if problems:
+        raise ValueError(f"Invalid hf_dp card ({label}):\n  - " + "\n  - ".join(problems))
+
+
+def _privacy_problems(data: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the privacy metadata (``differential_privacy``, tags, ``synthetic_data``) of a card."""
     problems = []
     if "differential_privacy" not in data:
         problems.append("no `differential_privacy` metadata")
@@ -885,8 +991,7 @@ def validate_card(path_or_card: Any) -> None:
         problems.append(f"tags must include 'differential-privacy', got {tags!r}")
     if "synthetic_data" in data and not isinstance(data["synthetic_data"], Mapping):
         problems.append(f"`synthetic_data` must be a mapping, got {data['synthetic_data']!r}")
-    if problems:
-        raise ValueError(f"Invalid hf_dp card ({label}):\n  - " + "\n  - ".join(problems))
+    return problems
 
 
 def privacy_report(card_or_repo_dir: Any) -> dict[str, Any]:
@@ -911,5 +1016,7 @@ def privacy_report(card_or_repo_dir: Any) -> dict[str, Any]:
             f"{label} has no `differential_privacy` metadata: it was not written by hf_dp (or the metadata was "
             "removed), so nothing is known about a privacy guarantee for this model. Do not assume one."
         )
-    validate_card(card)
+    problems = _privacy_problems(data)  # the privacy metadata only: e.g. a local `base_model` does not hide it
+    if problems:
+        raise ValueError(f"Invalid hf_dp card ({label}):\n  - " + "\n  - ".join(problems))
     return dict(data["differential_privacy"])

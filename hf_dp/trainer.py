@@ -695,6 +695,50 @@ class DPTrainer(Trainer):
         create_model_card(self, output_dir=self.args.output_dir, model_name=model_name, tags=tags, language=language,
                           license=license, finetuned_from=finetuned_from, tasks=tasks, dataset=dataset, **kwargs)
 
+    def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """``Trainer._push_from_checkpoint``, with the checkpoint's privacy card and ``dp_state.json`` in the upload.
+
+        With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the
+        Trainer copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into
+        ``output_dir``, re-saves the tokenizer and training arguments there, and uploads ``output_dir``. The card
+        (``README.md``) and ``dp_state.json`` would stay behind, so the Hub would show weights without (or with a
+        stale) privacy guarantee. Before that upload, this copies the checkpoint's ``dp_state.json`` and writes the
+        card of the checkpoint's ε into ``output_dir``: re-rendered there (keeping metadata set on an existing
+        README, merging into one hf_dp did not write) when the accountant is at the checkpoint's step, as it is
+        when ``_save_checkpoint`` calls this; otherwise the checkpoint's own card is copied. The conditions under
+        which the Trainer skips the push are mirrored, so ``output_dir`` never gets a card newer than its weights.
+        """
+        import shutil
+
+        from transformers.trainer_utils import HubStrategy
+
+        checkpoint_folder = str(args[0] if args else kwargs["checkpoint_folder"])
+        will_push = (
+            self.is_world_process_zero()
+            and self.args.hub_strategy != HubStrategy.END
+            and (self.args.hub_always_push or self.push_in_progress is None or self.push_in_progress.is_done())
+        )
+        state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
+        if will_push and os.path.isfile(state_path):
+            output_dir = self.args.output_dir
+            os.makedirs(output_dir, exist_ok=True)
+            with open(state_path) as f:
+                checkpoint_steps = sum(int(r["steps"]) for r in json.load(f)["accountant"]["history"])
+            card_path = os.path.join(checkpoint_folder, "README.md")
+            target = os.path.join(output_dir, "README.md")
+            if checkpoint_steps == self.accountant.steps and os.path.isfile(target):
+                create_model_card(self, output_dir=output_dir, model_name=os.path.basename(os.path.normpath(
+                    output_dir)))
+            elif os.path.isfile(card_path):
+                shutil.copy(card_path, target)
+            else:
+                raise FileNotFoundError(
+                    f"{checkpoint_folder} holds {DP_STATE_NAME} but no README.md: refusing to push weights to the "
+                    "Hub without their privacy card."
+                )
+            shutil.copy(state_path, os.path.join(output_dir, DP_STATE_NAME))
+        return super()._push_from_checkpoint(*args, **kwargs)
+
     def _load_dp_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, DP_STATE_NAME)
         if not os.path.isfile(path):

