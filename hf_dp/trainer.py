@@ -158,6 +158,15 @@ class DPTrainer(Trainer):
                 "parameters on each rank. Use multi-process DDP (`accelerate launch --multi_gpu`), and for models "
                 "placed across devices, clipping='per_device'."
             )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and self.args.world_size != launched:
+            raise ValueError(
+                f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer runs them as "
+                f"{self.args.world_size} independent process(es) (parallel_mode={self.args.parallel_mode.value}): each "
+                "would train on all the data with its own noise, and every extra model released spends the privacy "
+                "budget again. On CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` "
+                "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
+            )
         if self.neftune_noise_alpha is not None:
             raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
         if per_example_loss is None:

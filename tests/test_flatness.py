@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
 from helpers import flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
 from peft import PrefixTuningConfig, TaskType, get_peft_model
 from test_oracle import dp_args
+from torch import nn
 
 from hf_dp import CrossLayerFlattening, CrossModelFlattening, DPTrainer, WithinLayerFlattening, sharpness
 from hf_dp.sharpness import loss_landscape, mean_loss
@@ -111,7 +113,7 @@ def _batches(data, size=4):
 def test_cross_layer_selection_removes_layers_and_keeps_them_at_zero(tmp_path, monkeypatch):
     import hf_dp.callbacks.flatness as flatness
 
-    def fake_sharpness(model, batches):
+    def fake_sharpness(model, batches, **kwargs):
         """Layer k's prefix adds (k + 1) to the sharpness while it is non-zero: greedy must drop layers 2 then 1."""
         w = model.prompt_encoder["default"].embedding.weight
         return sum(k + 1.0 for k in range(3) if torch.count_nonzero(w[:, k * 32:(k + 1) * 32]) > 0)
@@ -153,3 +155,36 @@ def test_sharpness_and_landscape_utilities():
     assert s >= 0 and math.isfinite(s)
     assert curve[1][1] == pytest.approx(mean_loss(model, batches))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # parameters restored
+
+
+class _Quadratic(nn.Module):
+    """L(w) = ½‖w − t‖², t passed as ``labels``: Def. 1's max over a box is known in closed form."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, labels: torch.Tensor):
+        return types.SimpleNamespace(loss=0.5 * ((self.w - labels) ** 2).sum())
+
+
+def test_box_sharpness_matches_closed_form_and_paper_line_is_blind():
+    """A convex loss peaks at the box corner pointing away from the target, ½ Σ (|w_j − t_j| + h_j)², with
+    h_j = ε(|w_j| + 1) (Keskar et al.'s box); the paper's descent line w − η∇L never rises for η ≤ 1 (gives 0)."""
+    torch.manual_seed(0)
+    w, t = torch.randn(7, dtype=torch.float64), torch.randn(7, dtype=torch.float64)
+    model = _Quadratic(w)
+    batches = [{"labels": t}]
+    eps = 0.05
+    h = eps * (w.abs() + 1)
+    base = 0.5 * float(((w - t) ** 2).sum())
+    peak = 0.5 * float(((w - t).abs() + h).pow(2).sum())
+    assert sharpness(model, batches, epsilon=eps) == pytest.approx((peak - base) / (1 + base), rel=1e-10)
+    assert sharpness(model, batches, method="paper") == 0.0
+    # At the exact minimum the gradient is 0: the ascent still starts at a corner (any corner is a maximum here).
+    at_min = _Quadratic(t)
+    expected = 0.5 * float((eps * (t.abs() + 1)).pow(2).sum())
+    assert sharpness(at_min, batches, epsilon=eps) == pytest.approx(expected / 1.0, rel=1e-10)
+    assert torch.equal(model.w.detach(), w)  # restored
+    with pytest.raises(ValueError, match="method"):
+        sharpness(model, batches, method="sam")

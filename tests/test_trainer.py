@@ -196,6 +196,16 @@ def test_non_private_loss_normalisation_is_refused(tmp_path):
                   compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean())
 
 
+def test_processes_launched_but_not_distributed_are_refused(tmp_path, monkeypatch):
+    """`torchrun --nproc_per_node 2` on a CPU-only machine without use_cpu: transformers runs each process alone
+    (world_size 1); each would train on all the data and be released, spending the budget again."""
+    args = make_args(tmp_path, target_epsilon=1.0)
+    assert args.world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="independent"):
+        DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16))
+
+
 def test_plain_training_arguments_are_refused(tmp_path):
     from transformers import TrainingArguments
 

@@ -158,9 +158,13 @@ class CrossLayerFlattening(TrainerCallback):
         keep_layers: the sparsity target (number of prefix layers kept).
         data_is_public: ``True`` only if ``batches`` are public data. Otherwise the selection used private data
             without noise and the run is marked not strict.
+        sharpness_kwargs: passed to :func:`hf_dp.sharpness` (default: Def. 1 maximised in Keskar's box,
+            ``method="box"``; ``{"method": "paper"}`` for the paper's descent-line approximation).
     """
 
-    def __init__(self, batches: Iterable[dict], keep_layers: int, data_is_public: bool = False):
+    def __init__(self, batches: Iterable[dict], keep_layers: int, data_is_public: bool = False,
+                 sharpness_kwargs: dict[str, Any] | None = None):
+        self.sharpness_kwargs = dict(sharpness_kwargs or {})
         self.batches = list(batches)
         self.keep_layers = keep_layers
         self.data_is_public = data_is_public
@@ -197,7 +201,7 @@ class CrossLayerFlattening(TrainerCallback):
             with torch.no_grad():
                 weight.copy_(original)
                 weight[:, self._mask(weight, config, removed)] = 0
-            return sharpness(model, self.batches)
+            return sharpness(model, self.batches, **self.sharpness_kwargs)
 
         current = score([])
         self.sharpness_trace = [current]
