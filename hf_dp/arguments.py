@@ -5,10 +5,23 @@ Every field has ``metadata={"help": ...}`` so ``HfArgumentParser`` renders it on
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
+
+logger = logging.getLogger(__name__)
+
+
+def _has_accelerator() -> bool:
+    """Whether torch sees any accelerator (CUDA, ROCm, MPS, XPU, ...)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
 
 __all__ = ["DPTrainingArguments", "CLIPPING_MODES", "NotPrivateWarning"]
 
@@ -157,6 +170,12 @@ class DPTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _has_accelerator():
+            # `torchrun` / `accelerate launch --multi_gpu` on a machine without any accelerator: without use_cpu,
+            # transformers would run every process alone on all the data (DPTrainer refuses that); with it, the
+            # processes form one gloo job, which is what was launched.
+            logger.info("hf_dp: %s processes launched, no accelerator: use_cpu=True (gloo).", os.environ["WORLD_SIZE"])
+            self.use_cpu = True
         super().__post_init__()
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(

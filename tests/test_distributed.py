@@ -72,6 +72,22 @@ def test_two_processes_identical_exact_and_noised_once(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_on_cpu_without_use_cpu_is_one_job(tmp_path):
+    """`torchrun --nproc_per_node 2` with no accelerator and no use_cpu: DPTrainingArguments turns use_cpu on, so
+    the processes form one gloo job (otherwise transformers would run each alone on all the data)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), WORKER, str(tmp_path), "0.0"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "HF_DP_TEST_USE_CPU": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    infos = [json.load(open(tmp_path / f"info_rank{r}.json")) for r in range(2)]
+    assert [i["world_size"] for i in infos] == [2, 2]
+    updates = [torch.load(tmp_path / f"update_rank{r}.pt") for r in range(2)]
+    for k in updates[0]:
+        assert torch.equal(updates[0][k], updates[1][k]), k
+
+
+@pytest.mark.slow
 def test_two_processes_per_layer_and_adaptive(tmp_path):
     """Per-layer clipping across ranks equals the union oracle; adaptive thresholds stay identical across ranks."""
     from test_groupwise import group_clipped_sum

@@ -26,7 +26,8 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
             output_dir=out_dir, noise_multiplier=sigma, per_sample_max_grad_norm=0.5, per_device_train_batch_size=3,
             gradient_accumulation_steps=2, max_steps=steps, learning_rate=1.0,
             clipping=clipping, optim="sgd", lr_scheduler_type="constant",
-            weight_decay=0.0, use_cpu=True, report_to="none", save_strategy="no", dp_seed=17, disable_tqdm=True,
+            weight_decay=0.0, use_cpu=os.environ.get("HF_DP_TEST_USE_CPU", "1") == "1", report_to="none",
+            save_strategy="no", dp_seed=17, disable_tqdm=True,
         )
     trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(24, seed=3))
     trainer.train()
