@@ -206,10 +206,6 @@ class DPInfillingArguments(DPTrainingArguments):
     def __post_init__(self) -> None:
         if self.target_epsilon is None and self.noise_multiplier is None:
             self.target_epsilon = DEFAULT_TARGET_EPSILON
-        if not self.use_cpu and not torch.cuda.is_available():
-            # Without this, `accelerate launch` (MULTI_GPU config, gloo) on a machine without GPUs starts processes
-            # that never join a process group: each would train alone on all the data.
-            self.use_cpu = True
         super().__post_init__()
 
 
