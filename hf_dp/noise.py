@@ -5,19 +5,24 @@ optimizer: ``(Σ_i clip(g_i) + N(0, σ² S² I)) / (q N)`` with ``S`` the L2 sen
 flat clipping) and ``q N`` the *expected* batch size (the realised size is itself private). Under several processes
 the sums are all-reduced and the noise is drawn on rank 0 only, before the reduction, so the total noise is added
 exactly once whatever the world size, and every rank ends with the same gradient.
+
+Under FSDP (``clipping/fsdp.py``) the gradient is sharded: :func:`add_noise_to_shards` adds each rank's noise to the
+coordinates it owns only, from a per-rank stream (:meth:`NoiseGenerator.for_shard`), so again every coordinate is
+noised exactly once.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from .sampling import derive_seed
 
-__all__ = ["privatize", "NoiseGenerator", "group_noise_stds", "NOISE_ALLOCATIONS"]
+__all__ = ["privatize", "add_noise_to_shards", "NoiseGenerator", "group_noise_stds", "NOISE_ALLOCATIONS"]
 
 NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
 
@@ -38,6 +43,16 @@ class NoiseGenerator:
     def for_step(self, step: int, device: torch.device) -> torch.Generator:
         gen = torch.Generator(device=device)
         gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step))
+        return gen
+
+    def for_shard(self, step: int, rank: int, device: torch.device, stream: int = 0) -> torch.Generator:
+        """The step's generator for the coordinates ``rank`` owns under FSDP (``clipping/fsdp.py``).
+
+        Each rank noises only its own shard, so every rank needs an independent stream: derived from
+        ``(seed, step, rank, stream)``, never equal to :meth:`for_step`'s.
+        """
+        gen = torch.Generator(device=device)
+        gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step, rank, stream))
         return gen
 
 
@@ -106,3 +121,26 @@ def privatize(
         out[n] = flat[offset:offset + k].view_as(summed[n])
         offset += k
     return out
+
+
+@torch.no_grad()
+def add_noise_to_shards(shards: list[torch.Tensor], std: float,
+                        generator_for: Callable[[torch.device, int], torch.Generator]) -> None:
+    """Add ``N(0, std²)`` in place to each of this rank's gradient shards (FSDP: disjoint across ranks).
+
+    ``std`` is the std on the *divided* gradient, ``σ S / (q N)``. ``generator_for(device, k)`` gives this rank's
+    generator for the ``k``-th device met (one stream per device, :meth:`NoiseGenerator.for_shard`). Noise is drawn in
+    at least float32 and added in that precision; shards are visited in the given order (name order).
+    """
+    gens: dict[torch.device, torch.Generator] = {}
+    for local in shards:
+        if local.numel() == 0:
+            continue
+        if local.device not in gens:
+            gens[local.device] = generator_for(local.device, len(gens))
+        dtype = torch.promote_types(local.dtype, torch.float32)
+        z = torch.randn(local.shape, generator=gens[local.device], device=local.device, dtype=dtype)
+        if dtype == local.dtype:
+            local.add_(z, alpha=std)
+        else:
+            local.copy_((local.to(dtype) + z * std).to(local.dtype))

@@ -33,6 +33,7 @@ from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noi
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .cards import create_model_card
 from .clipping.engine import ClippingEngine
+from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
 from .noise import NoiseGenerator, group_noise_stds, privatize
@@ -132,6 +133,9 @@ class DPTrainer(Trainer):
         peft_config: a ``peft.PeftConfig`` (LoRA, prefix tuning, prompt tuning): the model is wrapped with
             ``get_peft_model`` and only the adapter is trained (TRL-style); or pass a ``PeftModel`` as ``model``.
         *args, **kwargs: passed to ``Trainer``. ``compute_loss_func`` is refused: its normalisation spans the batch.
+
+    Under accelerate's FSDP plugin (FSDP2, flat clipping) the step is two-pass ghost clipping on the sharded model
+    (``clipping/fsdp.py``); other clipping modes, user-level units, FSDP1 and DeepSpeed are refused.
     """
 
     def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, peft_config: Any = None,
@@ -152,12 +156,16 @@ class DPTrainer(Trainer):
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+        if self.is_deepspeed_enabled:
             raise ValueError(
-                "DPTrainer does not support FSDP or DeepSpeed sharding yet: the per-example hooks need whole "
-                "parameters on each rank. Use multi-process DDP (`accelerate launch --multi_gpu`), and for models "
-                "placed across devices, clipping='per_device'."
+                "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "
+                "rank. Use multi-process DDP (`accelerate launch --multi_gpu`), FSDP2 with clipping='flat', and for "
+                "models placed across devices, clipping='per_device'."
             )
+        if self.is_fsdp_enabled:
+            check_fsdp_supported(self)  # FSDP2, flat clipping, example level (clipping/fsdp.py)
+        elif fsdp_requested(self.args):
+            self._warn_fsdp_not_enabled()
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and self.args.world_size != launched:
             raise ValueError(
@@ -174,7 +182,13 @@ class DPTrainer(Trainer):
         else:
             self.task = "custom"
         self.per_example_loss = per_example_loss
-        self.clipping_engine = ClippingEngine(self.model)
+        self._fsdp: FSDPFlatClipping | None = None
+        if self.is_fsdp_enabled:
+            # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
+            self._fsdp = FSDPFlatClipping(self)
+            self.clipping_engine = self._fsdp.engine
+        else:
+            self.clipping_engine = ClippingEngine(self.model)
         self.noise_multiplier: float | None = self.args.noise_multiplier
         self.group_clipper: GroupClipper | None = None
         self.noise_allocation = self.args.noise_allocation or (
@@ -190,6 +204,20 @@ class DPTrainer(Trainer):
         self.add_callback(_DPCallback(self))
         if self.train_dataset is not None:
             self._validate_against_dataset()
+
+    def _warn_fsdp_not_enabled(self) -> None:
+        """FSDP was asked for but accelerate did not enable it: say loudly that DDP (or one process) runs instead."""
+        msg = (
+            "hf_dp: FSDP was requested (TrainingArguments fsdp=... or `accelerate launch --use_fsdp`) but accelerate "
+            f"did not enable it (distributed_type={self.accelerator.distributed_type}): this run is "
+            + ("multi-process DDP, every rank holding the whole model" if self.args.world_size > 1
+               else "a single process") + ". accelerate switches to FSDP only for processes on accelerators "
+            "(accelerate/state.py, AcceleratorState.__init__: DistributedType.FSDP is set only when the type is "
+            "MULTI_GPU/MULTI_XPU/MULTI_NPU/...; a CPU-only job is MULTI_CPU), so on CPU the FSDP plugin is dropped "
+            "silently. The DP guarantee is unaffected (DDP is exact for every clipping mode); memory is not sharded."
+        )
+        logger.warning(msg)
+        warnings.warn(msg, UserWarning, stacklevel=3)
 
     def _validate_against_dataset(self) -> None:
         """Checks that need N: q <= 1 (raises) and δ < 1/N (warns)."""
@@ -338,7 +366,7 @@ class DPTrainer(Trainer):
         self._dp_sampler = sampler
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
-        return DataLoader(
+        loader = DataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=_EmptySafeCollator(collator),
@@ -346,6 +374,9 @@ class DPTrainer(Trainer):
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
         )
+        if self._fsdp is not None:
+            self._fsdp.dummy_source = loader  # FSDP: padding micro-batches (weight 0) are collated from it
+        return loader
 
     def _shared_seed(self) -> int:
         """The run's DP seed (``dp_seed`` or a secret one), identical on every rank."""
@@ -437,6 +468,8 @@ class DPTrainer(Trainer):
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
+        if self._fsdp is not None:  # FSDP2: two-pass ghost clipping, noise on the local shards (clipping/fsdp.py)
+            return self._fsdp.training_step(model, None if _is_empty(inputs) else inputs)
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -506,7 +539,7 @@ class DPTrainer(Trainer):
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state) -> None:
-        if _distributed():
+        if _distributed() and self._fsdp is None:  # under FSDP every coordinate lives on one rank only
             for p in self.model.parameters():
                 dist.broadcast(p.data, src=0)
         remaining = max(state.max_steps - state.global_step, 0)
@@ -643,6 +676,8 @@ class DPTrainer(Trainer):
         self._dp_steps_at_begin = self.accountant.steps
         self.budget_exhausted = False
         self._self_checked = False
+        if self._fsdp is not None:
+            self._fsdp.reset()
         if self.train_dataset is not None:
             self._validate_against_dataset()
         if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:

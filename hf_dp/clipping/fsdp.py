@@ -1,0 +1,412 @@
+"""Flat per-example clipping under FSDP2 (accelerate's FSDP plugin, ``fsdp_version=2``): two-pass ghost clipping.
+
+Why the ordinary engine cannot run under FSDP: :class:`~hf_dp.clipping.engine.ClippingEngine` finds a parameter's
+uses by ``id(param)`` captured before wrapping, and it clips by book-keeping (it forms ``Σ_i c_i G_i`` itself and
+writes ``.grad``). Under FSDP2 the parameters a layer holds during forward and backward are *other* tensors (the
+unsharded ``nn.Parameter`` that FSDP2 swaps in; the registered one is a sharded DTensor), and ``.grad`` must be the
+rank's shard of the gradient reduced over ranks. So here (Li et al. 2022, §4: ghost clipping, a norm pass then a
+backward of the reweighted loss):
+
+* **Pass 1 — norms only.** A forward with the engine's layer hooks, then ``torch.autograd.grad(Σ_i L_i, inputs=<the
+  hooked layers' outputs>)``. Autograd computes every hooked layer's output gradient (the tensor hooks fire with the
+  full, unsharded weights and this rank's full activations) but no parameter gradient (no ``AccumulateGrad`` node
+  runs), so FSDP reduces nothing. Uses are mapped to parameter names *by attribute* (module, ``"weight"``), not by
+  identity; tied parameters (GPT-2 ``wte``/``lm_head``) keep one name and their cross terms. The engine's ghost-norm
+  vs instantiation decision applies unchanged (:meth:`ClippingEngine.per_example_norms_sq`).
+* **Pass 2 — clipped backward.** On the same graph (``retain_graph``), an ordinary ``backward`` of
+  ``Σ_i c_i L_i · W / B`` with ``c_i = min(1, C / (‖g_i‖ + 1e-6))``, ``W`` the world size and ``B = qN`` the expected
+  batch size. FSDP2's reduce-scatter *averages* over the ``W`` ranks, so every rank's ``.grad`` shard holds its rows
+  of ``Σ_{all ranks} Σ_i c_i g_i / B``.
+* **Noise.** Each rank adds ``N(0, (σC/B)²)`` to the coordinates it owns (the local tensor of each ``Shard`` DTensor
+  gradient), from a generator seeded by ``(seed, step, rank)``. Shards are disjoint and cover every coordinate, so
+  each coordinate is noised exactly once with total std ``σC`` on the sum (DESIGN invariant 5).
+
+Under FSDP the forwards and backwards are collectives (all-gathers, reduce-scatters), so every rank must run the
+same number of micro-batches: the step's micro-batch count is all-reduced (MAX) per chunk and a rank with fewer
+(its Poisson sample is smaller, or empty) runs padding micro-batches of one row with clipping factor 0, whose
+contribution is exactly zero. The Poisson shards of :mod:`hf_dp.sampling` and the accountant are unchanged.
+
+Only flat clipping, example-level, with FSDP2 is supported; the trainer refuses the rest
+(:func:`check_fsdp_supported`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..noise import add_noise_to_shards
+from .engine import ClippingEngine, UnsupportedLayerError
+from .layers import Rule
+from .modes import flat_clip_factors
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..trainer import DPTrainer
+
+__all__ = ["FSDPClippingEngine", "FSDPFlatClipping", "check_fsdp_supported", "fsdp_requested"]
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def fsdp_requested(args: Any, environ: dict[str, str] | None = None) -> bool:
+    """Whether the user asked for FSDP: ``TrainingArguments(fsdp=..., fsdp_config=...)`` or ``accelerate launch
+    --use_fsdp`` (which exports ``ACCELERATE_USE_FSDP=true``)."""
+    env = os.environ if environ is None else environ
+    return bool(getattr(args, "fsdp", None)) or env.get("ACCELERATE_USE_FSDP", "false").strip().lower() in _TRUE
+
+
+def check_fsdp_supported(trainer: DPTrainer) -> None:
+    """Refuse FSDP settings under which hf_dp's FSDP path is not exact (raises ``ValueError``).
+
+    Supported: FSDP2 (``fsdp_version=2``), flat clipping, example-level privacy. Per-layer / adaptive / group-wise /
+    per-device clipping and user-level units need the engine's book-keeping on whole parameters; FSDP1 is deprecated
+    by transformers and, on CPU, cannot save (a torch bug in ``FULL_STATE_DICT`` with ``offload_to_cpu``).
+    """
+    plugin = trainer.accelerator.state.fsdp_plugin
+    version = int(getattr(plugin, "fsdp_version", 1) or 1)
+    if version != 2:
+        raise ValueError(
+            f"DPTrainer supports FSDP2 only (got fsdp_version={version}). Use fsdp_config={{'version': 2, ...}} or "
+            "`accelerate launch --use_fsdp --fsdp_version 2`. FSDP1 is deprecated in transformers."
+        )
+    args = trainer.args
+    if args.clipping != "flat":
+        raise ValueError(
+            f"Under FSDP, DPTrainer supports clipping='flat' only (got clipping={args.clipping!r}): per-layer, "
+            "adaptive and group-wise clipping need whole parameters on each rank. Use multi-process DDP "
+            "(`accelerate launch --multi_gpu`) for them, and clipping='per_device' for model-parallel placement "
+            "(a model placed across devices with device_map)."
+        )
+    if args.privacy_unit != "example":
+        raise ValueError(
+            "Under FSDP, DPTrainer supports privacy_unit='example' only. Use multi-process DDP "
+            "(`accelerate launch --multi_gpu`) for user-level DP, or clipping='per_device' for model-parallel "
+            "placement."
+        )
+
+
+class FSDPClippingEngine(ClippingEngine):
+    """The per-example norm engine for FSDP2-wrapped models: hooks keyed by (module, attribute), norms only.
+
+    Build it on the model *before* ``accelerator.prepare`` wraps it (as :class:`DPTrainer` does in ``__init__``):
+    coverage is checked, and every ruled layer's parameters get their canonical names, from the unwrapped model. No
+    reference to the parameters is kept (FSDP replaces them by shards; keeping them would keep a full copy of the
+    model alive on every rank): :attr:`params` holds ``meta`` tensors of the same shapes.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self._attr_names: dict[int, dict[str, str]] = {}
+        for _, module, rule in self._modules:
+            self._attr_names[id(module)] = {
+                a: self._names[id(getattr(module, a))] for a in rule.params
+                if getattr(module, a, None) is not None and id(getattr(module, a)) in self._names
+            }
+        self.params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.params.items()}
+        self._names = {}
+        self._outputs: list[torch.Tensor] = []
+        self._capturing = False
+
+    @contextlib.contextmanager
+    def capture(self, batch_size: int) -> Iterator[None]:
+        """Record one micro-batch's layer inputs and output gradients (run the forward and :meth:`norms_backward`
+        inside). Parameters are not frozen: pass 1 asks autograd for layer-output gradients only."""
+        self._outputs = []
+        self._capturing = True
+        try:
+            with self.record(batch_size, freeze=False):
+                yield
+        finally:
+            self._capturing = False
+            self._outputs = []
+
+    def norms_backward(self, losses: torch.Tensor, retain_graph: bool = False) -> None:
+        """Pass 1: ``autograd.grad(Σ_i L_i, <hooked outputs>)`` — output gradients only, no parameter gradient."""
+        outs = [o for o in self._outputs if o.requires_grad]
+        self._outputs = []
+        if outs and losses.requires_grad:
+            torch.autograd.grad(losses.sum(), outs, allow_unused=True, retain_graph=retain_graph)
+        self._capturing = False  # the retained graph's tensor hooks must not record again in pass 2
+
+    @torch.no_grad()
+    def per_example_norms(self, batch_size: int) -> torch.Tensor:
+        """``(B,)`` flat per-example gradient norms (float64) of the captured micro-batch."""
+        norms_sq = self.per_example_norms_sq()
+        self._instantiated = {}
+        if not norms_sq:
+            return torch.zeros(batch_size, dtype=torch.float64)
+        return torch.stack([v.double() for v in norms_sq.values()]).sum(0).sqrt()
+
+    def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
+        attrs = self._attr_names.get(id(module), {})
+
+        def hook(mod, args, kwargs, output):
+            if not self._capturing or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return None
+            inp = (args[0] if args else next(iter(kwargs.values()))).detach()
+            if rule.verify is not None and id(module) not in self._verified:
+                rule.verify(module, name, inp, output)
+                self._verified.add(id(module))
+            if not output.requires_grad:
+                output = output.detach().requires_grad_(True)
+            out_data = output.detach()  # the hook must not refer to `output` (see ClippingEngine._forward_hook)
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                if not self._capturing:
+                    return
+                # The tensors FSDP has put on the module now (unsharded), named by attribute, not by identity.
+                by_id = {id(getattr(module, a)): n for a, n in attrs.items() if getattr(module, a, None) is not None}
+                for u in rule.uses(module, name, inp, out_data, grad.detach()):
+                    n = by_id.get(id(u.param))
+                    if n is None:
+                        continue
+                    if u.batch_size != self._batch_size:
+                        raise UnsupportedLayerError(
+                            f"{name} saw a batch of {u.batch_size} in a micro-batch of {self._batch_size} examples: "
+                            "an input is broadcast across the batch, so per-example gradients would merge examples. "
+                            "Materialise the input per example."
+                        )
+                    self._uses.setdefault(n, []).append(u)
+
+            output.register_hook(grad_hook)
+            self._outputs.append(output)
+            return output
+
+        return hook
+
+
+def _all_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+class FSDPFlatClipping:
+    """The DP step of :class:`~hf_dp.DPTrainer` under FSDP2: two-pass flat ghost clipping, sharded noise.
+
+    ``DPTrainer.training_step`` delegates here when ``trainer.is_fsdp_enabled``. Set :attr:`dummy_source` to the
+    train DataLoader (its dataset and collator give the one-row padding micro-batch).
+    """
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+        self.engine = FSDPClippingEngine(trainer.model)
+        self.dummy_source: Any = None
+        self._dummy: tuple[dict, torch.Tensor] | None = None
+        #: micro-batches run / of which padding, since construction (for tests and logs)
+        self.stats = {"micro_batches": 0, "padding": 0}
+        self.reset()
+
+    def reset(self) -> None:
+        """At ``train()``: the next chunk starts a logical step; drop a half-done self-check."""
+        self._chunk_in_step = 0
+        self._checking = False  # the first step runs the self-check (dp_self_check)
+        self._singles_checked = False
+        self.engine.summed_grads = {}
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
+        """One chunk of a logical step (``inputs=None``: this rank's chunk is empty). Returns the logged loss."""
+        tr = self.trainer
+        model.train()
+        if hasattr(tr.optimizer, "train") and callable(tr.optimizer.train):
+            tr.optimizer.train()
+        device = tr.args.device
+        if self._chunk_in_step == 0 and tr.args.dp_self_check and not getattr(tr, "_self_checked", False):
+            self._checking, self._singles_checked = True, False
+        self._chunk_in_step += 1
+        micro: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+        if inputs is not None:
+            inputs = tr._prepare_inputs(inputs)
+            if "labels" not in inputs:
+                raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+            labels = inputs.pop("labels")
+            for part, part_labels, _ in tr._micro_batches(inputs, labels):
+                micro.append((part, part_labels, torch.ones(part_labels.shape[0], dtype=torch.float64)))
+        n = int(_all_max(len(micro), device))  # every rank runs the same number of forwards/backwards
+        while len(micro) < n:
+            part, part_labels = self._padding_batch()
+            micro.append((part, part_labels, torch.zeros(part_labels.shape[0], dtype=torch.float64)))
+            self.stats["padding"] += 1
+        loss_sum = torch.zeros((), device=device)
+        for part, part_labels, weights in micro:
+            if self._checking and not self._singles_checked:
+                self._check_single_examples(model, part, part_labels)
+            losses = self._two_pass(model, part, part_labels, weights)
+            loss_sum = loss_sum + (losses.double() * weights.to(losses.device)).sum().to(loss_sum)
+            self.stats["micro_batches"] += 1
+        if tr.accelerator.gradient_state.sync_gradients:
+            self._chunk_in_step = 0
+            self.finish_step(model)
+        local_expected = tr.args.per_device_train_batch_size * tr.args.gradient_accumulation_steps
+        return loss_sum / local_expected
+
+    def _padding_batch(self) -> tuple[dict, torch.Tensor]:
+        """One collated row of the training set, run with clipping factor 0 (it contributes exactly nothing)."""
+        if self._dummy is None:
+            src = self.dummy_source
+            if src is None:
+                raise RuntimeError("FSDPFlatClipping.dummy_source is not set (DPTrainer.get_train_dataloader sets it).")
+            batch = self.trainer._prepare_inputs(src.collate_fn([src.dataset[0]]))
+            labels = batch.pop("labels")
+            self._dummy = (batch, labels)
+        batch, labels = self._dummy
+        return dict(batch), labels
+
+    def _forward_losses(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
+        tr = self.trainer
+        b = labels.shape[0]
+        outputs = model(**tr._model_inputs(model, batch, labels))
+        losses = tr.per_example_loss(outputs, labels)
+        if losses.shape != (b,):
+            raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
+        return losses
+
+    def _two_pass(self, model: nn.Module, batch: dict, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Pass 1 (per-example norms, no parameter gradient) and pass 2 (``backward`` of ``Σ c_i L_i · W/B``) on one
+        forward graph. Returns the per-example losses (detached)."""
+        tr = self.trainer
+        engine = self.engine
+        b = labels.shape[0]
+        with tr.compute_loss_context_manager(), engine.capture(b):
+            losses = self._forward_losses(model, batch, labels)
+            engine.norms_backward(losses, retain_graph=True)
+        norms_sq = engine.per_example_norms_sq()
+        factors = flat_clip_factors(norms_sq, tr.args.per_sample_max_grad_norm, b).to(losses.device)
+        factors = factors * weights.to(device=losses.device, dtype=factors.dtype)
+        if self._checking:
+            engine.accumulate_clipped(factors)  # the hooks' Σ c_i G_i, compared with autograd's at the step's end
+        engine._instantiated = {}
+        engine.clear()
+        if losses.requires_grad:
+            dtype = torch.promote_types(losses.dtype, torch.float32)
+            scale = tr.args.world_size / tr.expected_batch_size  # FSDP averages over ranks: × W gives the sum
+            ((losses.to(dtype) * factors.to(dtype)).sum() * scale).backward()
+        return losses.detach()
+
+    def finish_step(self, model: nn.Module) -> None:
+        """At the step's last chunk: noise once per coordinate on the local shards, record the step."""
+        tr = self.trainer
+        params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
+        if not tr._budget_allows(1):
+            tr.budget_exhausted = True  # never release a step beyond the budget: no update, nothing recorded
+            tr.control.should_training_stop = True
+            for _, p in params:
+                p.grad = None
+            self._checking = False
+            return
+        world = tr.args.world_size
+        for n, p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # no rank's loss reached it: its released gradient is pure noise
+            _check_sharded(n, p.grad, world)
+        if self._checking:
+            self._check_against_autograd(params)
+        std = tr.noise_std / tr.expected_batch_size
+        if std > 0:
+            step, rank = tr.accountant.steps, tr.args.process_index
+            with torch.no_grad():
+                shards = [p.grad.to_local() for _, p in params]  # no-grad to_local: the DTensor's own storage
+            add_noise_to_shards(shards, std, lambda device, k: tr._noise.for_shard(step, rank, device, k))
+        tr.accountant.step(tr.noise_multiplier, tr.sample_rate)
+
+    # ------------------------------------------------------------------ self-check (dp_self_check)
+    def _norms_only(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
+        b = labels.shape[0]
+        with self.trainer.compute_loss_context_manager(), self.engine.capture(b):
+            losses = self._forward_losses(model, batch, labels)
+            self.engine.norms_backward(losses)
+        norms = self.engine.per_example_norms(b)
+        self.engine.clear()
+        return norms
+
+    def _check_single_examples(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> None:
+        """Each example's norm in its micro-batch equals its norm alone (ClippingEngine.self_check, check 2).
+
+        Every rank runs the same number of forwards (1 batched + 2 single), since they are collectives under FSDP.
+        """
+        tr = self.trainer
+        b = labels.shape[0]
+        low_precision = tr.args.bf16 or tr.args.fp16
+        rtol = 5e-2 if low_precision else 1e-3
+        was_training = model.training
+        model.eval()  # dropout off: the batched and single-example runs must compute the same function
+        problem = None
+        try:
+            batched = self._norms_only(model, batch, labels)
+            for i in range(2):
+                j = min(i, b - 1)
+                alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b), labels[j:j + 1])[0])
+                if problem is None and abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12:
+                    problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch but "
+                               f"{alone:.6g} alone")
+        finally:
+            model.train(was_training)
+        self._singles_checked = True
+        if _all_max(problem is not None, tr.args.device):
+            raise UnsupportedLayerError(
+                (problem or "On another rank, an example's gradient norm differs between its micro-batch and alone")
+                + ": the model mixes examples (an input broadcast over the batch, batch statistics, or a layer whose "
+                "input has no batch axis), so per-example clipping would not bound an example's contribution."
+            )
+
+    @torch.no_grad()
+    def _check_against_autograd(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        """The hooks' clipped sum, reduced over ranks, equals the gradient FSDP reduced (check 1 of
+        ClippingEngine.self_check): a parameter used outside its layer's forward would escape clipping.
+
+        Runs once per run; during that step every rank holds the hooks' full (unsharded) clipped sum, and the
+        reduced gradient is gathered one parameter at a time.
+        """
+        tr = self.trainer
+        hooked = self.engine.summed_grads
+        self.engine.summed_grads = {}
+        rtol = 5e-2 if (tr.args.bf16 or tr.args.fp16) else 1e-3
+        escaped, unknown = [], [n for n, _ in params if n not in self.engine.params]
+        for n, p in params:
+            if n not in self.engine.params:
+                continue
+            ref = p.grad.full_tensor().to(tr.args.device)  # (CPU-offloaded grads: reduce on the job's device)
+            mine = hooked.get(n)
+            mine = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device) if mine is None else mine
+            mine = mine.to(device=ref.device, dtype=torch.promote_types(ref.dtype, torch.float32)).reshape(ref.shape)
+            dist.all_reduce(mine)
+            mine = mine / tr.expected_batch_size
+            tol = rtol * float(ref.abs().max().clamp(min=1e-12))
+            if not torch.allclose(mine, ref.to(mine.dtype), rtol=rtol, atol=tol):
+                escaped.append(n)
+        self._checking = False
+        tr._self_checked = True
+        if _all_max(bool(escaped or unknown), tr.args.device):
+            raise UnsupportedLayerError(
+                "Under FSDP, the gradient FSDP reduced differs from hf_dp's clipped sum for: "
+                + ", ".join(escaped + unknown or ["(on another rank)"]) + ". Either these parameters get gradient "
+                "that the layer hooks do not see (used outside their layer's forward, or renamed by FSDP), so it "
+                "could not be clipped per example — freeze them (requires_grad_(False)) — or, if every parameter is "
+                "listed, FSDP's gradient reduction is not the average over all ranks (a custom gradient divide "
+                "factor)."
+            )
+
+
+def _check_sharded(name: str, grad: torch.Tensor, world_size: int) -> None:
+    """The gradient must be a DTensor sharded over all ``world_size`` ranks (so that noising each rank's local shard
+    noises every coordinate once, and FSDP's average over the mesh is an average over all ranks)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(grad, DTensor):
+        raise ValueError(
+            f"Under FSDP, the gradient of {name} is not a sharded DTensor (is it in fsdp ignored_modules?). Every "
+            "trainable parameter must be sharded by FSDP2; freeze the others."
+        )
+    if grad.device_mesh.size() != world_size or not all(isinstance(pl, Shard) for pl in grad.placements):
+        raise ValueError(
+            f"Under FSDP, the gradient of {name} has placements {grad.placements} on a mesh of "
+            f"{grad.device_mesh.size()} ranks; DPTrainer supports FSDP2 full sharding over all {world_size} ranks "
+            "only (no HSDP / replication, no tensor parallelism)."
+        )

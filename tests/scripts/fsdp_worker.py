@@ -1,0 +1,105 @@
+"""Worker for tests/test_fsdp.py: DPTrainer under FSDP2 on CPU (2 processes, gloo), through the test-only shim.
+
+Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_worker.py OUT``. In one process:
+
+0. a DPTrainer with ``fsdp=``/``fsdp_config=`` but WITHOUT the shim: accelerate silently runs DDP, DPTrainer warns;
+1. ``clean``: σ = 0, 2 steps (GA 2, micro-batches of 2), checkpoint every step, then ``save_model``;
+2. ``noisy``: σ = SIGMA, 1 step, same seed (same Poisson batches).
+
+Every rank writes the full (gathered) parameters after each step, what it saw, and the run's facts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+from transformers import TrainerCallback
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+from cpu_fsdp_shim import CPUFSDPTrainerMixin  # noqa: E402
+from helpers import lm_dataset, tiny_gpt2  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
+
+C, N, SEED, SIGMA = 0.5, 16, 23, 1.5
+FSDP = {"fsdp": True,
+        "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+
+
+class ShimDPTrainer(CPUFSDPTrainerMixin, DPTrainer):
+    pass
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter in full (an all-gather per DTensor: a collective, all ranks call it)."""
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.detach()
+        out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+class Snapshots(TrainerCallback):
+    def __init__(self):
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.params.append(full_params(model))
+
+
+def make_args(out_dir: str, sigma: float, steps: int, save: bool) -> DPTrainingArguments:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPTrainingArguments(
+            output_dir=out_dir, noise_multiplier=sigma, per_sample_max_grad_norm=C, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1.0, optim="sgd",
+            lr_scheduler_type="constant", weight_decay=0.0, report_to="none",
+            save_strategy="steps" if save else "no", save_steps=1, dp_seed=SEED, disable_tqdm=True, **FSDP)
+
+
+def run(out_dir: str, sigma: float, steps: int, save: bool) -> dict:
+    torch.manual_seed(0)  # same init on every rank
+    model = tiny_gpt2().double()
+    snaps = Snapshots()
+    trainer = ShimDPTrainer(model=model, args=make_args(out_dir, sigma, steps, save),
+                            train_dataset=lm_dataset(N, seed=3), callbacks=[snaps])
+    trainer.train()
+    if save:
+        trainer.save_model(os.path.join(out_dir, "final"))
+    return {"trainer": trainer, "snaps": snaps.params}
+
+
+def main(out: str) -> None:
+    # 0. FSDP asked for, no shim: accelerate drops the plugin on CPU (DDP) and DPTrainer says so.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = DPTrainer(model=tiny_gpt2().double(), args=make_args(os.path.join(out, "ddp"), 0.0, 1, False),
+                          train_dataset=lm_dataset(N, seed=3))
+    fallback = {"is_fsdp_enabled": plain.is_fsdp_enabled, "distributed_type": str(plain.accelerator.distributed_type),
+                "warned": any("FSDP was requested" in str(w.message) for w in caught)}
+    del plain
+
+    clean = run(os.path.join(out, "clean"), 0.0, 2, save=True)
+    noisy = run(os.path.join(out, "noisy"), SIGMA, 1, save=False)
+    tr = clean["trainer"]
+    rank = tr.args.process_index
+    torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"]}, os.path.join(out, f"params_rank{rank}.pt"))
+    local_shard_numel = sum(p.to_local().numel() for p in tr.model.parameters())
+    with open(os.path.join(out, f"info_rank{rank}.json"), "w") as f:
+        json.dump({
+            "world_size": tr.args.world_size, "is_fsdp_enabled": tr.is_fsdp_enabled,
+            "model_class": type(tr.model).__name__, "sharded": local_shard_numel < sum(
+                p.numel() for p in tr.model.parameters()),
+            "expected_batch_size": tr.expected_batch_size, "sample_rate": tr.sample_rate,
+            "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
+            "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
+        }, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
