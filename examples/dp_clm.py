@@ -689,11 +689,12 @@ def non_private_run(name: str, model: torch.nn.Module, args: DPCLMArguments, max
 
 def _format_table(rows: list[dict[str, Any]]) -> str:
     cols = [("run", "{}", 48), ("epsilon", "{:.3f}", 8), ("steps", "{}", 7), ("noise_multiplier", "{:.3f}", 8),
-            ("trainable_parameters", "{:,}", 12), ("perplexity", "{:.1f}", 14), ("sharpness", "{:.4f}", 11),
+            ("trainable_parameters", "{:,}", 12), ("perplexity", "{:.1f}", 14), ("sharpness", "{:.3e}", 11),
+            ("removed_prefix_layers", "{}", 9),
             ("time_per_step", "{:.2f}", 8), ("train_runtime", "{:.0f}", 9)]
     heads = {"run": "run", "epsilon": "ε", "steps": "steps", "noise_multiplier": "σ",
              "trainable_parameters": "trainable", "perplexity": "held-out ppl", "sharpness": "sharpness",
-             "time_per_step": "s/step", "train_runtime": "train s"}
+             "removed_prefix_layers": "removed", "time_per_step": "s/step", "train_runtime": "train s"}
     cols = [c for c in cols if any(r.get(c[0]) is not None for r in rows)]
     lines = ["".join(f"{heads[k]:<{w}}" if k == "run" else f"{heads[k]:>{w}}" for k, _, w in cols)]
     for r in rows:
