@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "dp_text_classification.py"
 
@@ -56,7 +57,8 @@ def test_defaults_target_epsilon_8_unless_noise_multiplier_given(tmp_path: Path)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 256
     assert args.report_to in ("none", ["none"], [])
     assert args.save_strategy == "no"
-    assert script_args.max_seq_length == 64 and script_args.num_trainable_layers == 2
+    assert script_args.max_seq_length == 64 and script_args.num_trainable_layers == 0
+    assert script_args.pooling == "mean" and script_args.lora_r == 0
     assert not script_args.non_private_baseline
 
     _, args = script.parse_args(["--output_dir", str(tmp_path), "--noise_multiplier", "1.0"])
@@ -107,6 +109,36 @@ def test_freeze_for_dp_trains_only_the_top_layers_and_head() -> None:
     assert counts0["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def test_mean_pooling_classifier_ignores_padding_and_other_examples() -> None:
+    """Each example's logits depend on its own tokens only (padding masked out of the mean): what per-example
+    clipping needs, and what a batch-dependent pooling would break."""
+    _require_model()
+    script_args, _ = script.parse_args(["--output_dir", "unused"])
+    model = script.load_model(script_args, ["other", "great"]).eval()
+    assert isinstance(model, script.BertMeanPoolingForSequenceClassification)
+    short = torch.tensor([[101, 2307, 2833, 102]])
+    padded = torch.tensor([[101, 2307, 2833, 102, 0, 0, 0], [101, 2919, 2833, 2003, 2307, 999, 102]])
+    mask = (padded != 0).long()
+    with torch.no_grad():
+        alone = model(input_ids=short, attention_mask=torch.ones_like(short)).logits
+        batch = model(input_ids=padded, attention_mask=mask).logits
+    torch.testing.assert_close(batch[:1], alone, rtol=1e-5, atol=1e-6)
+    out = model(input_ids=padded, attention_mask=mask, labels=torch.tensor([0, 1]))
+    assert out.loss is not None and out.logits.shape == (2, 2)
+
+
+def test_lora_trains_only_adapters_on_the_top_layers_and_the_head() -> None:
+    _require_model()
+    script_args, _ = script.parse_args(["--output_dir", "unused", "--num_trainable_layers", "2", "--lora_r", "4"])
+    model, counts = script.prepare_model(script_args, ["other", "great"])
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n or "classifier" in n for n in trained)
+    assert all(".layer.4." in n or ".layer.5." in n for n in trained if "lora_" in n)
+    assert {n.split(".")[-2] for n in trained if "lora_" in n} == {"default"}
+    assert any("query.lora_A" in n for n in trained) and any("value.lora_B" in n for n in trained)
+    assert counts["trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 # ------------------------------------------------------------------------------------------------- end to end
 def test_main_runs_with_tiny_settings_and_reports_privacy_and_accuracy(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,6 +159,8 @@ def test_main_runs_with_tiny_settings_and_reports_privacy_and_accuracy(tmp_path:
     assert baseline["steps"] == dp["steps"] and baseline["batch_size"] == dp["batch_size"] == 32
     assert 0.0 <= baseline["accuracy"] <= 1.0
     assert math.isfinite(results["time_ratio_dp_over_non_private"]) and results["time_ratio_dp_over_non_private"] > 0
+    assert dp["median_step_time"] > 0 and baseline["median_step_time"] > 0  # one duration per optimizer step
+    assert results["median_step_ratio_dp_over_non_private"] > 0
 
     out = capsys.readouterr().out
     for row in ("ε", "δ", "steps", "σ (noise multiplier)", "q (sample rate)", "test accuracy", "wall time"):
