@@ -13,22 +13,28 @@ them interleaved (method order rotated every repeat) through their real training
 
 Step time = one optimizer step (forward + backward + clipping + noise + optimizer step + zero_grad), measured from
 ``on_step_begin`` to ``on_step_end`` of a ``TrainerCallback`` (the batch is already fetched), and around the same
-work in the Opacus loop. Every ``train()`` call (one per method per repeat) starts with ``--warmup`` untimed steps;
-DPTrainer's runtime self-check (``dp_self_check``) runs at the first step of the first call only and is reported
-separately ("first step"). Batches have a fixed size (``poisson_sampling=False`` for DPTrainer and Opacus) and fixed
-length (random tokens, no padding), so every method does identical work per step.
+work in the Opacus loop, by two clocks: wall time and the process's CPU time (with one intra-op thread, the CPU
+default, the latter does not count time spent waiting for a core that other jobs hold). The first ``train()`` call
+of each method starts with ``--warmup`` untimed steps; DPTrainer's runtime self-check (``dp_self_check``) runs at the
+first step of that call only and is reported separately ("first step"). Batches have a fixed size
+(``poisson_sampling=False`` for DPTrainer and Opacus) and fixed length (random tokens, no padding), so every method
+does identical work per step.
 
 Peak memory:
 * CPU: one subprocess per method (``--child``). A ``TorchDispatchMode`` records the bytes of every live CPU tensor
   storage (created by an aten op, freed when its storage dies), i.e. what an allocator's "max allocated" would report:
   parameters, buffers, gradients, optimizer state, activations and temporaries. The peak over the measured steps is
-  reported, together with ``ru_maxrss`` growth over the process's peak after model creation (coarser: includes
-  allocator caching).
+  reported, together with the growth of the peak RSS over its value after model creation (coarser: includes
+  allocator caching; ``VmHWM`` on Linux).
 * GPU: ``torch.cuda.max_memory_allocated`` in the timing process (other methods' models offloaded to CPU), reset at
   the first measured step of each run; and a binary search for the largest batch each method fits (``--max-batch``,
   one subprocess per probe, GPU only).
 
-Run ``python benchmarks/run.py --help``; the commands behind RESULTS.md are listed there.
+``--profile`` times the phases of a step (hf_dp's functions wrapped in ``torch.profiler.record_function`` ranges,
+benchmark-side) and prints torch.profiler op tables. GPT-2 shapes come tied (GPT-2's layout) or untied
+(``--untied``; Opacus's ghost clipping refuses tied parameters).
+
+Run ``python benchmarks/run.py --help``; the commands behind RESULTS.md are listed in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -51,6 +57,12 @@ import warnings
 import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+# Import this checkout's hf_dp when run as `python benchmarks/run.py` (the script's directory, not the repository root,
+# is on sys.path then).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -78,6 +90,7 @@ class Shape:
     seq_len: int
     batch_size: int
     num_labels: int = 2
+    tied: bool = True  # gpt2: lm_head shares wte (GPT-2's layout); Opacus's ghost clipping refuses tied parameters
 
     @property
     def task(self) -> str:
@@ -85,23 +98,25 @@ class Shape:
 
 
 PRESETS: dict[str, list[Shape]] = {
-    # Default: finishes in about 10 minutes on 2 shared CPU cores.
+    # A few minutes on 2 shared CPU cores: narrow (256) models, for checking the harness.
     "cpu-quick": [
-        Shape("gpt2-4x256-T128", "gpt2", 4, 256, 4, 50257, 128, 8),
-        Shape("bert-4x256-cls-T128", "bert", 4, 256, 4, 30522, 128, 8),
+        Shape("gpt2-4x256-T128-B8", "gpt2", 4, 256, 4, 50257, 128, 8),
+        Shape("bert-4x256-cls-T128-B8", "bert", 4, 256, 4, 30522, 128, 8),
     ],
-    # Everything recorded in RESULTS.md for this CPU (about an hour on 2 shared cores).
+    # What RESULTS.md records for this CPU (about 40 min on 2 shared cores): the GPT-2-small and BERT-base layouts
+    # (768 wide, 12 heads, full vocabularies, T=128) cut to 4 layers, batch 8. GPT-2 twice: with its tied
+    # wte/lm_head, and untied so that Opacus's ghost clipping (which refuses tied parameters) can run on it.
     "cpu": [
-        Shape("gpt2-4x256-T128", "gpt2", 4, 256, 4, 50257, 128, 8),
-        Shape("gpt2-4x256-T512", "gpt2", 4, 256, 4, 50257, 512, 8),
-        Shape("llama-4x256-T128", "llama", 4, 256, 4, 50257, 128, 8),
-        Shape("bert-4x256-cls-T128", "bert", 4, 256, 4, 30522, 128, 8),
+        Shape("gpt2-4x768-T128-B8", "gpt2", 4, 768, 12, 50257, 128, 8),
+        Shape("gpt2-4x768-T128-B8-untied", "gpt2", 4, 768, 12, 50257, 128, 8, tied=False),
+        Shape("bert-4x768-cls-T128-B8", "bert", 4, 768, 12, 30522, 128, 8),
     ],
     # The issue's layouts (GPU).
     "gpu": [
         Shape("gpt2-small-T128", "gpt2", 12, 768, 12, 50257, 128, 16),
+        Shape("gpt2-small-T128-untied", "gpt2", 12, 768, 12, 50257, 128, 16, tied=False),
         Shape("gpt2-small-T512", "gpt2", 12, 768, 12, 50257, 512, 8),
-        Shape("llama-12x768-T128", "llama", 12, 768, 12, 50257, 128, 16),
+        Shape("gpt2-small-T512-untied", "gpt2", 12, 768, 12, 50257, 512, 8, tied=False),
         Shape("bert-base-cls-T128", "bert", 12, 768, 12, 30522, 128, 32),
     ],
 }
@@ -122,7 +137,7 @@ def build_model(shape: Shape, seed: int = 0) -> torch.nn.Module:
     if shape.arch == "gpt2":
         cfg = GPT2Config(n_layer=shape.layers, n_embd=shape.width, n_head=shape.heads, vocab_size=shape.vocab,
                          n_positions=max(1024, shape.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                         tie_word_embeddings=True)
+                         tie_word_embeddings=shape.tied)
         model = GPT2LMHeadModel(cfg)
     elif shape.arch == "llama":
         cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.width, intermediate_size=4 * shape.width,
@@ -175,7 +190,13 @@ def _sync(device: torch.device) -> None:
 
 
 class StepTimes:
-    """Step durations of one run: the first ``warmup`` steps are kept apart."""
+    """Step durations of one run (wall clock and this process's CPU time, user + system): the first ``warmup`` steps
+    are kept apart.
+
+    With one intra-op thread (the CPU default) the process's CPU time is the work the step did, whatever else runs on
+    the machine; its wall time also includes waiting for a core (other users' jobs), so on a shared machine the CPU
+    time ratio is the more stable one.
+    """
 
     def __init__(self, device: torch.device, warmup: int, reset_peak_at_measured: bool):
         self.device = device
@@ -183,19 +204,27 @@ class StepTimes:
         self.reset_peak = reset_peak_at_measured and device.type == "cuda"
         self.warm: list[float] = []
         self.measured: list[float] = []
+        self.measured_cpu: list[float] = []
         self._t0 = 0.0
+        self._c0 = 0.0
 
     def begin(self) -> None:
         if self.reset_peak and len(self.warm) == self.warmup and not self.measured:
             _sync(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         _sync(self.device)
+        self._c0 = time.process_time()
         self._t0 = time.perf_counter()
 
     def end(self) -> None:
         _sync(self.device)
         dt = time.perf_counter() - self._t0
-        (self.warm if len(self.warm) < self.warmup else self.measured).append(dt)
+        dc = time.process_time() - self._c0
+        if len(self.warm) < self.warmup:
+            self.warm.append(dt)
+        else:
+            self.measured.append(dt)
+            self.measured_cpu.append(dc)
 
 
 def _timer_callback_cls():
@@ -392,35 +421,6 @@ def _base_state(shape: Shape) -> dict:
     return {k: v.clone() for k, v in build_model(shape).state_dict().items()}
 
 
-_LEAK_PATTERN = "rule.uses(module, name, inp, output, grad.detach())"
-
-
-def apply_hook_cycle_workaround() -> str:
-    """Work around a memory leak in ``hf_dp.clipping.engine.ClippingEngine._forward_hook`` (benchmark-side only).
-
-    The tensor hook registered on each hooked layer's output closes over that output (``rule.uses(..., output,
-    ...)``), so output → its backward hooks → closure → output is a cycle that Python's GC does not collect (the
-    tensor's hooks live in C++); every step leaks every hooked layer's output and input, e.g. the whole ``(B, T, V)``
-    logits. No rule reads that argument, so passing ``None`` is the same computation without the cycle. Applied in
-    the timing process only (the interleaved runs would otherwise exhaust RAM); the memory subprocesses measure hf_dp
-    as it is unless ``--leak-workaround all``. Does nothing once hf_dp no longer has the pattern.
-    """
-    import inspect
-    import textwrap
-
-    import hf_dp.clipping.engine as engine_mod
-
-    src = textwrap.dedent(inspect.getsource(engine_mod.ClippingEngine._forward_hook))
-    if _LEAK_PATTERN not in src:
-        return "not needed (pattern absent from hf_dp)"
-    namespace: dict[str, Any] = {}
-    code = compile(src.replace(_LEAK_PATTERN, "rule.uses(module, name, inp, None, grad.detach())"),
-                   engine_mod.__file__, "exec")
-    exec(code, engine_mod.__dict__, namespace)  # noqa: S102 - same function, one argument changed
-    engine_mod.ClippingEngine._forward_hook = namespace["_forward_hook"]
-    return "applied"
-
-
 # ====================================================================== CPU memory: live tensor bytes
 class LiveTensorBytes(TorchDispatchMode):
     """Bytes of live tensor storages on ``device_type`` created under this mode: an allocator-style measure on CPU.
@@ -464,18 +464,21 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def _maxrss_bytes() -> int:
+    """The process's peak resident set size. Linux: ``VmHWM`` (``ru_maxrss`` is not reset by ``execve``, so a child
+    of a large timing process would report its parent's peak)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return int(next(ln for ln in f if ln.startswith("VmHWM:")).split()[1]) * 1024
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
 
 def child_main(args: argparse.Namespace) -> dict[str, Any]:
-    """One method in its own process: CPU peak memory (live tensor bytes and ru_maxrss), or a GPU batch probe."""
+    """One method in its own process: CPU peak memory (live tensor bytes and peak RSS), or a GPU batch probe."""
     shape = Shape(**json.loads(args.child_shape))
     device = torch.device(args.device)
     method = args.child
     out: dict[str, Any] = {"method": method, "batch_size": shape.batch_size}
-    if args.leak_workaround == "all":
-        out["leak_workaround"] = apply_hook_cycle_workaround()
     tracker = LiveTensorBytes() if device.type == "cpu" else None
     ctx = tracker if tracker is not None else contextlib.nullcontext()
     try:
@@ -499,9 +502,22 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.reset_peak_memory_stats(device)
                 out["cuda_allocated_at_measured_start_bytes"] = torch.cuda.memory_allocated(device)
             peaks, live_after = [], []
-            for _ in range(args.memory_steps):  # one run() per step: peak and live memory step by step
-                runner.run(StepTimes(device, 0, reset_peak_at_measured=False), 1)
+            for i in range(args.memory_steps):  # one run() per step: peak and live memory step by step
+                # --memory-phases: the first measured step's memory at the start and end of each phase.
+                clock = PhaseClock(tracker) if args.memory_phases and tracker is not None and i == 0 else None
+                if clock is not None:
+                    _instrument(runner, clock)
+                    clock.mark("step start")
+                try:
+                    runner.run(StepTimes(device, 0, reset_peak_at_measured=False), 1)
+                finally:
+                    if clock is not None:
+                        clock.undo()
                 gc.collect()
+                if clock is not None:
+                    clock.mark("after the step")
+                    out["memory_phases"] = clock.marks
+                    tracker.peak = max(m["peak_since_previous_mark_bytes"] for m in clock.marks)
                 if tracker is not None:
                     peaks.append(tracker.peak)
                     live_after.append(tracker.live)
@@ -531,11 +547,10 @@ def child_main(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_child(method: str, shape: Shape, args: argparse.Namespace, timeout: float = 3600,
-              leak_workaround: str | None = None) -> dict[str, Any]:
+def run_child(method: str, shape: Shape, args: argparse.Namespace, timeout: float = 3600) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", method, "--child-shape", json.dumps(asdict(shape)),
            "--device", args.device, "--warmup", str(args.warmup), "--memory-steps", str(args.memory_steps),
-           "--lr", str(args.lr), "--leak-workaround", leak_workaround or args.leak_workaround]
+           "--lr", str(args.lr)] + (["--memory-phases"] if args.memory_phases else [])
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     try:
@@ -551,15 +566,12 @@ def run_child(method: str, shape: Shape, args: argparse.Namespace, timeout: floa
 # ====================================================================== GPU: largest batch
 def max_batch_search(method: str, shape: Shape, args: argparse.Namespace, start: int, limit: int) -> dict[str, Any]:
     """Largest batch (fixed T) that runs warm-up + measured steps without OOM: doubling, then bisection.
-
-    Probes run with the leak workaround unless ``--leak-workaround off``: capacity is about one step's memory.
     """
     probes: dict[int, bool] = {}
-    leak = "off" if args.leak_workaround == "off" else "all"
 
     def fits(b: int) -> bool:
         if b not in probes:
-            r = run_child(method, replace(shape, batch_size=b), args, leak_workaround=leak)
+            r = run_child(method, replace(shape, batch_size=b), args)
             if not r.get("ok") and not r.get("oom"):
                 raise RuntimeError(r.get("error"))
             probes[b] = bool(r.get("ok"))
@@ -603,10 +615,15 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
             except Exception as exc:  # noqa: BLE001
                 result["errors"][method] = _short_error(exc)
                 print(f"  {method}: cannot build: {result['errors'][method]}", flush=True)
-        times = {m: {"measured": [], "first": None, "repeat_medians": [], "cuda_peak": []} for m in runners}
+        times = {m: {"measured": [], "measured_cpu": [], "first": None, "repeat_medians": [], "cuda_peak": []}
+                 for m in runners}
         order = list(runners)
+        result["loadavg_per_repeat"] = []
         for rep in range(args.repeats):
             rot = order[rep % len(order):] + order[:rep % len(order)] if order else []
+            if order:
+                with contextlib.suppress(OSError):
+                    result["loadavg_per_repeat"].append(os.getloadavg()[0])
             for method in rot:
                 if method in result["errors"]:
                     continue
@@ -633,10 +650,11 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 if rep == 0 and st.warm:
                     rec["first"] = st.warm[0]
                 rec["measured"].extend(st.measured)
+                rec["measured_cpu"].extend(st.measured_cpu)
                 rec["repeat_medians"].append(statistics.median(st.measured))
                 if device.type == "cuda":
                     rec["cuda_peak"].append(torch.cuda.max_memory_allocated(device))
-                steps_s = ", ".join(f"{t * 1e3:.0f}" for t in st.measured)
+                steps_s = ", ".join(f"{t * 1e3:.0f} (cpu {c * 1e3:.0f})" for t, c in zip(st.measured, st.measured_cpu))
                 warm_s = ", ".join(f"{t * 1e3:.0f}" for t in st.warm)
                 print(f"  rep {rep} {method:>18}: steps {steps_s} ms (warm-up {warm_s} ms; "
                       f"run {time.perf_counter() - t_run:.0f} s)", flush=True)
@@ -651,6 +669,9 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 "paired_ratio": statistics.median(paired) if paired else None,
                 "median_ms": 1e3 * statistics.median(rec["measured"]),
                 "min_ms": 1e3 * min(rec["measured"]),
+                "median_cpu_ms": 1e3 * statistics.median(rec["measured_cpu"]),
+                "steps_ms": [1e3 * t for t in rec["measured"]],
+                "steps_cpu_ms": [1e3 * t for t in rec["measured_cpu"]],
                 "repeat_medians_ms": [1e3 * t for t in rec["repeat_medians"]],
                 "n": len(rec["measured"]),
                 "first_step_ms": None if rec["first"] is None else 1e3 * rec["first"],
@@ -670,11 +691,14 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 result["methods"].setdefault(method, {}).update(
                     {k: r[k] for k in ("peak_live_bytes", "live_at_measured_start_bytes", "rss_growth_bytes",
                                        "peak_rss_bytes", "model_state_bytes", "growth_per_step_bytes",
-                                       "peak_per_step_bytes", "live_after_step_bytes") if k in r})
+                                       "peak_per_step_bytes", "live_after_step_bytes", "memory_phases") if k in r})
                 print(f"  {method:>18}: peak live tensors {r['peak_live_bytes'] / 2**20:.0f} MiB (live at step start "
                       f"{r['live_at_measured_start_bytes'] / 2**20:.0f} MiB, growth "
-                      f"{r.get('growth_per_step_bytes', 0) / 2**20:.0f} MiB/step), ru_maxrss growth "
+                      f"{r.get('growth_per_step_bytes', 0) / 2**20:.0f} MiB/step), peak RSS growth "
                       f"{r['rss_growth_bytes'] / 2**20:.0f} MiB", flush=True)
+                for mark in r.get("memory_phases", []):
+                    print(f"      {mark['at']:<58} live {mark['live_bytes'] / 2**20:7.0f} MiB, peak since the previous "
+                          f"mark {mark['peak_since_previous_mark_bytes'] / 2**20:7.0f} MiB", flush=True)
             else:
                 result["errors"].setdefault(method, "memory run: " + str(r.get("error")))
                 print(f"  {method}: memory run failed: {r.get('error')}", flush=True)
@@ -698,61 +722,99 @@ def _fmt_ratio(x: float | None, target: float | None = None) -> str:
         return "—"
     s = f"{x:.2f}×"
     if target is not None:
-        s += " ✓" if x <= target else f" ✗ (target ≤ {target:.2f}×)"
+        s += " ✓" if x <= target else " ✗"
     return s
 
 
-TIME_TARGETS = {"flat": 1.25, "per_layer": 1.15}
-MEM_TARGETS = {"flat": 1.10, "per_layer": 1.05}
+def _mib(x: float | None) -> str:
+    return "" if x is None else f"{x / 2**20:.0f}"
+
+
+# Issue 4's targets (ratios to non-private training, same run); adaptive per-layer is held to per-layer's.
+TIME_TARGETS = {"flat": 1.25, "per_layer": 1.15, "adaptive_per_layer": 1.15}
+MEM_TARGETS = {"flat": 1.10, "per_layer": 1.05, "adaptive_per_layer": 1.05}
 
 
 def markdown(result: dict[str, Any], device_type: str) -> str:
+    """Two tables per shape: step time (wall clock and process CPU time) and peak memory, as ratios to non-private.
+
+    ✓/✗ compare with issue 4's targets (flat ≤ 1.25× time, ≤ 1.10× memory; per-layer and adaptive ≤ 1.15×, ≤ 1.05×).
+    """
     shape = result["shape"]
     ms = result["methods"]
     base = ms.get("nonprivate", {})
+    tied = "" if shape["arch"] != "gpt2" else (", tied wte/lm_head" if shape.get("tied", True) else ", untied lm_head")
     lines = [f"#### {shape['name']}: {shape['arch']} {shape['layers']}×{shape['width']}, vocab {shape['vocab']}, "
-             f"T={shape['seq_len']}, B={shape['batch_size']} ({result.get('num_parameters', 0) / 1e6:.1f} M params)",
-             ""]
+             f"T={shape['seq_len']}, B={shape['batch_size']}{tied} ({result.get('num_parameters', 0) / 1e6:.1f} M "
+             "params)", ""]
+    ghost = ms.get("opacus_ghost", {})
+    shown = [m for m in ALL_METHODS if m in ms or m in result["errors"]]
+    if any("median_ms" in ms.get(m, {}) for m in shown):
+        lines.append("| method | wall (ms, median) | × non-private | × non-private, paired by repeat | "
+                     "CPU (ms, median) | × non-private, CPU | per-repeat wall medians (ms) | first step (ms) | "
+                     "× Opacus ghost, wall | × Opacus ghost, CPU |")
+        lines.append("|---|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+        for method in shown:
+            m = ms.get(method, {})
+            if "median_ms" not in m:
+                lines.append(f"| {method} | failed (below) | | | | | | | | |")
+                continue
+            wall = m["median_ms"] / base["median_ms"] if base.get("median_ms") else None
+            cpu = m["median_cpu_ms"] / base["median_cpu_ms"] if base.get("median_cpu_ms") else None
+            target = TIME_TARGETS.get(method)
+            reps = ", ".join(f"{x:.0f}" for x in m.get("repeat_medians_ms", []))
+            first = "" if m.get("first_step_ms") is None else f"{m['first_step_ms']:.0f}"
+            g_wall = f"{m['median_ms'] / ghost['median_ms']:.2f}×" if ghost.get("median_ms") else "—"
+            g_cpu = f"{m['median_cpu_ms'] / ghost['median_cpu_ms']:.2f}×" if ghost.get("median_cpu_ms") else "—"
+            lines.append(f"| {method} | {m['median_ms']:.0f} | {_fmt_ratio(wall, target)} | "
+                         f"{_fmt_ratio(m.get('paired_ratio'), target)} | {m['median_cpu_ms']:.0f} | "
+                         f"{_fmt_ratio(cpu, target)} | {reps} | {first} | {g_wall} | {g_cpu} |")
+        lines.append("")
     mem_key = "cuda_peak_bytes" if device_type == "cuda" else "peak_live_bytes"
-    ghost = ms.get("opacus_ghost", {}).get("median_ms")
-    lines.append("| method | step time (ms, median) | × non-private | per-repeat medians (ms) | first step (ms) | "
-                 "× non-private, paired | peak memory (MiB) | × non-private | live at step start (MiB) | "
-                 "live growth (MiB/step) | ru_maxrss growth (MiB) | time vs Opacus ghost |")
-    lines.append("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for method in ALL_METHODS:
-        if method not in ms and method not in result["errors"]:
-            continue
-        if method not in ms:
-            lines.append(f"| {method} | failed: see below | | | | | | | | | | |")
-            continue
-        m = ms[method]
-        timed = "median_ms" in m
-        t_ratio = m["median_ms"] / base["median_ms"] if timed and base.get("median_ms") else None
-        mem = m.get(mem_key)
-        m_ratio = mem / base[mem_key] if mem and base.get(mem_key) else None
-        rss = m.get("rss_growth_bytes")
-        vs_ghost = f"{m['median_ms'] / ghost:.2f}×" if ghost and timed else "—"
-        first = "" if m.get("first_step_ms") is None else f"{m['first_step_ms']:.0f}"
-        reps = ", ".join(f"{x:.0f}" for x in m.get("repeat_medians_ms", []))
-        median_s = f"{m['median_ms']:.0f}" if timed else "—"
-        mem_s = "" if mem is None else f"{mem / 2**20:.0f}"
-        rss_s = "" if rss is None else f"{rss / 2**20:.0f}"
-        start = m.get("live_at_measured_start_bytes")
-        start_s = "" if start is None else f"{start / 2**20:.0f}"
-        growth = m.get("growth_per_step_bytes")
-        growth_s = "" if growth is None else f"{growth / 2**20:.0f}"
-        paired_s = "—" if m.get("paired_ratio") is None else f"{m['paired_ratio']:.2f}×"
-        lines.append(
-            f"| {method} | {median_s} | {_fmt_ratio(t_ratio, TIME_TARGETS.get(method))} | {reps} | "
-            f"{first} | {paired_s} | {mem_s} | {_fmt_ratio(m_ratio, MEM_TARGETS.get(method))} | {start_s} | "
-            f"{growth_s} | {rss_s} | {vs_ghost} |")
+    if any(mem_key in ms.get(m, {}) for m in shown):
+        what = "torch.cuda.max_memory_allocated" if device_type == "cuda" else "live CPU tensor bytes"
+        lines.append(f"| method | peak memory (MiB, {what}) | × non-private | live at step start (MiB) | "
+                     "step's own peak: peak − start (MiB) | × non-private | live growth (MiB/step) | "
+                     "peak RSS growth (MiB) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for method in shown:
+            m = ms.get(method, {})
+            mem = m.get(mem_key)
+            if mem is None:
+                lines.append(f"| {method} | failed (below) | | | | | | |")
+                continue
+            ratio = mem / base[mem_key] if base.get(mem_key) else None
+            start = m.get("live_at_measured_start_bytes")
+            own = None if start is None else mem - start
+            b_start = base.get("live_at_measured_start_bytes")
+            own_ratio = own / (base[mem_key] - b_start) if own is not None and b_start is not None else None
+            lines.append(f"| {method} | {_mib(mem)} | {_fmt_ratio(ratio, MEM_TARGETS.get(method))} | {_mib(start)} | "
+                         f"{_mib(own)} | {_fmt_ratio(own_ratio)} | {_mib(m.get('growth_per_step_bytes'))} | "
+                         f"{_mib(m.get('rss_growth_bytes'))} |")
+        lines.append("")
+    if any(ms.get(m, {}).get("memory_phases") for m in shown):
+        lines += ["Where each method's peak happens (`--memory-phases`; marks at the start and end of each phase):", "",
+                  "| method | peak (MiB) | between the marks | live at the earlier mark (MiB) |", "|---|---:|---|---:|"]
+        for method in shown:
+            marks = ms.get(method, {}).get("memory_phases")
+            if not marks:
+                continue
+            i = max(range(len(marks)), key=lambda j: marks[j]["peak_since_previous_mark_bytes"])
+            before = marks[i - 1] if i > 0 else marks[i]
+            lines.append(f"| {method} | {_mib(marks[i]['peak_since_previous_mark_bytes'])} | {before['at']} → "
+                         f"{marks[i]['at']} | {_mib(before['live_bytes'])} |")
+        lines.append("")
     if result.get("max_batch"):
-        lines += ["", "| method | largest batch |", "|---|---:|"]
+        lines += ["| method | largest batch |", "|---|---:|"]
         for method, r in result["max_batch"].items():
             lines.append(f"| {method} | {r['max_batch']} |")
+        lines.append("")
+    if result.get("loadavg_per_repeat"):
+        lines.append("1-min load average at the start of each repeat: " +
+                     ", ".join(f"{x:.1f}" for x in result["loadavg_per_repeat"]) + "\n")
     if result["errors"]:
-        lines += [""] + [f"* `{m}`: `{e}`" for m, e in result["errors"].items()]
-    return "\n".join(lines) + "\n"
+        lines += [f"* `{m}`: `{e}`" for m, e in result["errors"].items()]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def environment() -> dict[str, str]:
@@ -792,8 +854,103 @@ def environment() -> dict[str, str]:
 
 
 # ====================================================================== profiling
-def profile_method(method: str, shape: Shape, args: argparse.Namespace) -> None:
-    """torch.profiler op table (self CPU time) and a cProfile of the Python side for one method."""
+class PhaseClock:
+    """Wall and process-CPU time per labelled phase of a step (``--profile``): hf_dp's and the Trainer's functions are
+    wrapped (benchmark-side, behaviour unchanged) in ``torch.profiler.record_function`` ranges with these labels, so
+    they also appear as rows of the profiler's tables. With a ``LiveTensorBytes`` tracker (``--memory-phases``), each
+    phase's start and end are also memory marks: live bytes there and the peak since the previous mark."""
+
+    def __init__(self, tracker: LiveTensorBytes | None = None):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.tracker = tracker
+        self.marks: list[dict[str, Any]] = []
+        self._open: dict[str, list[tuple[float, float]]] = {}
+        self._undo: list[tuple[Any, str, Any, bool]] = []
+
+    def mark(self, label: str) -> None:
+        if self.tracker is not None:
+            self.marks.append({"at": label, "live_bytes": self.tracker.live,
+                               "peak_since_previous_mark_bytes": self.tracker.peak})
+            self.tracker.reset_peak()
+
+    def enter(self, label: str) -> None:
+        self.mark("start of " + label)
+        self._open.setdefault(label, []).append((time.perf_counter(), time.process_time()))
+
+    def exit(self, label: str) -> None:
+        t0, c0 = self._open[label].pop()
+        self.wall[label] = self.wall.get(label, 0.0) + time.perf_counter() - t0
+        self.cpu[label] = self.cpu.get(label, 0.0) + time.process_time() - c0
+        self.mark("end of " + label)
+
+    def wrap(self, owner: Any, name: str, label: str) -> None:
+        f = getattr(owner, name)
+        had_own = name in vars(owner) if hasattr(owner, "__dict__") else True
+
+        def timed(*a, **k):
+            self.enter(label)
+            with torch.profiler.record_function(label):
+                try:
+                    return f(*a, **k)
+                finally:
+                    self.exit(label)
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, f, had_own))
+
+    def undo(self) -> None:
+        for owner, name, f, had_own in reversed(self._undo):
+            if had_own:
+                setattr(owner, name, f)
+            else:
+                delattr(owner, name)
+        self._undo = []
+
+
+# (label, nested inside the label before it). "rest" = step − the top-level phases.
+PHASES = [("forward (model; non-private: + HF batch loss)", False), ("per-example loss", False),
+          ("backward", False), ("fused per-layer clipping (inside backward)", True),
+          ("ghost norms: per_example_norms_sq", False), ("clipped sums: accumulate_clipped", False),
+          ("finish_fused", False), ("_finish_dp_step", False), ("noise: privatize (inside _finish_dp_step)", True),
+          ("optimizer step (AdamW)", False), ("optimizer step (DP optimizer)", False)]
+
+
+def _instrument(runner: Runner, clock: PhaseClock) -> None:
+    from hf_dp.clipping.engine import ClippingEngine
+
+    names = [p for p, _ in PHASES]
+    clock.wrap(runner.model, "forward", names[0])
+    clock.wrap(torch.Tensor, "backward", names[2])
+    if isinstance(runner, TrainerRunner):
+        tr = runner.trainer
+        if runner.method != "nonprivate":
+            import hf_dp.trainer as trainer_mod
+
+            clock.wrap(tr, "per_example_loss", names[1])
+            clock.wrap(ClippingEngine, "_process_group", names[3])
+            clock.wrap(ClippingEngine, "per_example_norms_sq", names[4])
+            clock.wrap(ClippingEngine, "accumulate_clipped", names[5])
+            clock.wrap(ClippingEngine, "finish_fused", names[6])
+            clock.wrap(tr, "_finish_dp_step", names[7])
+            clock.wrap(trainer_mod, "privatize", names[8])
+        from transformers import TrainerCallback
+
+        class OptimizerClock(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                clock.enter(names[9])
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                clock.exit(names[9])
+
+        tr.add_callback(OptimizerClock())
+    else:
+        clock.wrap(runner.optimizer, "step", names[10])
+
+
+def profile_method(method: str, shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
+    """torch.profiler op tables (self CPU time; by op and by input shape), the time per phase of the step (wall and
+    process CPU), and a cProfile of the Python side, for one method. Returns the phase times (ms per step)."""
     import cProfile
     import pstats
 
@@ -806,23 +963,79 @@ def profile_method(method: str, shape: Shape, args: argparse.Namespace) -> None:
         runner = build_runner(method, base, shape, dataset, device, outdir, args.lr, dp_self_check=False)
         runner.run(StepTimes(device, args.warmup, False), args.warmup)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        # Phase times from unprofiled steps (the profiler's own overhead left out), then the profiled steps.
+        clock = PhaseClock()
+        _instrument(runner, clock)
         st = StepTimes(device, 0, False)
-        with profile(activities=acts, record_shapes=True) as prof:
+        try:
             runner.run(st, args.steps)
-        med = statistics.median(st.measured) * 1e3
-        print(f"\n--- {method} on {shape.name}: {args.steps} steps, median {med:.0f} ms")
+            wall_by_phase, cpu_by_phase = dict(clock.wall), dict(clock.cpu)
+            st_prof = StepTimes(device, 0, False)
+            with profile(activities=acts, record_shapes=True) as prof:
+                runner.run(st_prof, args.steps)
+        finally:
+            clock.undo()
+        n = len(st.measured)
+        step_wall, step_cpu = 1e3 * sum(st.measured) / n, 1e3 * sum(st.measured_cpu) / n
+        print(f"\n--- {method} on {shape.name}: {n} unprofiled steps, mean {step_wall:.0f} ms wall, "
+              f"{step_cpu:.0f} ms process CPU")
+        phases: dict[str, Any] = {"step": {"wall_ms": step_wall, "cpu_ms": step_cpu}}
+        print(f"  {'phase':<52} {'wall ms/step':>12} {'CPU ms/step':>12}")
+        top_wall = top_cpu = 0.0
+        for label, nested in PHASES:
+            if label not in wall_by_phase:
+                continue
+            w, c = 1e3 * wall_by_phase[label] / n, 1e3 * cpu_by_phase[label] / n
+            phases[label] = {"wall_ms": w, "cpu_ms": c}
+            if not nested:
+                top_wall, top_cpu = top_wall + w, top_cpu + c
+            print(f"  {('  ' if nested else '') + label:<52} {w:>12.0f} {c:>12.0f}")
+        phases["rest"] = {"wall_ms": step_wall - top_wall, "cpu_ms": step_cpu - top_cpu}
+        print(f"  {'rest of the step (Trainer, callbacks, zero_grad, ...)':<52} {step_wall - top_wall:>12.0f} "
+              f"{step_cpu - top_cpu:>12.0f}")
+        print(f"\n--- {method}: torch.profiler, {args.steps} profiled steps, median "
+              f"{statistics.median(st_prof.measured) * 1e3:.0f} ms wall")
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=args.profile_rows, max_name_column_width=60))
         print(prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=args.profile_rows,
                                                                  max_name_column_width=40,
                                                                  max_shapes_column_width=70))
-        pr = cProfile.Profile()
-        st = StepTimes(device, 0, False)
-        pr.enable()
-        runner.run(st, args.steps)
-        pr.disable()
-        print(f"--- cProfile (cumulative), {args.steps} steps, median {statistics.median(st.measured) * 1e3:.0f} ms")
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(r"hf_dp|opacus|trainer\.py", args.profile_rows)
+        if args.cprofile:
+            pr = cProfile.Profile()
+            st = StepTimes(device, 0, False)
+            pr.enable()
+            runner.run(st, args.steps)
+            pr.disable()
+            print(f"--- cProfile (cumulative), {args.steps} steps, median "
+                  f"{statistics.median(st.measured) * 1e3:.0f} ms")
+            pstats.Stats(pr).sort_stats("cumulative").print_stats(r"hf_dp|opacus|trainer\.py", args.profile_rows)
+    return phases
+
+
+def phase_table(shape: Shape, all_phases: dict[str, dict[str, Any]]) -> str:
+    """Markdown: CPU ms per step of each phase, per profiled method, and the difference to non-private."""
+    methods = list(all_phases)
+    base = all_phases.get("nonprivate")
+    head = "| phase (process CPU ms per step) | " + " | ".join(methods) + " |"
+    lines = [f"Phases of one step, {shape.name} (`--profile`, unprofiled steps, process CPU time):", "", head,
+             "|---|" + "---:|" * len(methods)]
+    labels = ["step"] + [p for p, _ in PHASES] + ["rest"]
+    for label in labels:
+        if not any(label in ph for ph in all_phases.values()):
+            continue
+        cells = []
+        for m in methods:
+            v = all_phases[m].get(label, {}).get("cpu_ms")
+            cells.append("" if v is None else f"{v:.0f}")
+        name = "**step**" if label == "step" else label
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if base:
+        cells = []
+        for m in methods:
+            r = all_phases[m]["step"]["cpu_ms"] / base["step"]["cpu_ms"]
+            cells.append(f"{r:.2f}×")
+        lines.append("| step ÷ non-private | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ====================================================================== CLI
@@ -838,9 +1051,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--untied", action="store_true",
+                   help="gpt2 with --arch: a separate lm_head instead of GPT-2's tied wte/lm_head (Opacus's ghost "
+                        "clipping does not support tied parameters).")
     p.add_argument("--methods", nargs="+", default=list(ALL_METHODS), choices=ALL_METHODS)
-    p.add_argument("--repeats", type=int, default=5, help="Interleaved rounds over the methods (order rotated).")
-    p.add_argument("--steps", type=int, default=1, help="Timed steps per method per round.")
+    p.add_argument("--repeats", type=int, default=4, help="Interleaved rounds over the methods (order rotated).")
+    p.add_argument("--steps", type=int, default=2, help="Timed steps per method per round.")
     p.add_argument("--warmup", type=int, default=1,
                    help="Untimed steps at the start of each method's first run (includes DPTrainer's self-check).")
     p.add_argument("--rewarm", type=int, default=0, help="Untimed steps at the start of each later run.")
@@ -851,10 +1067,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", action="store_true", help="GPU: binary-search the largest batch per method.")
     p.add_argument("--max-batch-limit", type=int, default=1024)
     p.add_argument("--no-self-check", action="store_true", help="dp_self_check=False for the DP modes.")
-    p.add_argument("--leak-workaround", choices=("timing", "all", "off"), default="timing",
-                   help="Patch hf_dp's per-step activation leak (see apply_hook_cycle_workaround) in the timing "
-                        "process (timing, default), also in the memory subprocesses (all), or nowhere (off).")
     p.add_argument("--memory-only", action="store_true", help="Skip the timing runs (memory subprocesses only).")
+    p.add_argument("--memory-phases", action="store_true",
+                   help="CPU memory subprocesses: also live tensor bytes at the start and end of each phase of the "
+                        "first measured step (forward, loss, backward, norms, clipped sums, noise, optimizer) and the "
+                        "peak between consecutive marks: where the peak happens.")
     p.add_argument("--offload", choices=("auto", "no"), default="auto",
                    help="GPU: keep only the running method's model/optimizer on the device (auto).")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -867,6 +1084,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", nargs="+", default=None, choices=ALL_METHODS,
                    help="Profile these methods (torch.profiler + cProfile) on the shape instead of benchmarking.")
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--cprofile", action="store_true", help="With --profile: also a cProfile of the Python side.")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-shape", default=None, help=argparse.SUPPRESS)
@@ -883,8 +1101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def selected_shapes(args: argparse.Namespace) -> list[Shape]:
     if args.arch:
         name = f"{args.arch}-{args.layers}x{args.width}-T{args.seq_len}-B{args.batch_size}"
+        if args.untied and args.arch == "gpt2":
+            name += "-untied"
         vocab = args.vocab if args.arch != "bert" or args.vocab != 50257 else 30522
-        return [Shape(name, args.arch, args.layers, args.width, args.heads, vocab, args.seq_len, args.batch_size)]
+        return [Shape(name, args.arch, args.layers, args.width, args.heads, vocab, args.seq_len, args.batch_size,
+                      tied=not args.untied)]
     preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu-quick")
     shapes = PRESETS[preset]
     if args.shapes:
@@ -903,20 +1124,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child_main(args)), flush=True)
         return 0
     shapes = selected_shapes(args)
-    if args.leak_workaround != "off":
-        status = apply_hook_cycle_workaround()
-        print(f"hf_dp hook-cycle leak workaround (timing process): {status}", flush=True)
-    else:
-        status = "off"
-    leak_note = f"timing process: {status}; memory subprocesses: " + (
-        "applied" if args.leak_workaround == "all" else "hf_dp as is")
     if args.profile:
+        md = []
         for shape in shapes:
-            for method in args.profile:
-                profile_method(method, shape, args)
+            phases = {method: profile_method(method, shape, args) for method in args.profile}
+            md.append(phase_table(shape, phases))
+            print("\n" + md[-1], flush=True)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(f"Command: `python benchmarks/run.py {' '.join(sys.argv[1:])}`\n\n" + "\n".join(md))
         return 0
     env = environment()
-    env["hf_dp_leak_workaround"] = leak_note
     print("environment:", json.dumps(env), flush=True)
     print("command: python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]), flush=True)
     t0 = time.perf_counter()
