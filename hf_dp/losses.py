@@ -55,7 +55,9 @@ def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
 def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally)."""
     logits = _token_logits(outputs, labels)
-    return _mean_token_loss(logits[:, :-1], labels[:, 1:])
+    # Shift the labels, not the logits (as HF's ForCausalLMLoss does): slicing (B, T, V) logits would copy them.
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return _mean_token_loss(logits, shifted)
 
 
 def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:

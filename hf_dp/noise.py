@@ -101,24 +101,30 @@ def privatize(
         generator: the step's generator (used on rank 0 only).
 
     Returns:
-        ``{name: gradient}``, identical on every rank.
+        ``{name: gradient}``, identical on every rank. Without several processes these are the tensors of
+        ``summed``, modified in place (the caller hands them over).
     """
     names = list(summed)
-    flat = torch.cat([summed[n].reshape(-1) for n in names])
+    grads = {n: summed[n] if summed[n].is_contiguous() else summed[n].contiguous() for n in names}
     rank0 = not _is_distributed() or dist.get_rank() == 0
-    if rank0:
-        stds = [noise_std] * len(names) if not isinstance(noise_std, dict) else [noise_std[n] for n in names]
-        if any(s > 0 for s in stds):
-            z = torch.randn(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)
-            scale = torch.cat([flat.new_full((summed[n].numel(),), float(s)) for n, s in zip(names, stds)])
-            flat = flat + z * scale
-    if _is_distributed():
+    with torch.no_grad():
+        if rank0:
+            stds = [noise_std] * len(names) if not isinstance(noise_std, dict) else [noise_std[n] for n in names]
+            for n, std in zip(names, stds):
+                if std > 0:  # in place, one parameter at a time: no model-sized temporaries (benchmarks/RESULTS.md)
+                    g = grads[n]
+                    g.add_(torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype), alpha=float(std))
+        if not _is_distributed():
+            for g in grads.values():
+                g.div_(expected_batch_size)
+            return grads
+        flat = torch.cat([grads[n].reshape(-1) for n in names])  # one collective for the whole step
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat = flat / expected_batch_size
+        flat.div_(expected_batch_size)
     out, offset = {}, 0
     for n in names:
-        k = summed[n].numel()
-        out[n] = flat[offset:offset + k].view_as(summed[n])
+        k = grads[n].numel()
+        out[n] = flat[offset:offset + k].view_as(grads[n])
         offset += k
     return out
 

@@ -492,10 +492,12 @@ class DPTrainer(Trainer):
                 with self.compute_loss_context_manager(), engine.record(b, units=units, unit_weights=weights):
                     outputs = net(**self._model_inputs(net, micro, micro_labels))
                     losses = self.per_example_loss(outputs, micro_labels)
+                    del outputs  # the logits are freed during the backward pass, not kept to the end of the step
                     if losses.shape != (b,):
                         raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
                     if losses.requires_grad:
                         losses.sum().backward()
+                    losses = losses.detach()
                 if self.group_clipper is None:
                     norms_sq = engine.per_example_norms_sq()  # per user with user-level units
                     n_units = b if units is None else int(units.max()) + 1

@@ -287,11 +287,19 @@ class ClippingEngine:
 
             # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
             # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
-            # every micro-batch's graph.
-            out_data = output.detach()
+            # every micro-batch's graph. The input goes to the hook through a one-shot box: autograd keeps the hook
+            # (and its closure) until the whole graph dies, and a captured `inp` would pin every layer's activation
+            # to the end of the step; popped, it lives only as long as the Uses that need it (no rule reads the
+            # output, so none is passed).
+            box = [inp]
+            del inp
 
             def grad_hook(grad: torch.Tensor) -> None:
-                uses = [u for u in rule.uses(module, name, inp, out_data, grad.detach()) if id(u.param) in self._names]
+                if not box:
+                    raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
+                                       "(a second backward through the same graph is not supported while recording).")
+                uses = [u for u in rule.uses(module, name, box.pop(), None, grad.detach())
+                        if id(u.param) in self._names]
                 for u in uses:
                     if u.batch_size != self._batch_size:
                         raise UnsupportedLayerError(
@@ -394,12 +402,14 @@ class ClippingEngine:
             s = torch.einsum("b,blr->lr", c.to(inst.dtype), inst)
         else:
             dtype = _acc_dtype(*[u.right for u in uses])
-            s = sum(_clipped_sum(u, c, dtype) for u in uses)
+            s = _clipped_sum(uses[0], c, dtype)  # a fresh tensor (matmul / index_add_ / sum): safe to add into
+            for u in uses[1:]:  # e.g. a tied embedding and LM head: the shared parameter's gradient is their sum
+                s.add_(_clipped_sum(u, c, dtype))
         s = s.reshape(p.shape)
         if name in self.summed_grads:
             self.summed_grads[name] += s
         else:
-            self.summed_grads[name] = s.clone()
+            self.summed_grads[name] = s
 
     @torch.no_grad()
     def per_example_norms_sq(self) -> dict[str, torch.Tensor]:
