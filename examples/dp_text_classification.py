@@ -34,6 +34,11 @@ Ready-to-run commands::
     python examples/dp_text_classification.py --target_epsilon 3 --target_delta 1e-5 \\
         --max_train_samples 2000 --max_eval_samples 500
 
+    # Your own data: local files with text and label columns (or --dataset_name NAME where the Hub is reachable)
+    # and another local encoder (mean pooling is for BERT-style encoders; --pooling cls for any sequence classifier).
+    python examples/dp_text_classification.py --train_file train.csv --test_file test.csv \\
+        --text_column sentence --label_column label --model_name_or_path /models/bert-base-uncased --pooling cls
+
     # Report ε for a given noise multiplier instead of targeting one.
     python examples/dp_text_classification.py --noise_multiplier 1.0 --num_train_epochs 2
 
@@ -183,6 +188,19 @@ class ScriptArguments:
     lora_target_modules: str = field(
         default="query,value", metadata={"help": "Comma-separated module names that get LoRA adapters."}
     )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "A `datasets.load_dataset` name with train/test splits (needs the Hub or its cache); "
+                          "default: the embedded fine-food reviews."},
+    )
+    train_file: str | None = field(
+        default=None, metadata={"help": "Local .csv/.json/.jsonl training file with text and label columns."}
+    )
+    test_file: str | None = field(
+        default=None, metadata={"help": "Local test file (same format); without it 10 % of train_file is held out."}
+    )
+    text_column: str = field(default="text", metadata={"help": "Text column of --dataset_name / --train_file."})
+    label_column: str = field(default="label", metadata={"help": "Label column (integers or class names)."})
     max_seq_length: int = field(default=64, metadata={"help": "Truncate the reviews to this many tokens."})
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Use a seeded random subset of this many training reviews (quick runs)."}
@@ -208,6 +226,10 @@ class ScriptArguments:
             raise ValueError(f"num_trainable_layers must be >= 0, got {self.num_trainable_layers}.")
         if self.max_seq_length < 2:
             raise ValueError(f"max_seq_length must be >= 2, got {self.max_seq_length}.")
+        if self.dataset_name and self.train_file:
+            raise ValueError("Give --dataset_name or --train_file, not both.")
+        if self.test_file and not self.train_file:
+            raise ValueError("--test_file needs --train_file.")
         if self.pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be 'mean' or 'cls', got {self.pooling!r}.")
         if self.lora_r < 0:
@@ -340,9 +362,51 @@ def _data_module() -> ModuleType:
     return module
 
 
+def _standardise(ds: datasets.Dataset, text_column: str, label_column: str,
+                 classes: datasets.ClassLabel | None = None) -> datasets.Dataset:
+    """Columns ``text`` and ``label`` (a ``ClassLabel``: ``classes`` if given, e.g. the training set's), nothing
+    else."""
+    ds = ds.select_columns([text_column, label_column])
+    if text_column != "text":
+        ds = ds.rename_column(text_column, "text")
+    if label_column != "label":
+        ds = ds.rename_column(label_column, "label")
+    if classes is not None:
+        ds = ds.cast_column("label", classes)  # class names (or ids) mapped by the training set's classes
+    elif not isinstance(ds.features["label"], datasets.ClassLabel):
+        ds = ds.class_encode_column("label")
+    return ds
+
+
+def load_user_data(script_args: ScriptArguments, seed: int) -> datasets.DatasetDict:
+    """``--dataset_name`` (its train and test splits) or ``--train_file`` [+ ``--test_file``], as text/label."""
+    text, label = script_args.text_column, script_args.label_column
+    if script_args.dataset_name:
+        loaded = datasets.load_dataset(script_args.dataset_name)
+        missing = {"train", "test"} - set(loaded)
+        if missing:
+            raise ValueError(f"{script_args.dataset_name} has no {sorted(missing)} split(s): {sorted(loaded)}.")
+        train = _standardise(loaded["train"], text, label)
+        return datasets.DatasetDict(train=train,
+                                    test=_standardise(loaded["test"], text, label, train.features["label"]))
+    files = {"train": script_args.train_file, **({"test": script_args.test_file} if script_args.test_file else {})}
+    kind = "csv" if str(script_args.train_file).endswith(".csv") else "json"
+    loaded = datasets.load_dataset(kind, data_files=files)
+    train = _standardise(loaded["train"], text, label)
+    if "test" in loaded:
+        test = _standardise(loaded["test"], text, label, train.features["label"])
+        return datasets.DatasetDict(train=train, test=test)
+    split = train.train_test_split(test_size=0.1, seed=seed, stratify_by_column="label")
+    return datasets.DatasetDict(train=split["train"], test=split["test"])
+
+
 def load_data(script_args: ScriptArguments, seed: int) -> datasets.DatasetDict:
-    """The fine-food reviews (train 4,000 / test 1,000), optionally reduced to seeded random subsets."""
-    raw = _data_module().load_fine_foods()
+    """The fine-food reviews (train 4,000 / test 1,000) unless ``--dataset_name`` / ``--train_file`` is given,
+    optionally reduced to seeded random subsets."""
+    if getattr(script_args, "dataset_name", None) or getattr(script_args, "train_file", None):
+        raw = load_user_data(script_args, seed)
+    else:
+        raw = _data_module().load_fine_foods()
     limits = {"train": script_args.max_train_samples, "test": script_args.max_eval_samples}
     for split, limit in limits.items():
         if limit is not None and limit < len(raw[split]):
@@ -405,6 +469,11 @@ def load_model(script_args: ScriptArguments, label_names: list[str]) -> PreTrain
     if script_args.dropout is not None:
         extra = {"hidden_dropout_prob": script_args.dropout, "attention_probs_dropout_prob": script_args.dropout}
     pooling = getattr(script_args, "pooling", "cls")  # dp_infilling_classification.py's arguments have none
+    if pooling == "mean":
+        model_type = transformers.AutoConfig.from_pretrained(script_args.model_name_or_path).model_type
+        if model_type != "bert":
+            raise ValueError(f"--pooling mean builds a BERT encoder; {script_args.model_name_or_path} is a "
+                             f"{model_type!r} model: use --pooling cls (AutoModelForSequenceClassification).")
     model_class = BertMeanPoolingForSequenceClassification if pooling == "mean" else AutoModelForSequenceClassification
     model = model_class.from_pretrained(
         script_args.model_name_or_path,
@@ -638,7 +707,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\n" + "=" * 80)
         model_path = Path(str(script_args.model_name_or_path))
         model_name = model_path.parent.name if model_path.name == "model" else model_path.name
-        print(f"DP fine-tuning of {model_name} ({script_args.pooling} pooling) on fine-food reviews "
+        data_name = script_args.dataset_name or (Path(script_args.train_file).name if script_args.train_file
+                                                  else "fine-food reviews")
+        print(f"DP fine-tuning of {model_name} ({script_args.pooling} pooling) on {data_name} "
               f"({len(data['train'])} train / {len(data['test'])} test, {script_args.max_seq_length} tokens, "
               f"{f'LoRA r={script_args.lora_r} on ' if script_args.lora_r else ''}"
               f"top {script_args.num_trainable_layers} layers + head, {counts['trainable']:,} trainable, "

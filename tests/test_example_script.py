@@ -168,3 +168,18 @@ def test_main_runs_with_tiny_settings_and_reports_privacy_and_accuracy(tmp_path:
     assert "DP / non-private time per optimizer step" in out
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["dp"]["steps"] == 2 and (tmp_path / "all_results.json").is_file()
+
+
+def test_local_files_with_own_columns_and_class_names(tmp_path: Path) -> None:
+    """--train_file/--test_file: text and label columns renamed, string labels class-encoded, test aligned."""
+    (tmp_path / "train.csv").write_text("sentence,y\ngood food,pos\nbad food,neg\nfine,pos\nawful,neg\n")
+    (tmp_path / "test.csv").write_text("sentence,y\nnice,pos\ntasty,pos\n")  # one class only: ids from train
+    script_args, args = script.parse_args(["--output_dir", str(tmp_path), "--train_file", str(tmp_path / "train.csv"),
+                                           "--test_file", str(tmp_path / "test.csv"), "--text_column", "sentence",
+                                           "--label_column", "y"])
+    raw = script.load_data(script_args, args.seed)
+    assert raw["train"].column_names == ["text", "label"] and len(raw["train"]) == 4 and len(raw["test"]) == 2
+    assert raw["train"].features["label"].names == raw["test"].features["label"].names == ["neg", "pos"]
+    assert raw["test"]["label"] == [1, 1]
+    with pytest.raises(ValueError, match="test_file needs"):
+        script.parse_args(["--output_dir", str(tmp_path), "--test_file", str(tmp_path / "test.csv")])
