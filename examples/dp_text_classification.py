@@ -19,7 +19,7 @@ Setup (once)::
 Ready-to-run commands::
 
     # The defaults: ε = 8, 64 tokens, mean pooling, the classifier trained on the frozen encoder, expected batch
-    # 256, C = 1, AdamW lr 5e-2, 3 epochs (48 steps). About 5-10 minutes on 2 CPU cores.
+    # 256, C = 1, AdamW lr 5e-2, 3 epochs (48 steps). About 2-3 minutes on 2 idle CPU cores.
     python examples/dp_text_classification.py
 
     # Also fine-tune the top layers: LoRA (r = 4 on query/value of the top 2 layers) or whole layers.
