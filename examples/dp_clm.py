@@ -295,49 +295,10 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser((ScriptArguments, DPCLMArguments))
 
 
-def _pop_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Remove ``--config PATH`` / ``--config=PATH`` from ``argv``; return the path and the rest."""
-    rest: list[str] = []
-    path = None
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise SystemExit("--config needs a file path")
-            path = argv[i + 1]
-            i += 2
-            continue
-        if argv[i].startswith("--config="):
-            path = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return path, rest
-
-
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, DPCLMArguments]:
-    """Parse ``argv`` (default ``sys.argv[1:]``): a single ``.json``/``.yaml`` file, or options with an optional
-    ``--config FILE`` (YAML/JSON) whose values become defaults that the other options override."""
-    import yaml  # PyYAML comes with `datasets`
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        path = os.path.abspath(argv[0])
-        if path.endswith(".json"):
-            return parser.parse_json_file(path)  # type: ignore[return-value]
-        return parser.parse_yaml_file(path)  # type: ignore[return-value]
-    config_path, argv = _pop_config(argv)
-    if config_path is not None:
-        with open(config_path, encoding="utf-8") as f:
-            config = yaml.safe_load(f) or {}
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path} must hold a mapping of argument names to values.")
-        unknown = sorted(set(config) - {action.dest for action in parser._actions})
-        if unknown:
-            raise ValueError(f"Unknown arguments in {config_path}: {unknown}")
-        parser.set_defaults(**config)
-    return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)  # type: ignore[return-value]
+    """Parse ``argv`` (default ``sys.argv[1:]``): options, a single ``.json``/``.yaml`` file, or ``--config FILE``
+    defaults overridden by the options (``examples/cli.py``)."""
+    return _load_module("hf_dp_example_cli", "cli.py").parse_args(make_parser(), argv)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------------------------------

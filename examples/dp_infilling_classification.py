@@ -215,24 +215,9 @@ def make_parser() -> HfArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, DPInfillingArguments]:
-    """Parse ``argv``: a single ``.json``/``.yaml`` file, or options with ``--config FILE`` defaults (as
-    ``dp_text_classification.py``)."""
-    cls_example = classification_example()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        path = os.path.abspath(argv[0])
-        if path.endswith(".json"):
-            return parser.parse_json_file(path)  # type: ignore[return-value]
-        return parser.parse_yaml_file(path)  # type: ignore[return-value]
-    config_path, argv = cls_example._pop_config(argv)
-    if config_path is not None:
-        config = cls_example._read_config(config_path)
-        unknown = sorted(set(config) - {action.dest for action in parser._actions})
-        if unknown:
-            raise ValueError(f"Unknown arguments in {config_path}: {unknown}")
-        parser.set_defaults(**config)
-    return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)  # type: ignore[return-value]
+    """Parse ``argv``: options, a single ``.json``/``.yaml`` file, or ``--config FILE`` defaults overridden by the
+    options (``examples/cli.py``)."""
+    return classification_example()._sibling("hf_dp_example_cli", "cli.py").parse_args(make_parser(), argv)
 
 
 # --------------------------------------------------------------------------------------------------------------------

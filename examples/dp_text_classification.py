@@ -290,76 +290,31 @@ def make_parser() -> HfArgumentParser:
     return HfArgumentParser((ScriptArguments, DPTextClassificationArguments))
 
 
-def _pop_config(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Remove ``--config PATH`` / ``--config=PATH`` from ``argv``; return the path and the rest."""
-    rest: list[str] = []
-    path = None
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config":
-            if i + 1 >= len(argv):
-                raise SystemExit("--config needs a file path")
-            path = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    return path, rest
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    import yaml  # PyYAML comes with `datasets`; YAML is a superset of JSON
-
-    with open(path, encoding="utf-8") as f:
-        config = yaml.safe_load(f) or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a mapping of argument names to values, got {type(config).__name__}.")
-    return config
-
-
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ScriptArguments, DPTextClassificationArguments]:
-    """Parse ``argv`` (default ``sys.argv[1:]``) as ``HfArgumentParser`` and trl's scripts do.
-
-    * a single ``.json``/``.yaml``/``.yml`` argument: every argument comes from that file;
-    * ``--config FILE`` (YAML or JSON): the file's values become the defaults, the other options override them.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = make_parser()
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        path = os.path.abspath(argv[0])
-        if path.endswith(".json"):
-            return parser.parse_json_file(path)  # type: ignore[return-value]
-        return parser.parse_yaml_file(path)  # type: ignore[return-value]
-    config_path, argv = _pop_config(argv)
-    if config_path is not None:
-        config = _read_config(config_path)
-        known = {action.dest for action in parser._actions}
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"Unknown arguments in {config_path}: {unknown}")
-        parser.set_defaults(**config)
-    return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)  # type: ignore[return-value]
+    """Parse ``argv`` (default ``sys.argv[1:]``): options, a single ``.json``/``.yaml`` file, or ``--config FILE``
+    defaults overridden by the options (``examples/cli.py``)."""
+    return _sibling("hf_dp_example_cli", "cli.py").parse_args(make_parser(), argv)  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Data, model, metric
 # --------------------------------------------------------------------------------------------------------------------
-def _data_module() -> ModuleType:
-    """``examples/data.py`` (imported from its path, so this script works from any working directory)."""
-    name = "hf_dp_example_data"
+def _sibling(name: str, filename: str) -> ModuleType:
+    """A sibling module of ``examples/`` (imported from its path, so this script works from any working directory)."""
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HERE / "data.py")
+    spec = importlib.util.spec_from_file_location(name, HERE / filename)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {HERE / 'data.py'}")
+        raise ImportError(f"cannot import {HERE / filename}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _data_module() -> ModuleType:
+    """``examples/data.py``."""
+    return _sibling("hf_dp_example_data", "data.py")
 
 
 def _standardise(ds: datasets.Dataset, text_column: str, label_column: str,
