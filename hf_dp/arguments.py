@@ -15,6 +15,12 @@ from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["DPTrainingArguments", "CLIPPING_MODES", "NotPrivateWarning"]
+
+CLIPPING_MODES = ("flat", "per_layer", "adaptive_per_layer", "group_wise", "per_device")
+NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
+ACCOUNTANTS = ("prv", "rdp")
+
 
 def _has_accelerator() -> bool:
     """Whether torch sees any accelerator (CUDA, ROCm, MPS, XPU, ...)."""
@@ -22,12 +28,6 @@ def _has_accelerator() -> bool:
     if accelerator is not None:
         return bool(accelerator.is_available())
     return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
-
-__all__ = ["DPTrainingArguments", "CLIPPING_MODES", "NotPrivateWarning"]
-
-CLIPPING_MODES = ("flat", "per_layer", "adaptive_per_layer", "group_wise", "per_device")
-NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
-ACCOUNTANTS = ("prv", "rdp")
 
 
 class NotPrivateWarning(UserWarning):
