@@ -75,8 +75,9 @@ def test_two_processes_identical_exact_and_noised_once(tmp_path):
 def test_torchrun_on_cpu_without_use_cpu_is_one_job(tmp_path):
     """`torchrun --nproc_per_node 2` with no accelerator and no use_cpu: DPTrainingArguments turns use_cpu on, so
     the processes form one gloo job (otherwise transformers would run each alone on all the data)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), WORKER, str(tmp_path), "0.0"]
+    # --standalone: torchrun picks its own free port (a port chosen here and released could be taken meanwhile).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           WORKER, str(tmp_path), "0.0"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "HF_DP_TEST_USE_CPU": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
