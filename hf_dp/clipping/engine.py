@@ -18,27 +18,32 @@ uses; its norm includes the cross terms ``⟨L_u L_vᵀ, R_u R_vᵀ⟩``.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .fallback import Fallback
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 
 __all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError"]
 
 GroupHandler = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 
+logger = logging.getLogger(__name__)
+
 
 def use_ghost_norm(uses: list[Use]) -> bool:
     """Whether a parameter's per-example norms are cheaper by Gram matrices (ghost) than by instantiation.
 
     Ghost costs ``O(T²)`` per example and use pair (two ``T × T`` Grams), instantiation ``O(d_L · d_R)`` memory and
-    ``O(T · d_L · d_R)`` time (Li et al. 2022, App. F: ghost wins when ``2T² < p · d``). Index (embedding) uses are
-    always ghost-normed: instantiating them would need a dense ``(B, V, d)`` tensor.
+    ``O(T · d_L · d_R)`` time (Li et al. 2022, App. F: ghost wins when ``2T² < p · d``). The same rule holds for index
+    (embedding) uses, with ``d_L`` the table size ``V``: a large vocabulary is ghost-normed, a tiny table (e.g. 32
+    relative-position buckets × heads) looked up at ``T²`` positions is instantiated.
     """
-    if any(u.kind == "index" for u in uses):
-        return True
     total_t = sum(u.seq_len for u in uses)
     return 2 * total_t * total_t < uses[0].left_dim * uses[0].right.shape[-1]
 
@@ -68,11 +73,28 @@ def _left_gram(u: Use, v: Use, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
-    """Per-example gradients ``(B, d_L, d_R)`` of one dense/ones use."""
+    """Per-example gradients ``(B, d_L, d_R)`` of one use."""
     r = u.right.to(dtype)
     if u.left is None:
         return r.sum(1, keepdim=True)
+    if u.kind == "index":  # one index_add over all (example, token) rows into a (B·V, d) table
+        b, t, d = r.shape
+        rows = (u.left + torch.arange(b, device=u.left.device).view(-1, 1) * u.left_dim).reshape(-1)
+        out = r.new_zeros(b * u.left_dim, d).index_add_(0, rows, r.reshape(-1, d))
+        return out.view(b, u.left_dim, d)
     return torch.bmm(u.left.to(dtype).transpose(1, 2), r)
+
+
+def _as_ones(u: Use) -> Use:
+    """The same use with its per-example gradients instantiated as ``(B, 1, numel)`` (kind ``"ones"``).
+
+    Used when one parameter's uses factor differently (a fallback use next to a rule's use, e.g. a tied embedding
+    whose input-side module has no rule): their per-example gradients are then summed as flat vectors.
+    """
+    if u.kind == "ones" and u.seq_len == 1 and u.right.shape[-1] == u.param.numel():
+        return u
+    g = _instantiate(u, _acc_dtype(u.right))
+    return Use(u.param, None, g.reshape(g.shape[0], 1, -1), 1, u.module_name)
 
 
 def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -93,52 +115,108 @@ def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return left.reshape(-1, u.left_dim).t() @ r.reshape(-1, d_r)
 
 
+def _uses_batch_statistics(module: nn.Module) -> bool:
+    """BatchNorm (any dimension, Sync, Lazy) normalises with statistics over the batch in train mode, and
+    InstanceNorm with ``track_running_stats`` updates running statistics from the data."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return True
+    return isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint saves (``state_dict``), by qualified name."""
+    out = {}
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and bname not in module._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = buf
+    return out
+
+
+def _no_uses(*_args) -> list[Use]:  # the fallback's uses come from its own hook (fallback.py)
+    return []
+
+
+def _rows(x: torch.Tensor) -> int | None:
+    """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
+    return x.shape[0] if x.dim() >= 2 else None
+
+
 class ClippingEngine:
     """Per-example gradient norms and clipped sums for every trainable parameter of a model.
 
     Args:
-        model: the (unwrapped) model. Every parameter with ``requires_grad=True`` must be owned by a layer that has a
-            rule in ``layers.py``; otherwise :class:`UnsupportedLayerError` names the parameters and says how to
-            freeze them. Nothing is skipped silently.
+        model: the (unwrapped) model. Every module that owns a parameter with ``requires_grad=True`` must have a rule
+            in ``layers.py`` that covers it, or get the generic exact fallback (``fallback.py``: modules with no rule,
+            re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover is
+            refused with a message naming it; nothing is skipped silently, and a parameter is never "covered" because
+            another module that shares it has a rule (each owner's forward is its own use). Layers that compute batch
+            statistics (BatchNorm, InstanceNorm with running statistics) are refused: they mix examples in train mode
+            and write statistics of private data into the checkpoint.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
         self._modules: list[tuple[str, nn.Module, Rule]] = []
+        self._fallbacks: dict[int, Fallback] = {}
         self.params: dict[str, nn.Parameter] = {}
-        covered: set[int] = set()
-        uncovered: dict[int, str] = {}
+        problems: list[str] = []
+        batch_stats: list[str] = []
+        self._owners: dict[int, list[str]] = {}
         for name, module in model.named_modules():
+            if _uses_batch_statistics(module):
+                batch_stats.append(f"{name} ({type(module).__name__})")
             own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
             if not own:
                 continue
+            for _n, p in own:
+                self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
             rule = find_rule(module)
-            if rule is not None and rule.check is not None:
+            if rule is None:
+                names = tuple(n for n, _ in own)
+                rule = Rule("fallback", _no_uses, names)
+                self._fallbacks[id(module)] = Fallback(module, name, names)
+                self._modules.append((name, module, rule))
+                continue
+            if rule.check is not None:
                 rule.check(module, name)
-            ruled = rule_parameters(rule, module) if rule is not None else []
-            for n, p in own:
-                if n in ruled:
-                    covered.add(id(p))
-                else:
-                    uncovered.setdefault(id(p), f"{name}.{n} ({type(module).__name__})")
+            ruled = rule_parameters(rule, module)
+            for n, _ in own:
+                if n not in ruled:
+                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
+                                    f"{', '.join(rule.params)} only)")
             if ruled:
                 self._modules.append((name, module, rule))
-        # A parameter owned by a ruled layer and also by another module (e.g. BERT's MLM bias, tied to its decoder)
-        # is covered; whether the other module also uses it directly is checked at run time (self_check).
-        problems = [desc for pid, desc in uncovered.items() if pid not in covered]
+        if batch_stats:
+            raise UnsupportedLayerError(
+                "These layers compute statistics over the batch: " + ", ".join(batch_stats) + ". In train mode (which "
+                "DPTrainer uses) a BatchNorm normalises each example with the statistics of the whole micro-batch, "
+                "which mixes examples so per-example clipping no longer bounds one example's contribution, and it "
+                "writes running statistics of the private data, without noise, into the checkpoint; freezing its "
+                "parameters changes neither. Replace them by layers with fixed statistics (e.g. "
+                "torchvision.ops.FrozenBatchNorm2d, built from the trained BatchNorm's running statistics) or by "
+                "per-example normalisations (GroupNorm, LayerNorm)."
+            )
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self.params[name] = p
         if problems:
             listing = "\n  ".join(problems)
             raise UnsupportedLayerError(
-                "These trainable parameters have no exact per-example gradient rule, so their gradients could not "
-                f"be clipped per example:\n  {listing}\n"
-                "Supported layers: nn.Linear, transformers Conv1D, nn.Embedding, nn.LayerNorm, RMSNorm. Freeze the "
-                "others before training, e.g. `model.get_parameter(name).requires_grad_(False)`, or train them "
-                "through a PEFT adapter."
+                "These trainable parameters belong to layers whose per-example rule does not cover them, so their "
+                f"gradients could not be clipped per example:\n  {listing}\n"
+                "Freeze them before training, e.g. `model.get_parameter(name).requires_grad_(False)`, or train the "
+                "model through a PEFT adapter (LoRA)."
             )
         self._names = {id(p): n for n, p in self.params.items()}
+        if self._fallbacks:
+            logger.warning(
+                "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
+                "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
+                "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
+                "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
+                "; ".join(fb.describe() for fb in self._fallbacks.values()),
+            )
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
         self._units: torch.Tensor | None = None
@@ -148,6 +226,13 @@ class ClippingEngine:
         self._group_of: dict[str, int] = {}
         self._verified: set[int] = set()
         self._batch_size: int | None = None
+        self._calls: dict[int, int] = {}
+        self._replaying = False
+        #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major (proven by
+        #: first_step_check); per fallback call: which input leaves carry the batch axis
+        self._layout: dict[tuple[int, int], str] = {}
+        self._mapped: dict[tuple[int, int], list[bool]] = {}
+        self._probe: dict[tuple[int, int], object] | None = None
         self.summed_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ capture
@@ -157,8 +242,10 @@ class ClippingEngine:
         """Capture the per-example factors of one micro-batch of ``batch_size`` examples.
 
         Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it
-        (unless ``freeze=False``, used by :meth:`self_check`), so no ``.grad`` is produced; the factors stay
-        available (:meth:`per_example_norms_sq`) until :meth:`clear`.
+        (unless ``freeze=False``, used by the checks), so no ``.grad`` is produced; the factors stay available
+        (:meth:`per_example_norms_sq`) until :meth:`clear`. The model's persistent buffers (what a checkpoint saves)
+        must not change inside it: a buffer updated in training (running statistics, counters) would carry private
+        data into the checkpoint without noise (:class:`UnsupportedLayerError`).
 
         Args:
             units: ``(B,)`` privacy unit of each example (user-level DP), ids ``0..U-1``. Norms are then those of each
@@ -168,10 +255,15 @@ class ClippingEngine:
         """
         self.clear()
         self._batch_size = batch_size
+        self._calls = {}
         self._set_units(units, unit_weights)
-        handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
+        handles = []
+        for n, m, r in self._modules:
+            hook = self._fallback_hook(n, m) if id(m) in self._fallbacks else self._forward_hook(n, m, r)
+            handles.append(m.register_forward_hook(hook, with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
+        buffers = {n: b._version for n, b in _persistent_buffers(self.model).items()}
         if freeze:
             for p in self.params.values():
                 p.requires_grad_(False)
@@ -182,6 +274,29 @@ class ClippingEngine:
                 p.requires_grad_(True)
             for h in handles:
                 h.remove()
+        changed = [n for n, b in _persistent_buffers(self.model).items() if buffers.get(n, b._version) != b._version]
+        if changed:
+            self.clear()
+            raise UnsupportedLayerError(
+                "These buffers changed during a DP step: " + ", ".join(changed) + ". A buffer updated in training "
+                "(running statistics, counters) is computed from the private data without noise and is saved in "
+                "the checkpoint next to a DP guarantee. Make the module stop updating it in train mode, or register "
+                "it with persistent=False if it carries no information about the data."
+            )
+
+    @contextlib.contextmanager
+    def _replay(self) -> Iterator[None]:
+        """The fallback's per-example re-run: every hook of this engine stays silent inside it."""
+        before, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = before
+
+    def _next_call(self, module: nn.Module) -> tuple[int, int]:
+        k = self._calls.get(id(module), 0)
+        self._calls[id(module)] = k + 1
+        return id(module), k
 
     @torch.no_grad()
     def _total_norms(self, batch_size: int) -> torch.Tensor:
@@ -191,70 +306,176 @@ class ClippingEngine:
             return torch.zeros(batch_size, dtype=torch.float64)
         return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
 
-    def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
-                   rtol: float = 1e-3) -> None:
-        """Check the engine against autograd and against single-example runs on the user's real model and data.
-
-        ``run_losses(sl)`` must run the model (dropout off) on examples ``sl`` of a micro-batch and return their
-        per-example losses. Two independent checks, once per training run:
-
-        1. the unclipped sum ``Σ_i G_i`` from the hooks equals autograd's gradient for every parameter — a parameter
-           used outside its layer's forward (e.g. ``layer.weight`` read directly) would escape clipping;
-        2. the per-example norms of the first examples equal their norms when each runs alone — anything that mixes
-           examples (inputs broadcast over the batch, batch statistics) would break per-example clipping.
-
-        Raises :class:`UnsupportedLayerError` naming what failed.
-        """
-        saved = self.summed_grads
-        saved_groups, saved_handler = self._groups, self._handler
-        self.set_fused_groups(None, None)  # the check compares plain per-parameter norms
+    def _saved_state(self):
+        saved = (self.summed_grads, self._groups, self._handler)
+        self.set_fused_groups(None, None)  # the checks compare plain per-parameter norms
         self.summed_grads = {}
+        return saved
+
+    def _restore_state(self, saved) -> None:
+        self.clear()
+        self._instantiated = {}
+        self.summed_grads = saved[0]
+        self.set_fused_groups(saved[1], saved[2])
+        for p in self.params.values():
+            p.grad = None
+
+    def first_step_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int,
+                         rtol: float = 1e-3) -> None:
+        """The cheap check, always on (once per training run, before the first update is released).
+
+        ``run_losses(sl)`` runs the model on examples ``sl`` of a micro-batch of ``batch_size`` (≥ 2 when the training
+        set has two examples) and returns their per-example losses.
+
+        1. **Batch axes are proven, never guessed**: the model runs (no backward) on the ``B`` examples and on the first
+           alone;
+           for every call of every hooked layer, the axis its rule treats as the batch axis must scale with the
+           number of examples. A layer whose input is the same for 1 and B examples has no batch axis (computed once
+           and broadcast to all examples, e.g. a relative-position bias) and is refused whatever the sizes
+           (a sequence length equal to the micro-batch size cannot pass for a batch axis). An input with ``k > 1``
+           rows per example (tokens flattened to ``(B·T, d)``, MoE style) is accepted when its rows are example-major
+           (the first ``k`` rows for ``B`` examples equal the rows for the first alone) and reshaped to ``(B, T, d)``.
+        2. **Hooks vs autograd**: on up to two examples, the hooks' unclipped sum ``Σ_i G_i`` equals autograd's
+           gradient for every parameter. A use of a parameter outside the forward of the module that owns it
+           (``module.weight`` read directly by a parent, a functional call) would escape clipping.
+
+        Raises :class:`UnsupportedLayerError` naming the layer and the cause.
+        """
+        saved = self._saved_state()
+        try:
+            if batch_size >= 2:
+                self._probe_layout(run_losses, batch_size)
+            self._check_against_autograd(run_losses, min(batch_size, 2), rtol)
+        finally:
+            self._probe = None
+            self._restore_state(saved)
+
+    def _probe_layout(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int) -> None:
+        seen = {}
+        big = batch_size
+        for b in (big, 1):
+            self._probe = {}
+            with torch.no_grad(), self.record(b, freeze=False):
+                run_losses(slice(0, b))
+            seen[b] = self._probe
+        self._probe = None
+        names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
+        problems = []
+        for key, two in seen[big].items():
+            one = seen[1].get(key)
+            if one is None:
+                continue
+            name, cls = names[key[0]]
+            call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
+            if key[0] in self._fallbacks:
+                self._mapped[key] = [d2 == big and d1 == 1 for d2, d1 in zip(two, one)]
+                continue
+            r2, r1 = _rows(two), _rows(one)
+            if r2 is not None and r1 is not None and r2 == big * r1:
+                if r1 == 1:
+                    self._layout.pop(key, None)
+                    continue
+                same = torch.equal(two[:r1], one) if not one.is_floating_point() else torch.allclose(
+                    two[:r1].double(), one.double(), rtol=1e-3, atol=1e-5)
+                if same:
+                    self._layout[key] = "flat"
+                    continue
+                problems.append(
+                    f"{call}: its input has {r1} rows per example ({tuple(two.shape)} for {big} examples) that are "
+                    "not grouped example by example, so its rows cannot be assigned to examples. Freeze the layer.")
+            elif r2 is not None and r2 == r1 == 1:
+                problems.append(
+                    f"{call}: its input is broadcast across the batch (first axis 1 for 1 and {big} examples, shape "
+                    f"{tuple(two.shape)}), so its gradient would merge all examples. Materialise that input per "
+                    "example (e.g. expand it to the batch size before the layer) or freeze the layer.")
+            elif r2 is None or r2 == r1:
+                problems.append(
+                    f"{call}: its input has no batch axis (shape {tuple(two.shape)} for micro-batches of 1 and {big} "
+                    "examples): it is computed once and its result is broadcast to every example (e.g. a relative-"
+                    "position bias shared by the batch), so its gradient merges all examples and per-example clipping "
+                    "cannot bound one example's contribution. Freeze its parameters (requires_grad_(False)) or train "
+                    "with a PEFT adapter (LoRA) on the other layers.")
+            else:
+                problems.append(
+                    f"{call}: the first axis of its input has {r2} rows for {big} examples but {r1} for one, so hf_dp "
+                    "cannot tell which rows belong to which example. Freeze the layer.")
+        if problems:
+            raise UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
+                                        + "\n  ".join(problems))
+
+    def _check_against_autograd(self, run_losses: Callable[[slice], torch.Tensor], n: int, rtol: float) -> None:
+        for p in self.params.values():
+            p.grad = None
+        with self.record(n, freeze=False):
+            losses = run_losses(slice(0, n))
+            if losses.requires_grad:
+                losses.sum().backward()
+        self.per_example_norms_sq()
+        self.accumulate_clipped(torch.ones(n, dtype=torch.float64, device=losses.device))
+        hooked = self.summed_grads
+        self.summed_grads = {}
+        escaped = []
+        for name, p in self.params.items():
+            ref, mine = p.grad, hooked.get(name)
+            if ref is None and mine is None:
+                continue
+            ref = torch.zeros_like(p) if ref is None else ref
+            mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
+            if not torch.isfinite(ref).all():
+                continue  # a non-finite example: it gets clipping factor 0 in training
+            tol = rtol * float(ref.abs().max().clamp(min=1e-12))
+            if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
+                escaped.append(f"{name} (owned by {', '.join(self._owners.get(id(p), ['?']))})")
+        if escaped:
+            raise UnsupportedLayerError(
+                "These trainable parameters get gradient from a use outside the forward of the module that owns "
+                "them, which hf_dp's per-layer hooks do not see, so that part of their gradient could not be "
+                "clipped per example:\n  " + "\n  ".join(escaped) + "\nTypical causes: a parent module reads "
+                "`child.weight` directly (e.g. DeBERTa-v2's shared rel_embeddings), or applies it with a functional "
+                "call. Freeze these parameters (`model.get_parameter(name).requires_grad_(False)`; a parameter tied "
+                "to another, like an input embedding tied to the LM head, is then frozen in both places) or train "
+                "the model through a PEFT adapter (LoRA)."
+            )
+
+    def check_single_examples(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int,
+                              num_single: int = 2, rtol: float = 1e-3, mode: str = "") -> None:
+        """The expensive check (``dp_self_check``): each of the first ``num_single`` examples' gradient norm in its
+        micro-batch equals its norm alone, so nothing mixes examples (batch statistics, attention across the batch,
+        inputs shared by the batch). Needs ``batch_size ≥ 2`` to mean anything; non-finite examples are skipped
+        (they get clipping factor 0 in training)."""
+        saved = self._saved_state()
         try:
             with self.record(batch_size, freeze=False):
                 losses = run_losses(slice(0, batch_size))
                 if losses.requires_grad:
                     losses.sum().backward()
             batched = self._total_norms(batch_size)
-            self.accumulate_clipped(torch.ones(batch_size, dtype=batched.dtype, device=losses.device))
-            hooked = self.summed_grads
-            self.summed_grads = {}
-            escaped = []
-            for name, p in self.params.items():
-                ref = p.grad
-                mine = hooked.get(name)
-                if ref is None and mine is None:
-                    continue
-                ref = torch.zeros_like(p) if ref is None else ref
-                mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
-                tol = rtol * float(ref.abs().max().clamp(min=1e-12))
-                if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
-                    escaped.append(name)
-            if escaped:
-                raise UnsupportedLayerError(
-                    "These trainable parameters get gradient that hf_dp's layer hooks do not see (the parameter is "
-                    "used outside its layer's forward, e.g. `module.weight` read directly), so it could not be "
-                    "clipped per example: " + ", ".join(escaped) + ". Freeze them (requires_grad_(False))."
-                )
+            for p in self.params.values():
+                p.grad = None
             for i in range(min(num_single, batch_size)):
                 with self.record(1):  # per example: unit regrouping is exact tensor algebra, tested separately
                     single = run_losses(slice(i, i + 1))
                     if single.requires_grad:
                         single.sum().backward()
                 alone = float(self._total_norms(1)[0])
+                if not (math.isfinite(alone) and math.isfinite(float(batched[i]))):
+                    continue
                 if abs(alone - float(batched[i])) > rtol * max(alone, 1e-12) + 1e-12:
                     raise UnsupportedLayerError(
-                        f"Example {i}'s gradient norm is {float(batched[i]):.6g} in its micro-batch but {alone:.6g} "
-                        "alone: the model mixes examples (an input broadcast over the batch, batch statistics, or a "
-                        "layer whose input has no batch axis), so per-example clipping would not bound an example's "
-                        "contribution. Freeze the offending layer or materialise its input per example."
+                        f"Example {i}'s gradient norm is {float(batched[i]):.6g} in its micro-batch of "
+                        f"{batch_size} but {alone:.6g} alone{mode}: the model mixes examples (batch statistics, "
+                        "attention or pooling across the batch, or an input shared by the batch), so per-example "
+                        "clipping would not bound an example's contribution. Find the layer that computes across "
+                        "the batch and freeze it or replace it by a per-example one."
                     )
         finally:
-            self.clear()
-            self._instantiated = {}
-            self.summed_grads = saved
-            self.set_fused_groups(saved_groups, saved_handler)
-            for p in self.params.values():
-                p.grad = None
+            self._restore_state(saved)
+
+    def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
+                   rtol: float = 1e-3) -> None:
+        """:meth:`first_step_check` then :meth:`check_single_examples` (both checks, on the model as it is)."""
+        self.first_step_check(run_losses, batch_size, rtol)
+        self.check_single_examples(run_losses, batch_size, num_single, rtol)
 
     def _expand_broadcast_ids(self, module: nn.Module, args: tuple, kwargs: dict):
         """Materialise per-example ids for an embedding fed ids broadcast over the batch.
@@ -265,21 +486,70 @@ class ClippingEngine:
         """
         b = self._batch_size
         ids = args[0] if args else None
-        if b is None or b == 1 or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] != 1:
+        if self._replaying or b is None or b == 1 or not isinstance(ids, torch.Tensor) or ids.dim() < 2 \
+                or ids.shape[0] != 1:
             return None
         return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
+    def _owned(self, module: nn.Module, rule: Rule) -> list[str]:
+        return [self._names[id(getattr(module, n))] for n in rule.params
+                if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+
+    def _add_uses(self, name: str, uses: list[Use]) -> None:
+        """Store one hooked call's uses (called from the gradient hooks); clip completed groups (fused mode)."""
+        b = self._batch_size
+        for u in uses:
+            if u.batch_size != b:
+                if u.batch_size == 1:
+                    cause = ("its input is broadcast across the batch (first axis 1), e.g. position_ids of shape "
+                             "(1, T) or a prompt computed once: materialise the input per example")
+                elif u.batch_size % b == 0:
+                    cause = (f"its input looks like the examples' tokens flattened into {u.batch_size} rows (B·T); "
+                             "hf_dp reshapes such inputs once ClippingEngine.first_step_check has proven them "
+                             "example-major (DPTrainer runs it at the first step)")
+                else:
+                    cause = ("its input has no batch axis (computed once and shared by all examples): freeze its "
+                             "parameters or use LoRA on the other layers")
+                raise UnsupportedLayerError(
+                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}.")
+        touched = set()
+        for u in uses:
+            name_u = self._names[id(u.param)]
+            existing = self._uses.setdefault(name_u, [])
+            existing.append(u)
+            if len({(v.left_dim, v.right.shape[-1]) for v in existing}) > 1:
+                self._uses[name_u] = [_as_ones(v) for v in existing]  # e.g. a fallback use and a rule's use
+            self._pending[name_u] = self._pending.get(name_u, 0) - 1
+            touched.add(name_u)
+        if self._groups is not None:
+            for k in sorted({self._group_of[n] for n in touched}):
+                if self._group_ready(k):
+                    self._process_group(k)
+
     def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
-        owned = [self._names[id(getattr(module, n))] for n in rule.params
-                 if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+        owned = self._owned(module, rule)
 
         def hook(mod, args, kwargs, output):
+            if self._replaying:
+                return None
+            key = self._next_call(mod)
+            inp = args[0] if args else next(iter(kwargs.values()))
+            if self._probe is not None:
+                self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
+                return None
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
-            inp = args[0] if args else next(iter(kwargs.values()))
             inp = inp.detach()
+            b = self._batch_size
+            flat = self._layout.get(key) == "flat"
+            if flat:
+                if inp.shape[0] % b:
+                    raise UnsupportedLayerError(
+                        f"{name}: its input has {inp.shape[0]} rows, not a multiple of the micro-batch size {b}, "
+                        "although the first step proved it holds the examples' tokens flattened (B·T rows).")
+                inp = inp.reshape(b, -1, *inp.shape[1:])
             if rule.verify is not None and id(module) not in self._verified:
-                rule.verify(module, name, inp, output)
+                rule.verify(module, name, inp, output if not flat else output.reshape(b, -1, *output.shape[1:]))
                 self._verified.add(id(module))
             if not output.requires_grad:
                 # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
@@ -298,32 +568,70 @@ class ClippingEngine:
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
-                uses = [u for u in rule.uses(module, name, box.pop(), None, grad.detach())
-                        if id(u.param) in self._names]
-                for u in uses:
-                    if u.batch_size != self._batch_size:
-                        raise UnsupportedLayerError(
-                            f"{name} saw a batch of {u.batch_size} in a micro-batch of {self._batch_size} examples: "
-                            "an input is broadcast across the batch (e.g. position_ids of shape (1, T), or a prompt "
-                            "computed once and repeated), so per-example gradients would merge examples. Materialise "
-                            "the input per example."
-                        )
-                touched = set()
-                for u in uses:
-                    name_u = self._names[id(u.param)]
-                    self._uses.setdefault(name_u, []).append(u)
-                    self._pending[name_u] = self._pending.get(name_u, 0) - 1
-                    touched.add(name_u)
-                if self._groups is not None:
-                    for k in sorted({self._group_of[n] for n in touched}):
-                        if self._group_ready(k):
-                            self._process_group(k)
+                grad = grad.detach()
+                if flat:
+                    grad = grad.reshape(b, -1, *grad.shape[1:])
+                uses = [u for u in rule.uses(module, name, box.pop(), None, grad) if id(u.param) in self._names]
+                self._add_uses(name, uses)
 
             if self._groups is not None:
                 for n in owned:
                     self._pending[n] = self._pending.get(n, 0) + 1
             output.register_hook(grad_hook)
             return output
+
+        return hook
+
+    def _fallback_hook(self, name: str, module: nn.Module):
+        """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
+        fb = self._fallbacks[id(module)]
+        owned = [self._names[id(getattr(module, n))] for n in fb.param_names]
+
+        def hook(mod, args, kwargs, output):
+            if self._replaying:
+                return None
+            key = self._next_call(mod)
+            if self._probe is not None:
+                leaves, _ = tree_flatten((args, kwargs))
+                self._probe[key] = [x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+                                    for x in leaves]
+                return None
+            if not torch.is_grad_enabled():
+                return None
+            leaves, spec = tree_flatten(output)
+            if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+                return None
+            b = self._batch_size
+            saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
+            if id(module) not in self._verified:
+                with self._replay():
+                    fb.verify(*saved_args, output, b, mapped)
+                self._verified.add(id(module))
+            changed = False
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
+                    leaves[i] = t.detach().requires_grad_(True)
+                    changed = True
+            outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            likes = [t.detach() for t in outs]
+            box = [saved_args]
+            del saved_args
+
+            def grads_hook(grads) -> None:
+                if not box:
+                    raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass.")
+                a, k = box.pop()
+                with self._replay():
+                    per = fb.per_example_grads(a, k, list(grads), likes, mapped)
+                uses = [Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+
+            if self._groups is not None:
+                for n in owned:
+                    self._pending[n] = self._pending.get(n, 0) + 1
+            torch.autograd.graph.register_multi_grad_hook(outs, grads_hook, mode="all")
+            return tree_unflatten(leaves, spec) if changed else None
 
         return hook
 

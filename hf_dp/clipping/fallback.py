@@ -1,0 +1,132 @@
+"""The generic exact fallback: per-example gradients of a module's own parameters by re-running it per example.
+
+For a module that owns trainable parameters and has no rule in ``layers.py`` (``find_rule`` is ``None``), e.g. ViT's
+``cls_token`` / ``position_embeddings`` (read directly in ``ViTEmbeddings.forward``), layer-scale vectors, Funnel's
+``r_w_bias``, the per-example gradient of its own parameters ``θ`` is still exact when its forward treats examples
+independently: with ``y_i = f(θ, x_i)`` and ``g_i = ∂L/∂y_i`` (the module's output gradient, example ``i``'s rows),
+``G_i = (∂y_i/∂θ)ᵀ g_i`` is one vector-Jacobian product of the module on example ``i`` alone. All ``B`` of them are
+computed at once with ``torch.func``: ``vmap`` over ``vjp`` of ``functional_call(module, θ, x_i)`` (the approach of
+Opacus' ``functorch`` grad sampler). Cost: one extra forward and backward of the module per micro-batch, under
+``vmap``, and ``B × numel(θ)`` memory for the per-example gradients (they are instantiated, as a ``Use`` of kind
+``"ones"`` with ``right`` of shape ``(B, 1, numel)``, so the engine's norms, clipped sums and groups apply unchanged).
+
+Which inputs are per example: tensors whose first axis the engine proved to scale with the micro-batch (see
+``ClippingEngine.first_step_check``), otherwise those whose first axis equals the micro-batch size; the others are
+shared by all examples. Submodules keep their own rules: their parameters are constants here, and the engine's hooks
+are silenced during the re-run. Before first use the module is verified on real activations: the per-example re-run
+must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the batch) is
+refused instead of being clipped with a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .layers import UnsupportedLayerError
+
+__all__ = ["Fallback", "float_outputs"]
+
+
+def float_outputs(output) -> list[torch.Tensor]:
+    """The floating-point tensors of a module's output (any nesting), in a fixed order."""
+    leaves, _ = tree_flatten(output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class Fallback:
+    """Per-example gradients of ``module``'s own parameters ``param_names`` (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, name: str, param_names: tuple[str, ...]):
+        self.module = module
+        self.name = name
+        self.param_names = param_names
+
+    def describe(self) -> str:
+        numel = sum(getattr(self.module, n).numel() for n in self.param_names)
+        return f"{self.name} ({type(self.module).__name__}: {', '.join(self.param_names)}; {numel} values)"
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self.module, n).detach() for n in self.param_names}
+
+    def _runner(self, args: tuple, kwargs: dict, mapped: list[bool]):
+        """``f(params, per-example leaves) -> float outputs of the module on that one example``."""
+        leaves, spec = tree_flatten((args, kwargs))
+        idx = [i for i, m in enumerate(mapped) if m]
+
+        def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
+            full = list(leaves)
+            for i, x in zip(idx, per_example):
+                full[i] = x.unsqueeze(0)  # a batch of one
+            a, k = tree_unflatten(full, spec)
+            out = functional_call(self.module, params, a, k, strict=False)
+            return tuple(t.squeeze(0) for t in float_outputs(out))
+
+        return run, tuple(leaves[i] for i in idx)
+
+    @staticmethod
+    def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[bool] | None = None) -> list[bool]:
+        """Which leaves of ``(args, kwargs)`` carry the batch axis (``known``: proven by the engine's probe)."""
+        leaves, _ = tree_flatten((args, kwargs))
+        guess = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves]
+        if known is not None and len(known) == len(leaves):
+            return [k and g for k, g in zip(known, guess)]
+        return guess
+
+    def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: list[bool]) -> None:
+        """Refuse (``UnsupportedLayerError``) unless the per-example re-run reproduces the batched output."""
+        outs = float_outputs(output)
+        cls = type(self.module).__name__
+        bad = [tuple(t.shape) for t in outs if t.dim() == 0 or t.shape[0] != batch_size]
+        if bad:
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+                f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
+                "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
+                "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
+            )
+        active = [n for n, m in self.module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
+                  and m.training and m.p > 0]
+        if active:
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) owns trainable parameters that hf_dp computes per example by re-running the "
+                f"module, but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
+                "Set that dropout probability to 0, freeze the parameters, or use a PEFT adapter (LoRA)."
+            )
+        run, per_example = self._runner(args, kwargs, mapped)
+        try:
+            with torch.no_grad():
+                again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
+        except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+                f"for, and re-running it on one example at a time failed ({type(err).__name__}: {err}). A module "
+                "whose forward mixes examples (batch statistics, e.g. BatchNorm in train mode) cannot be clipped per "
+                "example. Freeze these parameters or use a PEFT adapter (LoRA)."
+            ) from err
+        tol = 1e-2 if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs) else 1e-4
+        for ref, got in zip(outs, again):
+            if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
+                raise UnsupportedLayerError(
+                    f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no "
+                    "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
+                    "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
+                    "batch) or is random. Per-example clipping cannot bound an example's contribution through it. "
+                    "Freeze these parameters (requires_grad_(False)) or use a PEFT adapter (LoRA)."
+                )
+
+    def per_example_grads(self, args: tuple, kwargs: dict, grads: list[torch.Tensor | None], outputs_like:
+                          list[torch.Tensor], mapped: list[bool]) -> dict[str, torch.Tensor]:
+        """``{param: (B, numel)}``: ``G_i = (∂y_i/∂θ)ᵀ g_i`` for every example, by ``vmap(vjp)``."""
+        run, per_example = self._runner(args, kwargs, mapped)
+        grads = tuple(torch.zeros_like(o) if g is None else g.to(o.dtype) for g, o in zip(grads, outputs_like))
+
+        def one(xs: tuple, gs: tuple) -> dict[str, torch.Tensor]:
+            _, pull = vjp(lambda p: run(p, xs), self._params())
+            return pull(gs)[0]
+
+        with torch.enable_grad():
+            out = vmap(one, randomness="different")(per_example, grads)
+        return {n: g.reshape(g.shape[0], -1) for n, g in out.items()}
