@@ -77,9 +77,13 @@ class DPTrainingArguments(TrainingArguments):
             requires; a fixed seed makes runs reproducible but voids the guarantee against anyone who knows it.
 
         dp_self_check (`bool`, defaults to `True`):
-            At the first micro-batch, verify on the real model and data that the hooks see every parameter's gradient
-            (compared with autograd) and that per-example norms equal single-example runs; fail loudly otherwise.
-            Costs one extra forward/backward plus two single-example ones, once.
+            The expensive part of the first step's checks: two examples' gradient norms in a micro-batch of at least
+            two must equal their norms alone, in eval mode and in train mode with dropout off (catches anything that
+            mixes examples: batch statistics, attention across the batch). Costs two extra forward/backward passes of
+            the micro-batch and four single-example ones, once. Turning it off never turns off coverage: the static
+            check (every module owning a trainable parameter has a rule or the exact fallback), the proof of every
+            layer's batch axis and the comparison of the hooks' sum with autograd's gradient on two examples always
+            run.
 
     > Privacy unit
 
@@ -162,7 +166,9 @@ class DPTrainingArguments(TrainingArguments):
     )
     dp_self_check: bool = field(
         default=True,
-        metadata={"help": "At the first step, check per-example norms against autograd and single-example runs."},
+        metadata={"help": "At the first step, also compare two examples' gradient norms in a micro-batch with their "
+                          "norms alone (train and eval mode). Coverage checks (static, batch axes, hooks vs autograd) "
+                          "always run."},
     )
     max_grad_norm: float = field(
         default=0.0,

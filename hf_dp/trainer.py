@@ -32,7 +32,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .cards import create_model_card
-from .clipping.engine import ClippingEngine
+from .clipping.engine import ClippingEngine, train_without_dropout
 from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
 from .losses import PerExampleLoss, default_per_example_loss
@@ -442,7 +442,18 @@ class DPTrainer(Trainer):
         return local, 1.0 / counts[local].double()
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run: the engine against autograd and single-example runs on real data (engine.self_check)."""
+        """Once per run, before the first update: the engine's checks on the real model and data.
+
+        Always (cheap; ``ClippingEngine.first_step_check``): every hooked layer's batch axis is proven (the model on
+        the micro-batch and on its first example alone) and the hooks' unclipped sum equals autograd's gradient on
+        two examples, so coverage never depends on ``dp_self_check``. With ``dp_self_check`` (the expensive part):
+        two examples' gradient norms in the micro-batch equal their norms alone, in eval mode and in train mode with
+        dropout off (a layer that behaves differently in training, e.g. batch statistics, runs as it will). The
+        checks need a micro-batch of at least two examples: if the first has one, two training examples are
+        collated for them.
+        """
+        if labels.shape[0] < 2:
+            micro, labels = self._check_batch() or (micro, labels)
         b = labels.shape[0]
 
         def run_losses(sl: slice) -> torch.Tensor:
@@ -450,14 +461,29 @@ class DPTrainer(Trainer):
             with self.compute_loss_context_manager():
                 return self.per_example_loss(net(**self._model_inputs(net, part, part_labels)), part_labels)
 
-        low_precision = self.args.bf16 or self.args.fp16
+        rtol = 5e-2 if (self.args.bf16 or self.args.fp16) else 1e-3
+        engine = self.clipping_engine
         was_training = net.training
-        net.eval()  # dropout off: the batched and single-example runs must compute the same function
         try:
-            self.clipping_engine.self_check(run_losses, b, rtol=5e-2 if low_precision else 1e-3)
+            train_without_dropout(net)
+            engine.first_step_check(run_losses, b, rtol=rtol)
+            if self.args.dp_self_check and b >= 2:
+                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
+                net.eval()
+                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
         finally:
             net.train(was_training)
         self._self_checked = True
+
+    def _check_batch(self) -> tuple[dict, torch.Tensor] | None:
+        """The first two training examples, collated and on the device (for the first-step checks)."""
+        loader = getattr(self.callback_handler, "train_dataloader", None)
+        if loader is None or len(loader.dataset) < 2:
+            return None
+        batch = self._prepare_inputs(loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
+        batch.pop(_UNIT, None)
+        labels = batch.pop("labels")
+        return batch, labels
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
         inputs = dict(inputs)
@@ -484,7 +510,7 @@ class DPTrainer(Trainer):
             engine = self.clipping_engine
             for micro, micro_labels, micro_units in self._micro_batches(inputs, labels, units_all):
                 b = micro_labels.shape[0]
-                if self.args.dp_self_check and not getattr(self, "_self_checked", False):
+                if not getattr(self, "_self_checked", False):  # always: coverage never depends on dp_self_check
                     self._self_check(net, micro, micro_labels)
                 units, weights = self._unit_layout(micro_units)
                 if units is not None:

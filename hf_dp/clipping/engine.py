@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .fallback import Fallback
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 
-__all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError"]
+__all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError", "train_without_dropout"]
 
 GroupHandler = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -115,6 +115,17 @@ def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return left.reshape(-1, u.left_dim).t() @ r.reshape(-1, d_r)
 
 
+def train_without_dropout(model: nn.Module) -> None:
+    """Train mode with dropout off (for the first-step checks): ``nn.Dropout`` modules, and modules that apply
+    functional dropout with a probability attribute (``attention_dropout``, ...), run as in eval mode; every other
+    module (batch statistics included) runs as it will in training."""
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) or any(
+                "dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            m.training = False
+
+
 def _uses_batch_statistics(module: nn.Module) -> bool:
     """BatchNorm (any dimension, Sync, Lazy) normalises with statistics over the batch in train mode, and
     InstanceNorm with ``track_running_stats`` updates running statistics from the data."""
@@ -172,6 +183,12 @@ class ClippingEngine:
             for _n, p in own:
                 self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
             rule = find_rule(module)
+            if rule is None and module is model:
+                problems.append(
+                    f"{', '.join(n for n, _ in own)} ({type(module).__name__}: parameters of the model itself; hf_dp's "
+                    "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
+                    "them)")
+                continue
             if rule is None:
                 names = tuple(n for n, _ in own)
                 rule = Rule("fallback", _no_uses, names)

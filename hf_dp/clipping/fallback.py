@@ -12,8 +12,9 @@ Opacus' ``functorch`` grad sampler). Cost: one extra forward and backward of the
 
 Which inputs are per example: tensors whose first axis the engine proved to scale with the micro-batch (see
 ``ClippingEngine.first_step_check``), otherwise those whose first axis equals the micro-batch size; the others are
-shared by all examples. Submodules keep their own rules: their parameters are constants here, and the engine's hooks
-are silenced during the re-run. Before first use the module is verified on real activations: the per-example re-run
+shared by all examples. Submodules keep their own rules: their parameters are constants here (a parameter the module
+shares with a submodule is replaced only as the module's own attribute), and the engine's hooks are silenced during
+the re-run. Before first use the module is verified on real activations: the per-example re-run
 must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the batch) is
 refused instead of being clipped with a wrong gradient.
 """
@@ -61,7 +62,10 @@ class Fallback:
             for i, x in zip(idx, per_example):
                 full[i] = x.unsqueeze(0)  # a batch of one
             a, k = tree_unflatten(full, spec)
-            out = functional_call(self.module, params, a, k, strict=False)
+            # tie_weights=False: only this module's own attribute is replaced, so a parameter it shares with a
+            # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
+            # the submodule's own hooks count its use.
+            out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
             return tuple(t.squeeze(0) for t in float_outputs(out))
 
         return run, tuple(leaves[i] for i in idx)

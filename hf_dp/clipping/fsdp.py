@@ -33,6 +33,7 @@ Only flat clipping, example-level, with FSDP2 is supported; the trainer refuses 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..noise import add_noise_to_shards
-from .engine import ClippingEngine, UnsupportedLayerError
+from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .layers import Rule
 from .modes import flat_clip_factors
 
@@ -102,6 +103,12 @@ class FSDPClippingEngine(ClippingEngine):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        if self._fallbacks:
+            raise UnsupportedLayerError(
+                "Under FSDP, hf_dp has no generic fallback for layers without a per-layer rule: "
+                + "; ".join(fb.describe() for fb in self._fallbacks.values())
+                + ". Freeze them (requires_grad_(False)), use a PEFT adapter (LoRA), or train with DDP."
+            )
         self._attr_names: dict[int, dict[str, str]] = {}
         for _, module, rule in self._modules:
             self._attr_names[id(module)] = {
@@ -147,6 +154,9 @@ class FSDPClippingEngine(ClippingEngine):
         attrs = self._attr_names.get(id(module), {})
 
         def hook(mod, args, kwargs, output):
+            if self._probe is not None:  # first-step layout probe (ClippingEngine._probe_layout)
+                self._probe[self._next_call(mod)] = (args[0] if args else next(iter(kwargs.values()))).detach().clone()
+                return None
             if not self._capturing or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
             inp = (args[0] if args else next(iter(kwargs.values()))).detach()
@@ -208,6 +218,7 @@ class FSDPFlatClipping:
         self._chunk_in_step = 0
         self._checking = False  # the first step runs the self-check (dp_self_check)
         self._singles_checked = False
+        self._layout_checked = False
         self.engine.summed_grads = {}
 
     # ------------------------------------------------------------------ the step
@@ -218,8 +229,11 @@ class FSDPFlatClipping:
         if hasattr(tr.optimizer, "train") and callable(tr.optimizer.train):
             tr.optimizer.train()
         device = tr.args.device
-        if self._chunk_in_step == 0 and tr.args.dp_self_check and not getattr(tr, "_self_checked", False):
-            self._checking, self._singles_checked = True, False
+        if self._chunk_in_step == 0 and not getattr(tr, "_self_checked", False):
+            # Always (coverage never depends on dp_self_check): the first step's clipped sum from the hooks is
+            # compared with the gradient FSDP reduced (pass 2 is a plain backward: an unhooked use would leak into
+            # it). dp_self_check adds the single-example norm comparison.
+            self._checking, self._singles_checked = True, not tr.args.dp_self_check
         self._chunk_in_step += 1
         micro: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
         if inputs is not None:
@@ -236,6 +250,8 @@ class FSDPFlatClipping:
             self.stats["padding"] += 1
         loss_sum = torch.zeros((), device=device)
         for part, part_labels, weights in micro:
+            if self._checking and not self._layout_checked:
+                self._check_layout(model, part, part_labels)
             if self._checking and not self._singles_checked:
                 self._check_single_examples(model, part, part_labels)
             losses = self._two_pass(model, part, part_labels, weights)
@@ -326,26 +342,62 @@ class FSDPFlatClipping:
         self.engine.clear()
         return norms
 
+    def _check_batch(self, batch: dict, labels: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The micro-batch, or two collated training examples if it has one (a one-example check proves nothing)."""
+        if labels.shape[0] < 2 and self.dummy_source is not None and len(self.dummy_source.dataset) >= 2:
+            src = self.dummy_source
+            batch = self.trainer._prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
+            labels = batch.pop("labels")
+        return batch, labels
+
+    def _check_layout(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> None:
+        """Always, at the first step: every hooked layer's batch axis is proven (ClippingEngine.first_step_check,
+        part 1); flattened (B·T) inputs are not supported under FSDP."""
+        batch, labels = self._check_batch(batch, labels)
+        b = labels.shape[0]
+        was_training = model.training
+        train_without_dropout(model)
+        try:
+            if b >= 2:
+                self.engine._probe_layout(lambda sl: self._forward_losses(
+                    model, self.trainer._slice_batch(batch, sl, b), labels[sl]), b)
+        finally:
+            model.train(was_training)
+            self.engine._probe = None
+            self.engine.clear()
+        self._layout_checked = True
+        if self.engine._layout:
+            raise UnsupportedLayerError(
+                "Under FSDP, layers whose input holds the examples' tokens flattened into rows (B·T, d) are not "
+                "supported; freeze them, use a PEFT adapter (LoRA), or train with DDP.")
+
     def _check_single_examples(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> None:
         """Each example's norm in its micro-batch equals its norm alone (ClippingEngine.self_check, check 2).
 
         Every rank runs the same number of forwards (1 batched + 2 single), since they are collectives under FSDP.
         """
         tr = self.trainer
+        batch, labels = self._check_batch(batch, labels)
         b = labels.shape[0]
         low_precision = tr.args.bf16 or tr.args.fp16
         rtol = 5e-2 if low_precision else 1e-3
         was_training = model.training
-        model.eval()  # dropout off: the batched and single-example runs must compute the same function
         problem = None
         try:
-            batched = self._norms_only(model, batch, labels)
-            for i in range(2):
-                j = min(i, b - 1)
-                alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b), labels[j:j + 1])[0])
-                if problem is None and abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12:
-                    problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch but "
-                               f"{alone:.6g} alone")
+            for mode in ("train mode, dropout off", "eval mode"):
+                if mode == "eval mode":
+                    model.eval()
+                else:
+                    train_without_dropout(model)  # batch statistics run as in training; dropout off
+                batched = self._norms_only(model, batch, labels)
+                for i in range(2):
+                    j = min(i, b - 1)
+                    alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b),
+                                                   labels[j:j + 1])[0])
+                    finite = math.isfinite(alone) and math.isfinite(float(batched[j]))
+                    if problem is None and finite and abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12:
+                        problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch of {b} "
+                                   f"but {alone:.6g} alone ({mode})")
         finally:
             model.train(was_training)
         self._singles_checked = True
