@@ -625,11 +625,13 @@ class ClippingEngine:
                 with self._replay():
                     fb.verify(*saved_args, output, b, mapped)
                 self._verified.add(id(module))
-            changed = False
+            # Each float output is returned as a fresh alias (a leaf if nothing upstream is trainable), so that its
+            # gradient holds only the uses *after* the module: an output that is also an intermediate of another
+            # output (eager attention returns its weights, from which it computes its output) would otherwise pass
+            # the other output's gradient twice through the vector-Jacobian product.
             for i, t in enumerate(leaves):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad:
-                    leaves[i] = t.detach().requires_grad_(True)
-                    changed = True
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    leaves[i] = t.view_as(t) if t.requires_grad else t.detach().requires_grad_(True)
             outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
             likes = [t.detach() for t in outs]
             box = [saved_args]
@@ -648,7 +650,7 @@ class ClippingEngine:
                 for n in owned:
                     self._pending[n] = self._pending.get(n, 0) + 1
             torch.autograd.graph.register_multi_grad_hook(outs, grads_hook, mode="all")
-            return tree_unflatten(leaves, spec) if changed else None
+            return tree_unflatten(leaves, spec)
 
         return hook
 
