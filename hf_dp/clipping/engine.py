@@ -144,6 +144,14 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+#: methods that compute a bias once per batch and return it with a leading broadcast axis of 1 (T5 family)
+_BROADCAST_METHODS = ("compute_bias",)
+
+
+def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
+    return any(m is module for m in ancestor.modules())
+
+
 def _no_uses(*_args) -> list[Use]:  # the fallback's uses come from its own hook (fallback.py)
     return []
 
@@ -250,6 +258,10 @@ class ClippingEngine:
         self._layout: dict[tuple[int, int], str] = {}
         self._mapped: dict[tuple[int, int], list[bool]] = {}
         self._probe: dict[tuple[int, int], object] | None = None
+        self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
+        self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in
+                                                                _BROADCAST_METHODS)
+                              and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
         self.summed_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ capture
@@ -280,6 +292,8 @@ class ClippingEngine:
             handles.append(m.register_forward_hook(hook, with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
+        handles += [self._broadcast_point(m, k) for m in self._bcast_owners for k in _BROADCAST_METHODS
+                    if callable(getattr(m, k, None))]
         buffers = {n: b._version for n, b in _persistent_buffers(self.model).items()}
         if freeze:
             for p in self.params.values():
@@ -503,8 +517,8 @@ class ClippingEngine:
         """
         b = self._batch_size
         ids = args[0] if args else None
-        if self._replaying or b is None or b == 1 or not isinstance(ids, torch.Tensor) or ids.dim() < 2 \
-                or ids.shape[0] != 1:
+        if self._replaying or self._bcast is not None or b is None or b == 1 or not isinstance(ids, torch.Tensor) \
+                or ids.dim() < 2 or ids.shape[0] != 1:
             return None
         return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
@@ -551,6 +565,16 @@ class ClippingEngine:
                 return None
             key = self._next_call(mod)
             inp = args[0] if args else next(iter(kwargs.values()))
+            if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
+                if self._probe is not None or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                    return None
+                if not output.requires_grad:
+                    output = output.detach().requires_grad_(True)
+                self._bcast.append((name, module, rule, inp.detach(), output))
+                if self._groups is not None:
+                    for n in owned:
+                        self._pending[n] = self._pending.get(n, 0) + 1
+                return output
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return None
@@ -598,6 +622,66 @@ class ClippingEngine:
             return output
 
         return hook
+
+    def _broadcast_point(self, owner: nn.Module, method: str):
+        """Make a batch-broadcast bias exact where it is broadcast (T5-family ``compute_bias``).
+
+        T5/MT5/UMT5/LongT5 compute their relative position bias once per batch: ``compute_bias`` looks up
+        ``relative_attention_bias`` with ``(T, T)`` bucket ids (no batch axis) and returns a ``(1, H, T, T)`` tensor
+        that the attention scores broadcast over the batch, so the embedding's output gradient is already summed over
+        examples. Inside :meth:`record`, the method returns its result expanded to ``(B, H, T, T)`` (same values, same
+        arithmetic downstream), whose gradient is per example, ``∂L_i/∂bias``; the ruled layers called inside the
+        method (the bias embedding) get their per-example output gradients from it by one batched vector-Jacobian
+        product through the method's own ops (``autograd.grad(..., is_grads_batched=True)``), and their rules apply
+        unchanged. Returns a handle whose ``remove()`` restores the method.
+        """
+        had_own = method in vars(owner)
+        orig = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            if self._replaying or self._bcast is not None:
+                return orig(*args, **kwargs)
+            self._bcast = captured = []
+            try:
+                result = orig(*args, **kwargs)
+            finally:
+                self._bcast = None
+            b = self._batch_size
+            if not captured:
+                return result
+            if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != 1:
+                raise UnsupportedLayerError(
+                    f"{type(owner).__name__}.{method} returned shape "
+                    f"{tuple(getattr(result, 'shape', ()))}, not a bias with a leading broadcast axis of 1: hf_dp "
+                    "cannot give its layers per-example gradients. Freeze " + ", ".join(c[0] for c in captured) + ".")
+            expanded = result.expand(b, *result.shape[1:])
+            if not result.requires_grad:
+                return expanded
+            box = [captured]
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                for name, module, rule, inp, out in box.pop():
+                    per_example = torch.autograd.grad(result, out, grad.unsqueeze(1), retain_graph=True,
+                                                      is_grads_batched=True, allow_unused=True)[0]
+                    if per_example is None:
+                        per_example = out.new_zeros(b, *out.shape)
+                    uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, per_example)
+                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+
+            expanded.register_hook(grad_hook)
+            return expanded
+
+        setattr(owner, method, wrapped)
+
+        class _Restore:
+            @staticmethod
+            def remove() -> None:
+                if had_own:
+                    setattr(owner, method, orig)
+                else:
+                    delattr(owner, method)
+
+        return _Restore
 
     def _fallback_hook(self, name: str, module: nn.Module):
         """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
