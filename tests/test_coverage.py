@@ -231,3 +231,169 @@ def test_tiny_index_table_is_instantiated_not_ghost_normed():
     vocab = nn.Parameter(torch.zeros(50000, 64))
     big = Use(vocab, torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, 64), 50000, "wte")
     assert use_ghost_norm([big])
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+class Out:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class Toy(nn.Module):
+    """x (B, T, 3) -> logits (B, 2) through ``body``; loss: cross-entropy per example (``toy_loss``)."""
+
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x, labels=None):
+        return Out(self.head(self.body(x)).mean(1))
+
+
+def toy_loss(outputs, labels):
+    return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
+
+
+def toy_rows(n: int, seq_len: int = 4) -> Rows:
+    g = torch.Generator().manual_seed(0)
+    return Rows([{"x": torch.randn(seq_len, 3, generator=g, dtype=torch.float64), "labels": torch.tensor(i % 2)}
+                 for i in range(n)])
+
+
+def train_toy(body: nn.Module, tmp_path, n: int = 4, ga: int = 1, seq_len: int = 4, **kw) -> DPTrainer:
+    model = Toy(body).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, n // ga, 1.0, ga=ga, **kw),
+                        train_dataset=toy_rows(n, seq_len), per_example_loss=toy_loss)
+    trainer.train()
+    return trainer
+
+
+class ReadsChildWeight(nn.Module):
+    """Uses ``lin.weight`` a second time outside ``lin``'s forward (as DeBERTa-v2 reads ``rel_embeddings.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
+
+
+def test_use_outside_the_owning_forward_is_refused_without_self_check(tmp_path):
+    """The hooks-vs-autograd comparison is always on: dp_self_check=False does not turn it off."""
+    with pytest.raises(UnsupportedLayerError, match=r"body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
+                                                    r"|outside the forward"):
+        train_toy(ReadsChildWeight(), tmp_path, dp_self_check=False)
+
+
+class BatchlessBias(nn.Module):
+    """A T5-style bias looked up with (T, T) ids (no batch axis) and broadcast over the batch, outside any
+    broadcast point hf_dp knows. With T == B the rule's batch axis has the right size."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Embedding(7, 3)
+
+    def forward(self, x):
+        t = x.shape[1]
+        rel = (torch.arange(t)[None, :] - torch.arange(t)[:, None]).clamp(0, 6)
+        return x + self.bias(rel).mean(0)  # (T, 3), broadcast over the batch
+
+
+def test_batchless_input_is_refused_even_when_seq_len_equals_batch_size(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"body\.bias .*no batch axis"):
+        train_toy(BatchlessBias(), tmp_path, n=4, seq_len=4, dp_self_check=False)
+
+
+def test_deberta_v2_shared_relative_embeddings_are_refused_with_the_true_cause(tmp_path):
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=24, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=4,
+                          pos_att_type=["p2c", "c2p"], num_labels=3, norm_rel_ebd="layer_norm")
+    model = DebertaV2ForSequenceClassification(cfg).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False),
+                        train_dataset=token_rows(4, num_labels=3))
+    with pytest.raises(UnsupportedLayerError, match=r"encoder\.LayerNorm .*no batch axis.*computed once") as err:
+        trainer.train()
+    assert "broadcast across the batch … materialise" not in str(err.value)
+
+
+class CentreInTraining(nn.Module):
+    """Subtracts the batch mean in train mode only (a batch-statistics layer without parameters or buffers)."""
+
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True) if self.training else x
+
+
+def test_mixing_in_train_mode_is_caught_with_one_example_micro_batches(tmp_path):
+    """Hole 6: micro-batches of one example prove nothing; the check collates two training examples, and runs in
+    train mode too (the model mixes examples only there)."""
+    body = nn.Sequential(nn.Linear(3, 3), CentreInTraining())
+    with pytest.raises(UnsupportedLayerError, match=r"micro-batch of 2 .*\(train mode, dropout off\)"):
+        train_toy(body, tmp_path, n=2, ga=2)
+
+
+def test_frozen_batch_norm_is_refused_with_a_true_message(tmp_path):
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+    body = nn.Sequential(nn.Linear(3, 4), Norm(), nn.Linear(4, 3))
+    body[1].requires_grad_(False)  # freezing does not stop batch statistics
+    with pytest.raises(UnsupportedLayerError, match=r"statistics over the batch: body\.1\.bn \(BatchNorm1d\).*"
+                                                    r"freezing its parameters changes neither"):
+        ClippingEngine(Toy(body))
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.detach().sum()  # a statistic of the private data, saved in the checkpoint
+        return x
+
+
+def test_buffer_written_during_a_step_is_refused(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"buffers changed during a DP step: body\.1\.seen"):
+        train_toy(nn.Sequential(nn.Linear(3, 3), CountsCalls()), tmp_path, dp_self_check=False)
+
+
+class MixingScale(nn.Module):
+    """A trainable parameter (no rule: generic fallback) in a forward that mixes examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x + self.w * x.mean(0, keepdim=True)
+
+
+def test_fallback_refuses_a_module_that_mixes_examples(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"body\.1 \(MixingScale\).*differs from its output on each "
+                                                    r"example alone: it mixes examples"):
+        train_toy(nn.Sequential(nn.Linear(3, 3), MixingScale()), tmp_path, dp_self_check=False)
+
+
+def test_statically_refused_parameters():
+    class LinearWithTemperature(nn.Linear):  # the parent's forward, but a parameter no rule knows
+        def __init__(self):
+            super().__init__(3, 3)
+            self.temperature = nn.Parameter(torch.ones(()))
+
+    with pytest.raises(UnsupportedLayerError, match=r"body\.temperature \(LinearWithTemperature: its 'linear' rule "
+                                                    r"covers weight, bias only\)"):
+        ClippingEngine(Toy(LinearWithTemperature()))
+    model = Toy(nn.Identity())
+    model.register_parameter("scale", nn.Parameter(torch.ones(())))
+    with pytest.raises(UnsupportedLayerError, match=r"scale \(Toy: parameters of the model itself"):
+        ClippingEngine(model)
