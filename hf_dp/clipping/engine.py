@@ -367,8 +367,9 @@ class ClippingEngine:
            rows per example (tokens flattened to ``(B·T, d)``, MoE style) is accepted when its rows are example-major
            (the first ``k`` rows for ``B`` examples equal the rows for the first alone) and reshaped to ``(B, T, d)``.
         2. **Hooks vs autograd**: on up to two examples, the hooks' unclipped sum ``Σ_i G_i`` equals autograd's
-           gradient for every parameter. A use of a parameter outside the forward of the module that owns it
-           (``module.weight`` read directly by a parent, a functional call) would escape clipping.
+           gradient for every parameter (computed on stand-in parameters: ``.grad`` and user hooks stay untouched).
+           A use of a parameter outside the forward of the module that owns it (``module.weight`` read directly by a
+           parent, a functional call) would escape clipping.
 
         Raises :class:`UnsupportedLayerError` naming the layer and the cause.
         """
@@ -434,10 +435,26 @@ class ClippingEngine:
             raise UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
                                         + "\n  ".join(problems))
 
+    @contextlib.contextmanager
+    def _stand_ins(self) -> Iterator[dict[str, nn.Parameter]]:
+        """Every trainable parameter replaced, where it is registered, by a fresh ``nn.Parameter`` on the same storage
+        (tied parameters by one stand-in): autograd's reference gradient lands on the stand-ins, so the real
+        parameters' ``.grad`` and any hooks the user registered on them are never touched."""
+        stand_in = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in self.params.values()}
+        swapped = []
+        for module in self.model.modules():
+            for k, p in list(module._parameters.items()):
+                if p is not None and id(p) in stand_in:
+                    swapped.append((module, k, p))
+                    module._parameters[k] = stand_in[id(p)]
+        try:
+            yield {n: stand_in[id(p)] for n, p in self.params.items()}
+        finally:
+            for module, k, p in swapped:
+                module._parameters[k] = p
+
     def _check_against_autograd(self, run_losses: Callable[[slice], torch.Tensor], n: int, rtol: float) -> None:
-        for p in self.params.values():
-            p.grad = None
-        with self.record(n, freeze=False):
+        with self.record(n):
             losses = run_losses(slice(0, n))
             if losses.requires_grad:
                 losses.sum().backward()
@@ -445,9 +462,13 @@ class ClippingEngine:
         self.accumulate_clipped(torch.ones(n, dtype=torch.float64, device=losses.device))
         hooked = self.summed_grads
         self.summed_grads = {}
+        with self._stand_ins() as stand_ins:
+            losses = run_losses(slice(0, n))
+            if losses.requires_grad:
+                losses.sum().backward()
         escaped = []
         for name, p in self.params.items():
-            ref, mine = p.grad, hooked.get(name)
+            ref, mine = stand_ins[name].grad, hooked.get(name)
             if ref is None and mine is None:
                 continue
             ref = torch.zeros_like(p) if ref is None else ref
