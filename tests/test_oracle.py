@@ -131,23 +131,9 @@ def test_seq2seq_t5_matches_oracle(tmp_path):
 
     torch.manual_seed(8)
     model = tiny_t5()
-    # T5's relative attention bias is looked up with (T, T) ids that have no batch axis: hf_dp refuses it (see
-    # test_t5_relative_bias_is_refused), so it is frozen here. The shared embedding is used three times.
-    for name, p in model.named_parameters():
-        if "relative_attention_bias" in name:
-            p.requires_grad_(False)
+    # The shared embedding is used three times; the relative attention bias (computed once per batch and broadcast)
+    # is made per example where it is broadcast (engine: _broadcast_point; more in test_coverage.py).
     check_update(model, seq2seq_dataset(6), tmp_path, per_device=2, ga=3)
-
-
-def test_t5_relative_bias_is_refused(tmp_path):
-    from helpers import seq2seq_dataset, tiny_t5
-
-    from hf_dp import UnsupportedLayerError
-
-    torch.manual_seed(8)
-    trainer = DPTrainer(model=tiny_t5(), args=dp_args(tmp_path, 2, 3, 1.0), train_dataset=seq2seq_dataset(6))
-    with pytest.raises(UnsupportedLayerError, match="relative_attention_bias"):
-        trainer.train()
 
 
 def test_bf16_autocast_close_to_float64_oracle(tmp_path):

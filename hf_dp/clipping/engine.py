@@ -497,7 +497,7 @@ class ClippingEngine:
         (they get clipping factor 0 in training)."""
         saved = self._saved_state()
         try:
-            with self.record(batch_size, freeze=False):
+            with self.record(batch_size):
                 losses = run_losses(slice(0, batch_size))
                 if losses.requires_grad:
                     losses.sum().backward()
