@@ -188,6 +188,26 @@ def test_t5_relative_attention_bias_is_exact(tmp_path, ga):
     assert any("relative_attention_bias" in n for n in trainer.clipping_engine.params)
 
 
+def test_qwen2_moe_router_and_shared_expert_gate_on_flattened_tokens_are_exact(tmp_path):
+    """Qwen2-MoE flattens the tokens to (B·T, d) before its router and `shared_expert_gate`: the Linear is reshaped
+    per example, the router (no rule) is re-run on each example's T rows. (Experts: another helper's rule.)"""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(6)
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                         shared_expert_intermediate_size=12, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0,
+                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=False, use_cache=False)
+    cfg._experts_implementation = "eager"  # (grouped_mm has no float64 kernel)
+    model = Qwen2MoeForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.requires_grad_(False)
+    trainer = check_exact(model, token_rows(4), tmp_path, ga=2)
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert_gate.weight"} <= set(
+        trainer.clipping_engine.params)
+
+
 def test_flattened_tokens_are_reshaped_per_example():
     """A Linear fed the micro-batch's tokens flattened to (B·T, d) (MoE style), example-major: exact per example."""
 

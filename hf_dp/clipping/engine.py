@@ -152,6 +152,19 @@ def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
     return any(m is module for m in ancestor.modules())
 
 
+def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
+    """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
+    ``"flat"`` (``k > 1`` rows per example, example-major) or ``None`` (shared by the batch)."""
+    if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
+        return None
+    if one.shape[0] == 1:
+        return "batch"
+    head = big[:one.shape[0]]
+    same = torch.allclose(head.double(), one.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
+        else torch.equal(head, one)
+    return "flat" if same else None
+
+
 def _no_uses(*_args) -> list[Use]:  # the fallback's uses come from its own hook (fallback.py)
     return []
 
@@ -400,7 +413,7 @@ class ClippingEngine:
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             if key[0] in self._fallbacks:
-                self._mapped[key] = [d2 == big and d1 == 1 for d2, d1 in zip(two, one)]
+                self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
@@ -715,7 +728,7 @@ class ClippingEngine:
             key = self._next_call(mod)
             if self._probe is not None:
                 leaves, _ = tree_flatten((args, kwargs))
-                self._probe[key] = [x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else None
                                     for x in leaves]
                 return None
             if not torch.is_grad_enabled():
@@ -747,7 +760,7 @@ class ClippingEngine:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass.")
                 a, k = box.pop()
                 with self._replay():
-                    per = fb.per_example_grads(a, k, list(grads), likes, mapped)
+                    per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
                 uses = [Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 

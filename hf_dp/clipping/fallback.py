@@ -11,12 +11,13 @@ Opacus' ``functorch`` grad sampler). Cost: one extra forward and backward of the
 ``"ones"`` with ``right`` of shape ``(B, 1, numel)``, so the engine's norms, clipped sums and groups apply unchanged).
 
 Which inputs are per example: tensors whose first axis the engine proved to scale with the micro-batch (see
-``ClippingEngine.first_step_check``), otherwise those whose first axis equals the micro-batch size; the others are
-shared by all examples. Submodules keep their own rules: their parameters are constants here (a parameter the module
-shares with a submodule is replaced only as the module's own attribute), and the engine's hooks are silenced during
-the re-run. Before first use the module is verified on real activations: the per-example re-run
-must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the batch) is
-refused instead of being clipped with a wrong gradient.
+``ClippingEngine.first_step_check``; an input holding the examples' tokens flattened to ``(B·T, d)`` example-major,
+as MoE routers get, is split into each example's ``T`` rows), otherwise those whose first axis equals the micro-batch
+size; the others are shared by all examples. Submodules keep their own rules: their parameters are constants here
+(a parameter the module shares with a submodule is replaced only as the module's own attribute), and the engine's
+hooks are silenced during the re-run. Before first use the module is verified on real activations: the per-example
+re-run must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the
+batch) is refused instead of being clipped with a wrong gradient.
 """
 
 from __future__ import annotations
@@ -52,38 +53,54 @@ class Fallback:
     def _params(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self.module, n).detach() for n in self.param_names}
 
-    def _runner(self, args: tuple, kwargs: dict, mapped: list[bool]):
-        """``f(params, per-example leaves) -> float outputs of the module on that one example``."""
+    def _runner(self, args: tuple, kwargs: dict, mapped: list[str | None], batch_size: int):
+        """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
+        leaves stacked on a leading batch axis (``"flat"`` leaves: ``(B·k, ...)`` viewed as ``(B, k, ...)``)."""
         leaves, spec = tree_flatten((args, kwargs))
         idx = [i for i, m in enumerate(mapped) if m]
+        flat = "flat" in mapped
 
         def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
             full = list(leaves)
             for i, x in zip(idx, per_example):
-                full[i] = x.unsqueeze(0)  # a batch of one
+                full[i] = x if mapped[i] == "flat" else x.unsqueeze(0)  # one example's rows / a batch of one
             a, k = tree_unflatten(full, spec)
             # tie_weights=False: only this module's own attribute is replaced, so a parameter it shares with a
             # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
             # the submodule's own hooks count its use.
             out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
-            return tuple(t.squeeze(0) for t in float_outputs(out))
+            return tuple(t if flat else t.squeeze(0) for t in float_outputs(out))
 
-        return run, tuple(leaves[i] for i in idx)
+        stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
+                        for i in idx)
+        return run, stacked
 
     @staticmethod
-    def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[bool] | None = None) -> list[bool]:
-        """Which leaves of ``(args, kwargs)`` carry the batch axis (``known``: proven by the engine's probe)."""
+    def per_example_outputs(outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
+        """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs)."""
+        if "flat" in mapped:
+            return [t.reshape(batch_size, -1, *t.shape[1:]) for t in outs]
+        return outs
+
+    @staticmethod
+    def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | None] | None = None) -> list:
+        """Which leaves of ``(args, kwargs)`` carry the batch axis: ``"batch"`` (first axis B), ``"flat"`` (the
+        examples' rows flattened example-major, proven by the engine's probe) or ``None`` (shared)."""
         leaves, _ = tree_flatten((args, kwargs))
-        guess = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size for x in leaves]
+        guess = ["batch" if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
+                 for x in leaves]
         if known is not None and len(known) == len(leaves):
-            return [k and g for k, g in zip(known, guess)]
+            return [k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None)
+                    for k, g, x in zip(known, guess, leaves)]
         return guess
 
-    def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: list[bool]) -> None:
+    def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: list[str | None]) -> None:
         """Refuse (``UnsupportedLayerError``) unless the per-example re-run reproduces the batched output."""
         outs = float_outputs(output)
         cls = type(self.module).__name__
-        bad = [tuple(t.shape) for t in outs if t.dim() == 0 or t.shape[0] != batch_size]
+        rows = "flat" in mapped
+        bad = [tuple(t.shape) for t in outs
+               if t.dim() == 0 or (t.shape[0] % batch_size if rows else t.shape[0] != batch_size)]
         if bad:
             raise UnsupportedLayerError(
                 f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
@@ -99,7 +116,8 @@ class Fallback:
                 f"module, but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
                 "Set that dropout probability to 0, freeze the parameters, or use a PEFT adapter (LoRA)."
             )
-        run, per_example = self._runner(args, kwargs, mapped)
+        run, per_example = self._runner(args, kwargs, mapped, batch_size)
+        outs = self.per_example_outputs(outs, batch_size, mapped)
         try:
             with torch.no_grad():
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
@@ -122,10 +140,11 @@ class Fallback:
                 )
 
     def per_example_grads(self, args: tuple, kwargs: dict, grads: list[torch.Tensor | None], outputs_like:
-                          list[torch.Tensor], mapped: list[bool]) -> dict[str, torch.Tensor]:
+                          list[torch.Tensor], mapped: list[str | None], batch_size: int) -> dict[str, torch.Tensor]:
         """``{param: (B, numel)}``: ``G_i = (∂y_i/∂θ)ᵀ g_i`` for every example, by ``vmap(vjp)``."""
-        run, per_example = self._runner(args, kwargs, mapped)
+        run, per_example = self._runner(args, kwargs, mapped, batch_size)
         grads = tuple(torch.zeros_like(o) if g is None else g.to(o.dtype) for g, o in zip(grads, outputs_like))
+        grads = tuple(self.per_example_outputs(list(grads), batch_size, mapped))
 
         def one(xs: tuple, gs: tuple) -> dict[str, torch.Tensor]:
             _, pull = vjp(lambda p: run(p, xs), self._params())
