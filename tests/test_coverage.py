@@ -417,3 +417,30 @@ def test_statically_refused_parameters():
     model.register_parameter("scale", nn.Parameter(torch.ones(())))
     with pytest.raises(UnsupportedLayerError, match=r"scale \(Toy: parameters of the model itself"):
         ClippingEngine(model)
+
+
+def test_per_layer_clipping_with_broadcast_bias(tmp_path):
+    """Clipping fused into the backward pass (per layer): fallback modules and the T5 broadcast point keep the
+    groups. pending counts right. Oracle: each group's slice of each example's gradient clipped to C_k."""
+    torch.manual_seed(7)
+    model = tiny_t5().double()
+    model.shared.requires_grad_(False)  # keep the test small: the relative biases and the attention/FF layers
+    rows = token_rows(4, seq_len=4)
+    grads = oracle_grads(model, rows)
+    args = dp_args(tmp_path, 2, 0.05, ga=2, clipping="per_layer")
+    trainer = DPTrainer(model=model, args=args, train_dataset=rows)
+    groups = trainer.group_clipper.groups
+    thresholds = trainer.group_clipper.thresholds.tolist()
+    expected = {n: torch.zeros_like(g) for n, g in grads[0].items()}
+    for d in grads:
+        for group, c_k in zip(groups, thresholds):
+            norm = float(torch.sqrt(sum(d[n].pow(2).sum() for n in group.params)))
+            for n in group.params:
+                expected[n] += min(1.0, c_k / (norm + 1e-6)) * d[n]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    scale = max(float(t.abs().max()) for t in expected.values()) / 4
+    for n, p in model.named_parameters():
+        target = expected[n] / 4 if n in expected else torch.zeros_like(p)
+        torch.testing.assert_close(before[n] - p.detach(), target, rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m, n=n: f"{n}: {m}")
