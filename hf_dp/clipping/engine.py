@@ -408,7 +408,7 @@ class ClippingEngine:
         problems = []
         for key, two in seen[big].items():
             one = seen[1].get(key)
-            if one is None:
+            if one is None or two is None:
                 continue
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
