@@ -165,6 +165,22 @@ def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> 
     return "flat" if same else None
 
 
+def _later_batch_axis(big: torch.Tensor, one: torch.Tensor, b: int) -> int | None:
+    """The axis ``j > 0`` that holds the examples (size ``b`` for ``b`` examples, 1 for the first alone, the first
+    example's slice unchanged), when the first axis does not scale (sequence-first layouts); else ``None``."""
+    if big.dim() != one.dim() or big.dim() < 2 or big.shape[0] != one.shape[0] or b == 1:
+        return None
+    last = big.dim() - 1 if big.is_floating_point() else big.dim()  # a float input's last axis is its features
+    axes = [j for j in range(1, last) if big.shape[j] == b and one.shape[j] == 1
+            and all(big.shape[k] == one.shape[k] for k in range(big.dim()) if k != j)]
+    if len(axes) != 1:
+        return None
+    head, first = big.select(axes[0], 0), one.select(axes[0], 0)
+    same = torch.allclose(head.double(), first.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
+        else torch.equal(head, first)
+    return axes[0] if same else None
+
+
 def _no_uses(*_args) -> list[Use]:  # the fallback's uses come from its own hook (fallback.py)
     return []
 
@@ -266,7 +282,8 @@ class ClippingEngine:
         self._batch_size: int | None = None
         self._calls: dict[int, int] = {}
         self._replaying = False
-        #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major (proven by
+        #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major, or the index
+        #: of a later batch axis (sequence-first inputs), as proven by
         #: first_step_check); per fallback call: which input leaves carry the batch axis
         self._layout: dict[tuple[int, int], str] = {}
         self._mapped: dict[tuple[int, int], list[bool]] = {}
@@ -414,6 +431,10 @@ class ClippingEngine:
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             if key[0] in self._fallbacks:
                 self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                continue
+            axis = _later_batch_axis(two, one, big)
+            if axis:
+                self._layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
                 continue
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
@@ -616,15 +637,20 @@ class ClippingEngine:
                 return None
             inp = inp.detach()
             b = self._batch_size
-            flat = self._layout.get(key) == "flat"
+            layout = self._layout.get(key)
+            flat = layout == "flat"
+            axis = layout if isinstance(layout, int) else 0
             if flat:
                 if inp.shape[0] % b:
                     raise UnsupportedLayerError(
                         f"{name}: its input has {inp.shape[0]} rows, not a multiple of the micro-batch size {b}, "
                         "although the first step proved it holds the examples' tokens flattened (B·T rows).")
                 inp = inp.reshape(b, -1, *inp.shape[1:])
+            elif axis:
+                inp = inp.movedim(axis, 0)  # the batch axis proven at the first step comes first for the rule
             if rule.verify is not None and id(module) not in self._verified:
-                rule.verify(module, name, inp, output if not flat else output.reshape(b, -1, *output.shape[1:]))
+                seen = output.reshape(b, -1, *output.shape[1:]) if flat else output.movedim(axis, 0)
+                rule.verify(module, name, inp, seen)
                 self._verified.add(id(module))
             if not output.requires_grad:
                 # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
@@ -646,6 +672,8 @@ class ClippingEngine:
                 grad = grad.detach()
                 if flat:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
+                elif axis:
+                    grad = grad.movedim(axis, 0)
                 uses = [u for u in rule.uses(module, name, box.pop(), None, grad) if id(u.param) in self._names]
                 self._add_uses(name, uses)
 
