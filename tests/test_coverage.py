@@ -241,6 +241,36 @@ def test_flattened_tokens_are_reshaped_per_example():
         torch.testing.assert_close(norms[i], expected)
 
 
+def test_sequence_first_input_is_exact_per_example():
+    """A Linear applied to (T, B, d) (Longformer's sequence-first projections): the batch axis is proven at the first
+    step and moved first for the rule, whatever T and B."""
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(x.transpose(0, 1)).transpose(0, 1)
+
+    torch.manual_seed(8)
+    model = SeqFirst().double()
+    x = torch.randn(3, 3, 3, dtype=torch.float64)  # T == B: a size check could not tell the axes apart
+    engine = ClippingEngine(model)
+
+    def run(sl):
+        return model(x[sl]).pow(2).sum((1, 2))
+
+    engine.first_step_check(run, 3)
+    with engine.record(3):
+        run(slice(0, 3)).sum().backward()
+    norms = sum(engine.per_example_norms_sq().values())
+    for i in range(3):
+        model.zero_grad()
+        run(slice(i, i + 1)).sum().backward()
+        torch.testing.assert_close(norms[i], sum(p.grad.pow(2).sum() for p in model.parameters()))
+
+
 def test_tiny_index_table_is_instantiated_not_ghost_normed():
     from hf_dp.clipping.engine import use_ghost_norm
     from hf_dp.clipping.layers import Use
@@ -302,8 +332,8 @@ class ReadsChildWeight(nn.Module):
 
 def test_use_outside_the_owning_forward_is_refused_without_self_check(tmp_path):
     """The hooks-vs-autograd comparison is always on: dp_self_check=False does not turn it off."""
-    with pytest.raises(UnsupportedLayerError, match=r"body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
-                                                    r"|outside the forward"):
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
+                                                    r"a use outside the forward of the module that owns them"):
         train_toy(ReadsChildWeight(), tmp_path, dp_self_check=False)
 
 
