@@ -351,7 +351,7 @@ class DPTrainer(Trainer):
         except ImportError:  # pragma: no cover
             pass
         seed = self._shared_seed()
-        self._noise = NoiseGenerator(seed)
+        self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
         common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
         if self.user_level:
