@@ -717,6 +717,8 @@ class DPTrainer(Trainer):
             "dp_guarantee": self.dp_guarantee,
             "noise_allocation": self.noise_allocation if self.group_clipper is not None else None,
             "group_clipping": self.group_clipper.state_dict() if self.group_clipper is not None else None,
+            "secure_mode": self.args.secure_mode,  # noise.py: fresh OS entropy per step, 4-draw Gaussian
+            "eval_data_is_public": self.args.eval_data_is_public,  # release.py / cards.py: eval results published
         }
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
