@@ -771,7 +771,8 @@ class DPTrainer(Trainer):
 
         checkpoint_folder = str(args[0] if args else kwargs.pop("checkpoint_folder"))
         args = args[1:]
-        idle = self.push_in_progress is None or self.push_in_progress.is_done()
+        pushing = getattr(self, "push_in_progress", None)  # set by init_hf_repo on the main process only
+        idle = pushing is None or pushing.is_done()
         will_push = (self.is_world_process_zero() and self.args.hub_strategy != HubStrategy.END
                      and (self.args.hub_always_push or idle))
         if not will_push:
@@ -809,7 +810,8 @@ class DPTrainer(Trainer):
         if self.is_world_process_zero() and os.path.isdir(self.args.output_dir):
             redact_output_dir(self.args.output_dir, self.args.eval_data_is_public)
         result = super().push_to_hub(*args, **kwargs)
-        if self.push_in_progress is None or self.push_in_progress.is_done():
+        pushing = getattr(self, "push_in_progress", None)
+        if self.is_world_process_zero() and (pushing is None or pushing.is_done()):
             shutil.rmtree(os.path.join(self.args.output_dir, STAGING_DIR), ignore_errors=True)
         return result
 
