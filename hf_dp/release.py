@@ -61,8 +61,9 @@ PRIVATE_DIR = "_hf_dp_private"
 
 PUBLIC_KEYS = frozenset({"step", "epoch", "learning_rate", "epsilon", "delta"})
 """``log_history`` keys kept in every pushed record: public settings, the schedule, and the privacy spent."""
-PUBLIC_PREFIXES = ("epsilon", "delta", "clip_threshold", "clipped_fraction", "dp/")
-"""Prefixes of kept keys: ε/δ variants, hf_dp's privatized clipping statistics (noised in the DP step), ``dp/*``."""
+PUBLIC_PREFIXES = ("epsilon", "delta", "clip_threshold", "clipped_fraction", "dp_", "dp/")
+"""Prefixes of kept keys: ε/δ variants, hf_dp's privatized clipping statistics (noised in the DP step), and the
+privacy budget block (``dp_*``: settings and the privacy spent)."""
 _EVAL_PREFIX = "eval_"
 _ZEROED = ("total_flos", "num_input_tokens_seen")
 
