@@ -73,6 +73,9 @@ BLOCK_END = "<!-- hf_dp:end -->"
 
 _OWNED_KEYS = ("differential_privacy", "synthetic_data", "audit")
 """Metadata that hf_dp writes and replaces on every save (never carried over from an older card)."""
+_RENDERED_KEYS = ("model-index", "model_name")
+"""Metadata an hf_dp card re-renders from the run (never carried over from an older hf_dp card: stale evaluation
+results, e.g. of a run that declared its evaluation data public, must not survive into this one's card)."""
 
 CARD_TAGS: tuple[str, ...] = ("differential-privacy", "hf_dp")
 """Tags on every hf_dp card, besides ``dp-sgd`` or ``dp-adam``."""
@@ -857,7 +860,8 @@ def _carry_over(existing: RepoCard, ours: RepoCard) -> RepoCard:
     old = existing.data.to_dict()
     changed = False
     for key, value in old.items():
-        if key not in _OWNED_KEYS and data.get(key) in (None, "", []) and value not in (None, "", []):
+        if key not in (*_OWNED_KEYS, *_RENDERED_KEYS) and data.get(key) in (None, "", []) and \
+                value not in (None, "", []):
             data[key] = value
             changed = True
     tags = _merge_tags(data.get("tags"), old.get("tags"))

@@ -503,3 +503,10 @@ def test_evaluation_results_stay_out_of_the_card_without_the_flag(tmp_path):
     assert card.data.eval_results is None and "model-index" not in text and "Evaluation results" not in text
     assert "evaluation_results" not in privacy_report(out)
     assert f"{metrics['eval_loss']:.4f}" not in text
+    trainer.args.eval_data_is_public = True  # a card with model-index in output_dir, then a run without the flag
+    create_model_card(trainer)
+    assert "model-index" in (out / "README.md").read_text()
+    trainer.args.eval_data_is_public = False
+    create_model_card(trainer)
+    assert "model-index" not in (out / "README.md").read_text()  # not carried over from the older card
+    assert ModelCard.load(out / "README.md").data.model_name == "private"

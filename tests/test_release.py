@@ -169,3 +169,22 @@ def test_staged_copy_does_not_touch_the_checkpoint(tmp_path):
     assert json.loads((ckpt / "trainer_state.json").read_text())["total_flos"] == 7.0  # the hard link was cut
     assert (staged / "model.safetensors").read_bytes() == b"weights"
     assert os.path.samefile(staged / "model.safetensors", ckpt / "model.safetensors")  # no copy of the weights
+
+
+def test_a_pushed_checkpoint_still_resumes(tmp_path):
+    """What the Hub holds under last-checkpoint/ (the redacted copy) resumes training with the accountant's history."""
+    import shutil
+
+    uploads: list = []
+    out = tmp_path / "run"
+    with mock.patch.object(HfApi, "create_repo", return_value=SimpleNamespace(repo_id="me/ckpt")), \
+            mock.patch.object(HfApi, "upload_folder", autospec=True, side_effect=_record(uploads)):
+        trainer = _make(out, save_strategy="steps", save_steps=2, push_to_hub=True, hub_model_id="me/ckpt",
+                        hub_strategy="checkpoint")
+        trainer.train()
+    downloaded = tmp_path / "downloaded" / "checkpoint-2"
+    shutil.copytree(out / STAGING_DIR / "checkpoint-2", downloaded)  # = the files uploaded as last-checkpoint/
+    assert _assert_redacted((downloaded / "trainer_state.json").read_text())["global_step"] == 2
+    resumed = _make(tmp_path / "resumed", max_steps=3)
+    resumed.train(resume_from_checkpoint=str(downloaded))
+    assert resumed.state.global_step == 3 and resumed.accountant.steps == 3
