@@ -510,7 +510,7 @@ def _accountant_phrase(dp: Mapping[str, Any]) -> str:
         phrase = f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
     elif used.startswith("pld"):
         phrase = ("PLD accountant (privacy loss distributions with a pessimistic discretisation, Google's "
-                  "dp-accounting; an upper bound)")
+                  f"dp-accounting {_version('dp-accounting') or ''}".rstrip() + "; an upper bound)")
     elif used.startswith("rdp"):
         phrase = "RDP accountant (Mironov 2017; a looser upper bound)"
     else:
