@@ -689,7 +689,7 @@ def _eval_results(trainer: Any, task: str, dataset_label: str | None, dataset_id
             latest = record
     if latest is None:
         return []
-    name = eval_dataset_name or dataset_label or "evaluation set"
+    name = eval_dataset_name or (f"{dataset_label}, evaluation split" if dataset_label else "evaluation set")
     kind = eval_dataset_type or dataset_id or name
     out = []
     for key, value in latest.items():
@@ -739,6 +739,10 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         **kwargs: ``ModelCardData`` fields (``license``, ``language``, ``base_model``, ``pipeline_tag``, ...) and the
             names ``Trainer.create_model_card`` uses: ``finetuned_from`` (→ ``base_model``), ``dataset`` (→
             ``datasets``), ``tasks`` (→ ``pipeline_tag``), ``dataset_tags``/``dataset_args`` (ignored).
+            Evaluation results go into ``model-index`` only when ``args.eval_data_is_public`` (the latest ``eval_*``
+            metrics of ``trainer.state.log_history``, or ``eval_results=[EvalResult, ...]`` if given), named by
+            ``eval_dataset_name``, ``eval_dataset_type`` (a Hub id; default: the training ``datasets`` id) and
+            ``eval_dataset_split``; without the flag they are left out (results on private data are not covered).
     """
     dp = privacy_metadata(trainer)
     model = _unwrap(trainer)
