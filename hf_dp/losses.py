@@ -45,16 +45,29 @@ def _mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return per_token.sum(1) / counts.clamp(min=1)
 
 
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+
+
 def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The logits of the labelled positions: prompt-learning adapters (PEFT prompt tuning) prepend virtual tokens,
-    whose logits come first and have no labels (PEFT itself pads their labels with -100)."""
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    """The logits of the labelled positions, for unshifted token losses: prompt-learning adapters (PEFT prompt
+    tuning, P-tuning) prepend virtual tokens, whose logits come first and have no labels."""
+    logits = _logits(outputs)
     return logits[:, logits.shape[1] - labels.shape[1]:] if logits.shape[1] > labels.shape[1] else logits
 
 
 def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally)."""
-    logits = _token_logits(outputs, labels)
+    """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally).
+
+    Under prompt learning (PEFT prompt tuning / P-tuning) the logits also cover the ``n`` virtual tokens prepended to
+    the input. PEFT pads the labels with ``n`` times -100 on the left before the model's shift
+    (``PeftModelForCausalLM.forward``), so the last virtual token's logits predict the first real token: that target
+    is part of the objective PEFT and the plain ``Trainer`` train, and it is kept here.
+    """
+    logits = _logits(outputs)
+    virtual = logits.shape[1] - labels.shape[1]
+    if virtual > 0:
+        labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
     # Shift the labels, not the logits (as HF's ForCausalLMLoss does): slicing (B, T, V) logits would copy them.
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return _mean_token_loss(logits, shifted)
