@@ -24,6 +24,7 @@ __all__ = [
     "token_loss",
     "sequence_classification_loss",
     "default_per_example_loss",
+    "decoder_input_ids_from_labels",
 ]
 
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -112,6 +113,36 @@ def _class_names(mapping: Any) -> set[str]:
 def _base_model(model: nn.Module) -> nn.Module:
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor | None:
+    """The decoder inputs an encoder-decoder model's own forward builds from ``labels`` (teacher forcing).
+
+    Mirrors the model exactly, by the model's own code: ``prepare_decoder_input_ids_from_labels`` where the model
+    has it (BART, mBART, T5, Marian, Pegasus, ...), else its ``_shift_right`` (T5 family), else the
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` of the model's own module, which is what
+    M2M100 / NLLB / Blenderbot(Small) call in ``forward``. ``None`` if none exists: the caller then passes
+    ``labels=`` and lets the model build them (the model then also computes its batch loss, which is discarded).
+    """
+    import inspect
+    import sys
+
+    base = _base_model(model)
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    shift = getattr(base, "_shift_right", None)
+    if callable(shift):
+        return shift(labels)
+    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
+    config = getattr(base, "config", None)
+    if callable(shift) and config is not None:
+        params = list(inspect.signature(shift).parameters)
+        if params[1:] == ["pad_token_id", "decoder_start_token_id"]:
+            return shift(labels, config.pad_token_id, config.decoder_start_token_id)
+        if params[1:] == ["pad_token_id"]:
+            return shift(labels, config.pad_token_id)
+    return None
 
 
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
