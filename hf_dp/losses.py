@@ -23,8 +23,11 @@ __all__ = [
     "causal_lm_loss",
     "token_loss",
     "sequence_classification_loss",
+    "cross_entropy_classification_loss",
+    "question_answering_loss",
     "default_per_example_loss",
     "decoder_input_ids_from_labels",
+    "is_seq2seq_lm",
 ]
 
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -79,28 +82,66 @@ def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     return _mean_token_loss(_token_logits(outputs, labels), labels)
 
 
-def sequence_classification_loss(problem_type: str | None = None, num_labels: int | None = None) -> PerExampleLoss:
-    """Per-example loss of HF ``*ForSequenceClassification`` heads, following ``config.problem_type``."""
+def _problem_type(config: Any, problem_type: str | None, num_labels: int | None, labels: torch.Tensor) -> str:
+    """``config.problem_type`` as HF's ``ForSequenceClassificationLoss`` resolves it (read at call time)."""
+    if config is not None:
+        problem_type, num_labels = getattr(config, "problem_type", None), getattr(config, "num_labels", None)
+    if problem_type is not None:
+        return problem_type
+    if num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def sequence_classification_loss(problem_type: str | None = None, num_labels: int | None = None,
+                                 config: Any = None) -> PerExampleLoss:
+    """Per-example loss of HF classification heads that follow ``config.problem_type`` (``*ForSequenceClassification``,
+    ``*ForImageClassification``, ``*ForVideoClassification``, AST): HF's ``ForSequenceClassificationLoss`` on a batch
+    of one. Regression: squared error (mean over the labels if ``num_labels > 1``); single-label: cross-entropy;
+    multi-label: binary cross-entropy averaged over the labels. With ``config``, its ``problem_type`` and
+    ``num_labels`` are read at each call (HF sets ``problem_type`` on its first loss)."""
 
     def loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-        kind = problem_type
-        if kind is None:
-            if num_labels == 1:
-                kind = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                kind = "single_label_classification"
-            else:
-                kind = "multi_label_classification"
+        logits = _upcast(_logits(outputs))
+        kind = _problem_type(config, problem_type, num_labels, labels)
         if kind == "regression":
-            err = (_upcast(logits).squeeze(-1) - labels.to(_upcast(logits).dtype).squeeze(-1)) ** 2
+            err = (logits.squeeze(-1) - labels.to(logits.dtype).squeeze(-1)) ** 2
             return err.reshape(err.shape[0], -1).mean(1)
         if kind == "single_label_classification":
-            return F.cross_entropy(_upcast(logits).view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
-        bce = F.binary_cross_entropy_with_logits(_upcast(logits), labels.to(_upcast(logits).dtype), reduction="none")
-        return bce.reshape(bce.shape[0], -1).mean(1)
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+        if kind == "multi_label_classification":
+            bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+            return bce.reshape(bce.shape[0], -1).mean(1)
+        raise ValueError(f"Invalid config.problem_type {kind!r} (transformers raises on it too).")
 
     return loss
+
+
+def cross_entropy_classification_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Per-example cross-entropy over classes, whatever ``config.problem_type`` says: the loss of the speech
+    classification heads (Wav2Vec2/HuBERT/WavLM/... ``ForSequenceClassification``, ``WhisperForAudioClassification``),
+    whose ``forward`` applies ``CrossEntropyLoss`` unconditionally."""
+    logits = _upcast(_logits(outputs))
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+
+
+def question_answering_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Per-example extractive-QA loss, HF's ``ForQuestionAnsweringLoss`` on a batch of one: the mean of the
+    start- and end-position cross-entropies. ``labels`` is ``(B, 2)``: ``[start_position, end_position]`` per example.
+    Positions outside the sequence are clamped to ``T`` and ignored, as HF does (such a term contributes 0 here; HF's
+    mean over no term would be NaN)."""
+    start_logits, end_logits = (_upcast(outputs[k] if isinstance(outputs, dict) else getattr(outputs, k))
+                                for k in ("start_logits", "end_logits"))
+    if labels.dim() != 2 or labels.shape[1] != 2:
+        raise ValueError(f"question_answering_loss needs labels of shape (batch, 2) = [start, end], got "
+                         f"{tuple(labels.shape)}.")
+    ignored = start_logits.shape[1]
+    positions = labels.clamp(0, ignored)
+    start = F.cross_entropy(start_logits, positions[:, 0], ignore_index=ignored, reduction="none")
+    end = F.cross_entropy(end_logits, positions[:, 1], ignore_index=ignored, reduction="none")
+    return (start + end) / 2
 
 
 def _class_names(mapping: Any) -> set[str]:
@@ -145,32 +186,94 @@ def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> tor
     return None
 
 
+def _names(*kinds: str) -> set[str]:
+    names: set[str] = set()
+    for kind in kinds:
+        names |= _class_names(getattr(auto, f"MODEL_FOR_{kind}_MAPPING_NAMES", {}))
+    return names
+
+
+def _follows_problem_type(cls: type) -> bool:
+    """Whether a classification head's ``forward`` picks its loss by ``config.problem_type`` (directly or through
+    ``self.loss_function``) rather than applying cross-entropy unconditionally."""
+    import inspect
+
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # pragma: no cover - no source: assume the common HF behaviour
+        return True
+    return "problem_type" in source or "loss_function" in source
+
+
+def is_seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder LM trained by teacher forcing on ``labels`` (BART, T5, Marian, M2M100, Whisper, ...)."""
+    base = _base_model(model)
+    cls = type(base).__name__
+    if not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return False
+    return cls in _names("SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ") or cls.endswith("ForConditionalGeneration")
+
+
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
-    """Choose the per-example loss for a model by its head, as transformers' auto classes know it.
+    """Choose the per-example loss for a model by its head, as transformers' auto classes know it: the model's own
+    loss on a batch of one (what the plain ``Trainer`` trains for that example).
 
     Returns ``(loss_fn, task)`` with ``task`` in ``{"causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification",
-    "token_classification"}``. Raises ``ValueError`` for other heads: pass ``per_example_loss=`` to ``DPTrainer``.
+    "token_classification", "image_classification", "video_classification", "audio_classification"}``. Raises
+    ``ValueError`` for other heads, saying what to pass as ``per_example_loss=``.
     """
     base = _base_model(model)
     cls = type(base).__name__
     config = getattr(base, "config", None)
-    if cls in _class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) or cls.endswith(("LMHeadModel", "ForCausalLM")):
+    if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
         return causal_lm_loss, "causal_lm"
-    seq2seq = _class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-    if cls in seq2seq or cls.endswith("ForConditionalGeneration"):
+    if is_seq2seq_lm(base):
         return token_loss, "seq2seq_lm"
-    if cls in _class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) or cls.endswith("ForMaskedLM"):
+    if cls in _names("IMAGE_TEXT_TO_TEXT", "VISION_2_SEQ") or cls.endswith("ForConditionalGeneration"):
+        # Decoder-only multimodal LMs (Llava, PaliGemma, Qwen-VL, ...): HF's "ForConditionalGeneration" loss is
+        # ForCausalLMLoss (shifted next-token loss).
+        return causal_lm_loss, "causal_lm"
+    if cls in _names("MASKED_LM") or cls.endswith("ForMaskedLM"):
         return token_loss, "masked_lm"
-    if cls in _class_names(auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES) or cls.endswith("ForTokenClassification"):
+    if cls in _names("TOKEN_CLASSIFICATION") or cls.endswith("ForTokenClassification"):
         return token_loss, "token_classification"
-    if cls in _class_names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES) or cls.endswith(
-        "ForSequenceClassification"
-    ):
-        return (
-            sequence_classification_loss(getattr(config, "problem_type", None), getattr(config, "num_labels", None)),
-            "sequence_classification",
+    for kind, suffix in (("IMAGE", "ForImageClassification"), ("VIDEO", "ForVideoClassification"),
+                         ("AUDIO", "ForAudioClassification")):
+        if cls in _names(f"{kind}_CLASSIFICATION") or cls.endswith(suffix):
+            if "labels" not in _parameters(type(base).forward):
+                raise ValueError(
+                    f"{cls} computes no training loss (its forward takes no `labels`; e.g. the distillation heads "
+                    "'...WithTeacher' are for inference). Fine-tune the plain classification class instead, or pass "
+                    "`per_example_loss=fn` to DPTrainer, fn(outputs, labels) -> one loss per example, shape (batch,)."
+                )
+            if _follows_problem_type(type(base)):
+                return sequence_classification_loss(config=config), f"{kind.lower()}_classification"
+            return cross_entropy_classification_loss, f"{kind.lower()}_classification"
+    if cls in _names("SEQUENCE_CLASSIFICATION") or cls.endswith("ForSequenceClassification"):
+        return sequence_classification_loss(config=config), "sequence_classification"
+    if cls in _names("QUESTION_ANSWERING") or cls.endswith("ForQuestionAnswering"):
+        raise ValueError(
+            f"{cls} takes its targets as two columns (start_positions, end_positions), and DPTrainer needs one "
+            "`labels` tensor per batch. Give each example `labels = [start_position, end_position]`, e.g. "
+            "`train = train.map(lambda ex: {'labels': [ex['start_positions'], ex['end_positions']]}, "
+            "remove_columns=['start_positions', 'end_positions'])`, keep that column with "
+            "`DPTrainingArguments(..., label_names=['labels'])`, and pass "
+            "`per_example_loss=hf_dp.losses.question_answering_loss` (HF's start/end loss, per example)."
         )
     raise ValueError(
         f"hf_dp has no default per-example loss for {cls}. Pass `per_example_loss=fn` to DPTrainer, where "
-        "fn(outputs, labels) returns one loss per example (shape [batch]) that depends on that example only."
+        "`fn(outputs, labels)` takes the model's output on a batch (without `labels`) and the batch's `labels`, and "
+        "returns a tensor of shape (batch,): each example's own loss, depending on that example only (a mean over "
+        "the batch would not bound one example's contribution). hf_dp.losses has causal_lm_loss, token_loss, "
+        "sequence_classification_loss(config=model.config), cross_entropy_classification_loss and "
+        "question_answering_loss."
     )
+
+
+def _parameters(fn: Callable) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover
+        return set()
