@@ -251,6 +251,13 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             return cross_entropy_classification_loss, f"{kind.lower()}_classification"
     if cls in _names("SEQUENCE_CLASSIFICATION") or cls.endswith("ForSequenceClassification"):
         return sequence_classification_loss(config=config), "sequence_classification"
+    if cls in _names("MULTIPLE_CHOICE") or cls.endswith("ForMultipleChoice"):
+        raise ValueError(
+            f"{cls} folds the choices into the batch dimension (batch x num_choices rows reach every layer), so "
+            "the layers' per-row gradients are not per example and hf_dp cannot clip them per example; a custom "
+            "per_example_loss does not change this. Put all choices of an example in one sequence instead (a causal "
+            "LM scoring the answer, or a *ForSequenceClassification head over the concatenated choices)."
+        )
     if cls in _names("QUESTION_ANSWERING") or cls.endswith("ForQuestionAnswering"):
         raise ValueError(
             f"{cls} takes its targets as two columns (start_positions, end_positions), and DPTrainer needs one "

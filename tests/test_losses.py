@@ -17,6 +17,12 @@ import torch
 from datasets import Dataset
 from helpers import VOCAB, per_example_grads, seq2seq_dataset, single_example_loss, tiny_t5
 from test_oracle import check_update, dp_args
+from transformers import (
+    ViTConfig,
+    ViTForImageClassification,
+    Wav2Vec2Config,
+    Wav2Vec2ForSequenceClassification,
+)
 
 from hf_dp import DPTrainer
 
@@ -104,3 +110,178 @@ def test_seq2seq_without_a_shift_function_lets_the_model_build_decoder_inputs(tm
     batch = batch_of(seq2seq_dataset(3))
     labels = batch.pop("labels")
     assert "labels" in trainer._model_inputs(trainer.model, batch, labels)
+
+
+def test_custom_loss_on_seq2seq_still_gets_decoder_inputs_from_labels(tmp_path):
+    """With a custom per_example_loss, an encoder-decoder LM still gets its teacher-forcing decoder inputs (BART
+    would otherwise build them from input_ids, silently training another objective)."""
+    from hf_dp.losses import token_loss
+
+    torch.manual_seed(3)
+    trainer = check_losses(freeze_refused(SEQ2SEQ["bart"]()), seq2seq_dataset(3), tmp_path, per_example_loss=token_loss)
+    assert trainer.task == "custom"
+
+
+# ----------------------------------------------------------------------------------------------- vision / audio
+@pytest.fixture
+def float64_default():
+    """Float features (pixels, waveforms) become float64 tensors in the collator and the oracle."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def tiny_vit(num_labels: int = 3, problem_type: str | None = None):
+    cfg = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                    num_attention_heads=2, intermediate_size=24, num_labels=num_labels, problem_type=problem_type,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = ViTForImageClassification(cfg)
+    for name, p in model.named_parameters():  # conv patch embedding, cls_token, position_embeddings: other branches
+        if ".embeddings." in name:
+            p.requires_grad_(False)
+    return model
+
+
+def tiny_wav2vec2(num_labels: int = 3):
+    cfg = Wav2Vec2Config(vocab_size=10, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=24, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(8, 3),
+                         num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+                         hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                         final_dropout=0.0, layerdrop=0.0, num_labels=num_labels, classifier_proj_size=8)
+    model = Wav2Vec2ForSequenceClassification(cfg)
+    model.freeze_feature_encoder()  # conv feature encoder (GroupNorm); the positional conv: other branches
+    for p in model.wav2vec2.encoder.pos_conv_embed.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def image_dataset(n: int, labels: str, num_labels: int = 3, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)
+    if labels == "single":
+        y = torch.randint(0, num_labels, (n,), generator=g).tolist()
+    elif labels == "multi":
+        y = (torch.rand(n, num_labels, generator=g, dtype=torch.float64) < 0.5).double().tolist()
+    else:  # regression
+        y = torch.randn(n, num_labels, generator=g, dtype=torch.float64).squeeze(-1).tolist()
+    return Dataset.from_dict({"pixel_values": pixels.tolist(), "labels": y})
+
+
+VIT = {  # name: (model kwargs, label kind, num_labels)
+    "single_label": (dict(num_labels=3), "single", 3),
+    "multi_label": (dict(num_labels=3, problem_type="multi_label_classification"), "multi", 3),
+    "regression_one": (dict(num_labels=1), "regression", 1),  # HF: MSE when num_labels == 1
+    "regression_two": (dict(num_labels=2, problem_type="regression"), "regression", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(VIT))
+def test_image_classification_loss_is_the_models_own(tmp_path, float64_default, case):
+    kwargs, kind, k = VIT[case]
+    torch.manual_seed(4)
+    trainer = check_losses(tiny_vit(**kwargs), image_dataset(4, kind, k), tmp_path)
+    assert trainer.task == "image_classification"
+
+
+@pytest.mark.parametrize("case", ["single_label", "regression_one"])
+def test_image_classification_update_matches_oracle(tmp_path, float64_default, case):
+    kwargs, kind, k = VIT[case]
+    torch.manual_seed(5)
+    check_update(tiny_vit(**kwargs), image_dataset(6, kind, k, seed=1), tmp_path, per_device=3, ga=2)
+
+
+def audio_dataset(n: int, num_labels: int = 3, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    return Dataset.from_dict({"input_values": torch.randn(n, 120, generator=g, dtype=torch.float64).tolist(),
+                              "labels": torch.randint(0, num_labels, (n,), generator=g).tolist()})
+
+
+def test_audio_classification_matches_oracle(tmp_path, float64_default):
+    """Wav2Vec2's head applies cross-entropy whatever config.problem_type says: so does hf_dp's default."""
+    torch.manual_seed(6)
+    trainer = check_losses(tiny_wav2vec2(), audio_dataset(4), tmp_path)
+    assert trainer.task == "audio_classification"
+    model = tiny_wav2vec2()
+    model.config.problem_type = "multi_label_classification"  # ignored by Wav2Vec2's own loss: CE on class ids
+    check_losses(model, audio_dataset(4), tmp_path)
+    check_update(tiny_wav2vec2(), audio_dataset(6, seed=1), tmp_path, per_device=2, ga=3)
+
+
+# ---------------------------------------------------------------------------------------- QA, refusals
+def tiny_bert_qa():
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    return BertForQuestionAnswering(BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
+def qa_dataset(n: int, seq_len: int = 8, seed: int = 0) -> Dataset:
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, seq_len, (n,), generator=g)
+    end = (start + torch.randint(0, 3, (n,), generator=g)).clamp(max=seq_len - 1)
+    end[0] = seq_len + 5  # out of range: ignored by HF (clamped to T = ignore index); contributes 0 here
+    return Dataset.from_dict({"input_ids": torch.randint(2, VOCAB, (n, seq_len), generator=g).tolist(),
+                              "start_positions": start.tolist(), "end_positions": end.tolist()})
+
+
+def test_question_answering_refused_with_instructions_that_work(tmp_path):
+    """The default refuses QA heads; doing what the message says trains HF's start/end loss exactly."""
+    import warnings
+
+    from helpers import flat_clipped_sum
+
+    from hf_dp.losses import question_answering_loss
+
+    torch.manual_seed(7)
+    data = qa_dataset(6)
+    with pytest.raises(ValueError, match=r"label_names=\['labels'\].*question_answering_loss"):
+        DPTrainer(model=tiny_bert_qa(), args=dp_args(tmp_path, 2, 3, 1.0), train_dataset=data)
+
+    model = tiny_bert_qa().double()
+    # The oracle (model's own loss, batch of one) on examples 1..5: HF's mean over an ignored end term is NaN.
+    grads = per_example_grads(model, data, list(range(1, 6)))
+    train = data.select(range(1, 6)).map(lambda ex: {"labels": [ex["start_positions"], ex["end_positions"]]},
+                                         remove_columns=["start_positions", "end_positions"])
+    expected = flat_clipped_sum(grads, 0.5)
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = dp_args(tmp_path, 5, 1, 0.5, label_names=["labels"])
+    trainer = DPTrainer(model=model, args=args, train_dataset=train, per_example_loss=question_answering_loss)
+    trainer.train()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(before[k] - p.detach(), expected[k] / 5, rtol=1e-7, atol=1e-10, msg=k)
+    # The out-of-range end term is ignored: example 0's loss is its start term / 2.
+    batch = {"input_ids": torch.tensor(data["input_ids"][:1])}
+    out = model(**batch)
+    loss = question_answering_loss(out, torch.tensor([[data[0]["start_positions"], data[0]["end_positions"]]]))
+    start = torch.nn.functional.cross_entropy(out.start_logits, torch.tensor([data[0]["start_positions"]]))
+    torch.testing.assert_close(loss[0], start / 2)
+
+
+def test_unknown_head_message_says_what_to_pass():
+    from transformers import BertConfig, BertForPreTraining
+
+    from hf_dp.losses import default_per_example_loss
+
+    model = BertForPreTraining(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, intermediate_size=24))
+    with pytest.raises(ValueError, match=r"per_example_loss=fn.*shape \(batch,\).*hf_dp.losses has"):
+        default_per_example_loss(model)
+
+
+def test_multiple_choice_and_teacher_heads_refused():
+    from transformers import BertConfig, BertForMultipleChoice, DeiTConfig, DeiTForImageClassificationWithTeacher
+
+    from hf_dp.losses import default_per_example_loss
+
+    bert = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=24)
+    with pytest.raises(ValueError, match="folds the choices into the batch"):
+        default_per_example_loss(BertForMultipleChoice(bert))
+    deit = DeiTConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=24)
+    with pytest.raises(ValueError, match="computes no training loss"):
+        default_per_example_loss(DeiTForImageClassificationWithTeacher(deit))
