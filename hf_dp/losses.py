@@ -206,12 +206,27 @@ def _follows_problem_type(cls: type) -> bool:
 
 
 def is_seq2seq_lm(model: nn.Module) -> bool:
-    """An encoder-decoder LM trained by teacher forcing on ``labels`` (BART, T5, Marian, M2M100, Whisper, ...)."""
+    """An encoder-decoder LM trained by teacher forcing on ``labels`` (BART, T5, Marian, M2M100, Whisper,
+    VisionEncoderDecoder, ...)."""
     base = _base_model(model)
     cls = type(base).__name__
     if not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
         return False
-    return cls in _names("SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ") or cls.endswith("ForConditionalGeneration")
+    return cls in _names("SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ", "VISION_2_SEQ", "IMAGE_TEXT_TO_TEXT") or (
+        cls.endswith("ForConditionalGeneration"))
+
+
+def _uses_causal_loss_function(base: nn.Module) -> bool:
+    """Whether the model's forward computes its loss with ``self.loss_function`` and that is HF's ForCausalLMLoss."""
+    import inspect
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):  # pragma: no cover
+        return False
+    return "self.loss_function(" in source and getattr(base, "loss_function", None) is ForCausalLMLoss
 
 
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
@@ -229,9 +244,11 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
         return causal_lm_loss, "causal_lm"
     if is_seq2seq_lm(base):
         return token_loss, "seq2seq_lm"
-    if cls in _names("IMAGE_TEXT_TO_TEXT", "VISION_2_SEQ") or cls.endswith("ForConditionalGeneration"):
-        # Decoder-only multimodal LMs (Llava, PaliGemma, Qwen-VL, ...): HF's "ForConditionalGeneration" loss is
-        # ForCausalLMLoss (shifted next-token loss).
+    if (cls in _names("IMAGE_TEXT_TO_TEXT", "VISION_2_SEQ") or cls.endswith("ForConditionalGeneration")) and (
+        _uses_causal_loss_function(base)
+    ):
+        # Decoder-only multimodal LMs (Llava, PaliGemma, Qwen-VL, ...) whose forward calls self.loss_function,
+        # which is ForCausalLMLoss (the shifted next-token loss). Others (BLIP's label smoothing, ...) are refused.
         return causal_lm_loss, "causal_lm"
     if cls in _names("MASKED_LM") or cls.endswith("ForMaskedLM"):
         return token_loss, "masked_lm"

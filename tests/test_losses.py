@@ -285,3 +285,43 @@ def test_multiple_choice_and_teacher_heads_refused():
                       intermediate_size=24)
     with pytest.raises(ValueError, match="computes no training loss"):
         default_per_example_loss(DeiTForImageClassificationWithTeacher(deit))
+
+
+def test_decoder_only_vlm_gets_the_causal_loss():
+    """Llava-style ``*ForConditionalGeneration`` models are decoder-only: their own loss is ForCausalLMLoss (shifted),
+    not a seq2seq token loss."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from hf_dp.losses import default_per_example_loss
+
+    torch.manual_seed(8)
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=8, patch_size=4),
+                      text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                      image_token_index=VOCAB - 1)
+    model = LlavaForConditionalGeneration(cfg).double().eval()
+    loss_fn, task = default_per_example_loss(model)
+    assert task == "causal_lm"
+    ids = torch.randint(2, VOCAB - 2, (3, 7))
+    labels = ids.clone()
+    labels[1, 5:] = -100
+    with torch.no_grad():
+        ours = loss_fn(model(input_ids=ids), labels)
+        own = torch.stack([single_example_loss(model, {"input_ids": ids[i:i + 1], "labels": labels[i:i + 1]})
+                           for i in range(3)])
+    torch.testing.assert_close(ours, own, rtol=1e-9, atol=1e-12)
+
+
+def test_loss_input_checks():
+    """Wrong QA labels and an invalid problem_type are refused, not silently reinterpreted."""
+    from types import SimpleNamespace
+
+    from hf_dp.losses import question_answering_loss, sequence_classification_loss
+
+    out = SimpleNamespace(start_logits=torch.randn(2, 5), end_logits=torch.randn(2, 5))
+    with pytest.raises(ValueError, match=r"shape \(batch, 2\)"):
+        question_answering_loss(out, torch.tensor([1, 2]))
+    cfg = SimpleNamespace(problem_type="ordinal", num_labels=3)
+    with pytest.raises(ValueError, match="Invalid config.problem_type 'ordinal'"):
+        sequence_classification_loss(config=cfg)(SimpleNamespace(logits=torch.randn(2, 3)), torch.tensor([0, 1]))
