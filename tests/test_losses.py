@@ -325,3 +325,27 @@ def test_loss_input_checks():
     cfg = SimpleNamespace(problem_type="ordinal", num_labels=3)
     with pytest.raises(ValueError, match="Invalid config.problem_type 'ordinal'"):
         sequence_classification_loss(config=cfg)(SimpleNamespace(logits=torch.randn(2, 3)), torch.tensor([0, 1]))
+
+
+def test_vlm_with_its_own_loss_is_refused():
+    """A ``*ForConditionalGeneration`` whose forward computes another loss (e.g. BLIP's label smoothing) gets no
+    default: the causal loss would silently train another objective."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from hf_dp.losses import default_per_example_loss
+
+    class SmoothedLlavaForConditionalGeneration(LlavaForConditionalGeneration):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            if labels is not None:
+                out.loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                             label_smoothing=0.1)
+            return out
+
+    cfg = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                                     num_attention_heads=2, image_size=8, patch_size=4),
+                      text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                      image_token_index=VOCAB - 1)
+    with pytest.raises(ValueError, match="no default per-example loss for SmoothedLlavaForConditionalGeneration"):
+        default_per_example_loss(SmoothedLlavaForConditionalGeneration(cfg))
