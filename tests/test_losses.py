@@ -349,3 +349,37 @@ def test_vlm_with_its_own_loss_is_refused():
                       image_token_index=VOCAB - 1)
     with pytest.raises(ValueError, match="no default per-example loss for SmoothedLlavaForConditionalGeneration"):
         default_per_example_loss(SmoothedLlavaForConditionalGeneration(cfg))
+
+
+def _text_cls_data(kind: str, num_labels: int, n: int = 4) -> Dataset:
+    from helpers import cls_dataset
+
+    data = cls_dataset(n, max(num_labels, 2), seed=9)
+    g = torch.Generator().manual_seed(9)
+    if kind == "regression":
+        return data.map(lambda ex, i: {"labels": float(torch.randn(1, generator=g)) if num_labels == 1
+                                       else torch.randn(num_labels, generator=g).tolist()}, with_indices=True)
+    if kind == "multi":
+        return data.map(lambda ex: {"labels": (torch.rand(num_labels, generator=g) < 0.5).double().tolist()})
+    return data
+
+
+TEXT_CLS = {  # name: (model kwargs for tiny_bert-like config, label kind, num_labels)
+    "single_label": ({}, "single", 3),
+    "regression_one": ({}, "regression", 1),  # HF: MSE when num_labels == 1 (problem_type unset)
+    "regression_two": ({"problem_type": "regression"}, "regression", 2),
+    "multi_label": ({"problem_type": "multi_label_classification"}, "multi", 3),
+}
+
+
+@pytest.mark.parametrize("case", list(TEXT_CLS))
+def test_text_classification_loss_is_the_models_own(tmp_path, float64_default, case):
+    from helpers import tiny_bert
+
+    kwargs, kind, k = TEXT_CLS[case]
+    torch.manual_seed(10)
+    model = tiny_bert(num_labels=k)
+    for key, value in kwargs.items():
+        setattr(model.config, key, value)
+    trainer = check_losses(model, _text_cls_data(kind, k), tmp_path)
+    assert trainer.task == "sequence_classification"
