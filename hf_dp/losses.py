@@ -193,13 +193,22 @@ def _names(*kinds: str) -> set[str]:
     return names
 
 
+def _transformers_forward(cls: type) -> Callable | None:
+    """The ``forward`` of the nearest class in ``cls``'s MRO defined by transformers (a user subclass that wraps
+    ``super().forward`` keeps its head's loss)."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("transformers.") and "forward" in vars(klass):
+            return vars(klass)["forward"]
+    return None
+
+
 def _follows_problem_type(cls: type) -> bool:
     """Whether a classification head's ``forward`` picks its loss by ``config.problem_type`` (directly or through
     ``self.loss_function``) rather than applying cross-entropy unconditionally."""
     import inspect
 
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(_transformers_forward(cls) or cls.forward)
     except (OSError, TypeError):  # pragma: no cover - no source: assume the common HF behaviour
         return True
     return "problem_type" in source or "loss_function" in source
