@@ -5,11 +5,18 @@ micro-batch) depends on the other examples. Clipping the gradient of such a loss
 contribution. Here each example's loss is the mean over *its own* non-ignored tokens (Li et al. 2022, §2: the
 per-example objective of DP-SGD), computed from the model's logits.
 
+Each default equals **the model's own loss on a batch of one** (``model(**one_example, labels=...).loss``: what the
+plain ``Trainer``, PEFT or trl train for that example), head by head: the causal shift (and, under prompt learning,
+PEFT's -100 labels for the virtual tokens), the seq2seq decoder inputs the model builds from ``labels``,
+``config.problem_type`` for classification heads. The tests check each against exactly that (``tests/helpers.py``).
+
 A per-example loss function has the signature ``fn(outputs, labels) -> Tensor[B]``.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -165,9 +172,6 @@ def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> tor
     M2M100 / NLLB / Blenderbot(Small) call in ``forward``. ``None`` if none exists: the caller then passes
     ``labels=`` and lets the model build them (the model then also computes its batch loss, which is discarded).
     """
-    import inspect
-    import sys
-
     base = _base_model(model)
     prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
     if callable(prepare):
@@ -205,8 +209,6 @@ def _transformers_forward(cls: type) -> Callable | None:
 def _follows_problem_type(cls: type) -> bool:
     """Whether a classification head's ``forward`` picks its loss by ``config.problem_type`` (directly or through
     ``self.loss_function``) rather than applying cross-entropy unconditionally."""
-    import inspect
-
     try:
         source = inspect.getsource(_transformers_forward(cls) or cls.forward)
     except (OSError, TypeError):  # pragma: no cover - no source: assume the common HF behaviour
@@ -227,8 +229,6 @@ def is_seq2seq_lm(model: nn.Module) -> bool:
 
 def _uses_causal_loss_function(base: nn.Module) -> bool:
     """Whether the model's forward computes its loss with ``self.loss_function`` and that is HF's ForCausalLMLoss."""
-    import inspect
-
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     try:
@@ -249,6 +249,13 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
     base = _base_model(model)
     cls = type(base).__name__
     config = getattr(base, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{cls} has config.output_router_logits=True: its own loss adds the mixture-of-experts load-balancing "
+            "loss, a statistic of the whole batch's routing, which no per-example loss can reproduce and which would "
+            "mix examples. Set `model.config.output_router_logits = False` (the per-example token loss is trained), "
+            "or pass `per_example_loss=fn` with a loss of your own that depends on each example only."
+        )
     if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
         return causal_lm_loss, "causal_lm"
     if is_seq2seq_lm(base):
@@ -304,8 +311,6 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
 
 
 def _parameters(fn: Callable) -> set[str]:
-    import inspect
-
     try:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # pragma: no cover

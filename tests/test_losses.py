@@ -383,3 +383,18 @@ def test_text_classification_loss_is_the_models_own(tmp_path, float64_default, c
         setattr(model.config, key, value)
     trainer = check_losses(model, _text_cls_data(kind, k), tmp_path)
     assert trainer.task == "sequence_classification"
+
+
+def test_router_aux_loss_is_refused():
+    """With output_router_logits=True a MoE model's own loss adds a batch-level load-balancing term: refused."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hf_dp.losses import default_per_example_loss
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    model = MixtralForCausalLM(cfg)
+    assert default_per_example_loss(model)[1] == "causal_lm"
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits"):
+        default_per_example_loss(model)
