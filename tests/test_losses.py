@@ -398,3 +398,25 @@ def test_router_aux_loss_is_refused():
     model.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits"):
         default_per_example_loss(model)
+
+
+def test_whisper_loss_is_the_models_own(tmp_path, float64_default):
+    """Speech seq2seq: Whisper builds decoder inputs with its module's shift_tokens_right(labels, pad, start)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(11)
+    cfg = WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+                        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24,
+                        max_source_positions=8, max_target_positions=16, pad_token_id=1, bos_token_id=0,
+                        eos_token_id=2, decoder_start_token_id=3, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0)
+    model = WhisperForConditionalGeneration(cfg)
+    for name, p in model.named_parameters():  # convolutions, positional tables read directly: other branches
+        if "conv" in name or "embed_positions" in name:
+            p.requires_grad_(False)
+    g = torch.Generator().manual_seed(11)
+    labels = seq2seq_dataset(3, seed=11)["labels"]
+    data = Dataset.from_dict({"input_features": torch.randn(3, 8, 16, generator=g, dtype=torch.float64).tolist(),
+                              "labels": labels})
+    trainer = check_losses(model, data, tmp_path)
+    assert trainer.task == "seq2seq_lm"
