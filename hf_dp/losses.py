@@ -163,31 +163,38 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def _decoder_shift(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The model's own function from ``labels`` to decoder inputs, or ``None`` (see
+    :func:`decoder_input_ids_from_labels`)."""
+    base = _base_model(model)
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return lambda labels: prepare(labels=labels)
+    shift = getattr(base, "_shift_right", None)
+    if callable(shift):
+        return shift
+    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
+    config = getattr(base, "config", None)
+    if callable(shift) and config is not None:
+        params = list(inspect.signature(shift).parameters)
+        if params[1:] == ["pad_token_id", "decoder_start_token_id"]:
+            return lambda labels: shift(labels, config.pad_token_id, config.decoder_start_token_id)
+        if params[1:] == ["pad_token_id"]:
+            return lambda labels: shift(labels, config.pad_token_id)
+    return None
+
+
 def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor | None:
     """The decoder inputs an encoder-decoder model's own forward builds from ``labels`` (teacher forcing).
 
     Mirrors the model exactly, by the model's own code: ``prepare_decoder_input_ids_from_labels`` where the model
     has it (BART, mBART, T5, Marian, Pegasus, ...), else its ``_shift_right`` (T5 family), else the
     ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` of the model's own module, which is what
-    M2M100 / NLLB / Blenderbot(Small) call in ``forward``. ``None`` if none exists: the caller then passes
+    M2M100 / NLLB / Blenderbot(Small) / Whisper call in ``forward``. ``None`` if none exists: the caller then passes
     ``labels=`` and lets the model build them (the model then also computes its batch loss, which is discarded).
     """
-    base = _base_model(model)
-    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=labels)
-    shift = getattr(base, "_shift_right", None)
-    if callable(shift):
-        return shift(labels)
-    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
-    config = getattr(base, "config", None)
-    if callable(shift) and config is not None:
-        params = list(inspect.signature(shift).parameters)
-        if params[1:] == ["pad_token_id", "decoder_start_token_id"]:
-            return shift(labels, config.pad_token_id, config.decoder_start_token_id)
-        if params[1:] == ["pad_token_id"]:
-            return shift(labels, config.pad_token_id)
-    return None
+    shift = _decoder_shift(model)
+    return None if shift is None else shift(labels)
 
 
 def _names(*kinds: str) -> set[str]:
@@ -258,7 +265,9 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
         )
     if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
         return causal_lm_loss, "causal_lm"
-    if is_seq2seq_lm(base):
+    if is_seq2seq_lm(base) and _decoder_shift(base) is not None:
+        # (An encoder-decoder with no teacher-forcing shift of its own, e.g. Dia's multi-codebook audio decoder,
+        # trains some other loss: refused below.)
         return token_loss, "seq2seq_lm"
     if (cls in _names("IMAGE_TEXT_TO_TEXT", "VISION_2_SEQ") or cls.endswith("ForConditionalGeneration")) and (
         _uses_causal_loss_function(base)

@@ -420,3 +420,16 @@ def test_whisper_loss_is_the_models_own(tmp_path, float64_default):
                               "labels": labels})
     trainer = check_losses(model, data, tmp_path)
     assert trainer.task == "seq2seq_lm"
+
+
+def test_encoder_decoder_without_teacher_forcing_shift_is_refused():
+    """An encoder-decoder with no shift of its own (e.g. Dia's multi-codebook decoder) trains some other loss: no
+    default (a custom per_example_loss then gets ``labels=`` passed to the model, which builds its decoder inputs)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from hf_dp.losses import default_per_example_loss
+
+    no_shift = type("NoShiftForConditionalGeneration", (BartForConditionalGeneration,),
+                    {"prepare_decoder_input_ids_from_labels": None, "__module__": __name__})
+    with pytest.raises(ValueError, match="no default per-example loss for NoShiftForConditionalGeneration"):
+        default_per_example_loss(no_shift(BartConfig(**S2S)))
