@@ -15,8 +15,10 @@ A per-example loss function has the signature ``fn(outputs, labels) -> Tensor[B]
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -213,14 +215,44 @@ def _transformers_forward(cls: type) -> Callable | None:
     return None
 
 
+def _forward_code(cls: type, own: bool = False) -> str | None:
+    """The code of a head's ``forward`` without docstring and comments (``ast.unparse``): of ``cls`` itself if
+    ``own``, else of the nearest transformers class in its MRO. ``None`` if the source is unavailable."""
+    fn = cls.forward if own else (_transformers_forward(cls) or cls.forward)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):  # pragma: no cover
+        return None
+    body = tree.body[0].body if tree.body and hasattr(tree.body[0], "body") else []
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body.pop(0)  # the docstring
+    return ast.unparse(tree)
+
+
 def _follows_problem_type(cls: type) -> bool:
     """Whether a classification head's ``forward`` picks its loss by ``config.problem_type`` (directly or through
     ``self.loss_function``) rather than applying cross-entropy unconditionally."""
-    try:
-        source = inspect.getsource(_transformers_forward(cls) or cls.forward)
-    except (OSError, TypeError):  # pragma: no cover - no source: assume the common HF behaviour
-        return True
-    return "problem_type" in source or "loss_function" in source
+    code = _forward_code(cls)
+    return code is None or "problem_type" in code or "loss_function" in code
+
+
+def _causal_loss_kind(base: nn.Module) -> str | None:
+    """How a causal-LM head's own loss reads ``labels``: ``"shifted"`` (``self.loss_function`` is HF's
+    ForCausalLMLoss: ``logits[t]`` predicts ``labels[t + 1]``), ``"unshifted"`` (a plain cross-entropy of
+    ``logits.view(-1, V)`` against ``labels.view(-1)``: BartForCausalLM, TrOCR, WhisperForCausalLM, ... document
+    that their labels are *not* shifted inside the model), or ``None`` (anything else: codebooks, n-gram streams,
+    label smoothing, no loss)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    code = _forward_code(type(base))
+    if code is None:
+        return None
+    if "self.loss_function(" in code:
+        return "shifted" if getattr(base, "loss_function", None) is ForCausalLMLoss else None
+    if "labels.view(-1)" in code and "logits.view(-1" in code and not any(
+            w in code for w in ("shift", "codebook", "label_smoothing")):
+        return "unshifted"
+    return None
 
 
 def is_seq2seq_lm(model: nn.Module) -> bool:
@@ -235,22 +267,22 @@ def is_seq2seq_lm(model: nn.Module) -> bool:
 
 
 def _uses_causal_loss_function(base: nn.Module) -> bool:
-    """Whether the model's forward computes its loss with ``self.loss_function`` and that is HF's ForCausalLMLoss."""
+    """Whether the model's own forward computes its loss with ``self.loss_function`` and that is HF's
+    ForCausalLMLoss (a subclass with a forward of its own is judged by that forward)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):  # pragma: no cover
-        return False
-    return "self.loss_function(" in source and getattr(base, "loss_function", None) is ForCausalLMLoss
+    code = _forward_code(type(base), own=True)
+    return code is not None and "self.loss_function(" in code and getattr(base, "loss_function", None) is (
+        ForCausalLMLoss)
 
 
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
     """Choose the per-example loss for a model by its head, as transformers' auto classes know it: the model's own
     loss on a batch of one (what the plain ``Trainer`` trains for that example).
 
-    Returns ``(loss_fn, task)`` with ``task`` in ``{"causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification",
-    "token_classification", "image_classification", "video_classification", "audio_classification"}``. Raises
+    Returns ``(loss_fn, task)`` with ``task`` in ``{"causal_lm", "causal_lm_unshifted", "masked_lm", "seq2seq_lm",
+    "sequence_classification", "token_classification", "image_classification", "video_classification",
+    "audio_classification"}``. Raises
     ``ValueError`` for other heads, saying what to pass as ``per_example_loss=``.
     """
     base = _base_model(model)
@@ -264,7 +296,17 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "or pass `per_example_loss=fn` with a loss of your own that depends on each example only."
         )
     if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
-        return causal_lm_loss, "causal_lm"
+        kind = _causal_loss_kind(base)
+        if kind == "shifted":
+            return causal_lm_loss, "causal_lm"
+        if kind == "unshifted":  # labels already shifted by the user, as the model's docstring asks
+            return token_loss, "causal_lm_unshifted"
+        raise ValueError(
+            f"{cls}'s own loss is not HF's (shifted) causal-LM cross-entropy nor a plain token cross-entropy, so "
+            "hf_dp has no default per-example loss for it. Pass `per_example_loss=fn` to DPTrainer, where "
+            "`fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it for a "
+            "batch of one."
+        )
     if is_seq2seq_lm(base) and _decoder_shift(base) is not None:
         # (An encoder-decoder with no teacher-forcing shift of its own, e.g. Dia's multi-codebook audio decoder,
         # trains some other loss: refused below.)

@@ -433,3 +433,29 @@ def test_encoder_decoder_without_teacher_forcing_shift_is_refused():
                     {"prepare_decoder_input_ids_from_labels": None, "__module__": __name__})
     with pytest.raises(ValueError, match="no default per-example loss for NoShiftForConditionalGeneration"):
         default_per_example_loss(no_shift(BartConfig(**S2S)))
+
+
+def test_unshifted_causal_heads_get_the_unshifted_loss(tmp_path):
+    """BartForCausalLM (like TrOCR, WhisperForCausalLM, Marian/MBart/Pegasus ForCausalLM) does *not* shift its labels:
+    its own loss is labels[t] against logits[t]. hf_dp's default follows it (shifting again would train another
+    objective); GPT-2/Llama-style heads keep the shifted loss."""
+    from helpers import lm_dataset, tiny_gpt2
+    from transformers import BartConfig, BartForCausalLM
+
+    from hf_dp.losses import default_per_example_loss
+
+    torch.manual_seed(12)
+    model = freeze_refused(BartForCausalLM(BartConfig(**S2S, is_decoder=True, is_encoder_decoder=False)))
+    trainer = check_losses(model, lm_dataset(4, pad_id=1, seed=12), tmp_path)
+    assert trainer.task == "causal_lm_unshifted"
+    assert default_per_example_loss(tiny_gpt2())[1] == "causal_lm"
+
+
+def test_causal_head_with_another_loss_is_refused():
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    from hf_dp.losses import default_per_example_loss
+
+    model = XLMWithLMHeadModel(XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match="XLMWithLMHeadModel's own loss is not"):
+        default_per_example_loss(model)
