@@ -295,6 +295,12 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "mix examples. Set `model.config.output_router_logits = False` (the per-example token loss is trained), "
             "or pass `per_example_loss=fn` with a loss of your own that depends on each example only."
         )
+    if (getattr(config, "z_loss_coefficient", 0) or 0) > 0:
+        raise ValueError(
+            f"{cls} has config.z_loss_coefficient > 0: its own loss adds a z-loss averaged over every token of the "
+            "batch, which hf_dp's default per-example loss does not include. Set `model.config.z_loss_coefficient "
+            "= 0.0` or pass `per_example_loss=fn` that adds each example's own z-loss, shape (batch,)."
+        )
     if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
         kind = _causal_loss_kind(base)
         if kind == "shifted":

@@ -398,6 +398,10 @@ def test_router_aux_loss_is_refused():
     model.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits"):
         default_per_example_loss(model)
+    model.config.output_router_logits = False
+    model.config.z_loss_coefficient = 0.01  # Bamba's batch-averaged z-loss
+    with pytest.raises(ValueError, match="z_loss_coefficient"):
+        default_per_example_loss(model)
 
 
 def test_whisper_loss_is_the_models_own(tmp_path, float64_default):
