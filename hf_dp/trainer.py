@@ -36,7 +36,7 @@ from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
-from .losses import PerExampleLoss, default_per_example_loss
+from .losses import PerExampleLoss, decoder_input_ids_from_labels, default_per_example_loss, is_seq2seq_lm
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
@@ -462,10 +462,20 @@ class DPTrainer(Trainer):
         self._self_checked = True
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
+        """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
+        decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
+        so the model is not asked for its batch loss; a model with no such function gets ``labels=`` and builds them
+        itself (its batch loss is then computed, unused)."""
         inputs = dict(inputs)
-        if self.task == "seq2seq_lm" and "decoder_input_ids" not in inputs:
-            base = getattr(model, "get_base_model", lambda: model)()
-            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        seq2seq = getattr(self, "_seq2seq_lm", None)
+        if seq2seq is None:
+            seq2seq = self._seq2seq_lm = is_seq2seq_lm(model)
+        if seq2seq and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            decoder_input_ids = decoder_input_ids_from_labels(model, labels)
+            if decoder_input_ids is None:
+                inputs["labels"] = labels
+            else:
+                inputs["decoder_input_ids"] = decoder_input_ids
         return inputs
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
