@@ -226,6 +226,11 @@ class ClippingEngine:
                     "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
                     "them)")
                 continue
+            if rule is None and isinstance(module, nn.RNNBase):
+                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
+                             "torch.func has no batching rule for them, which the generic fallback needs)"
+                             for n, _ in own]
+                continue
             if rule is None:
                 names = tuple(n for n, _ in own)
                 rule = Rule("fallback", _no_uses, names)

@@ -45,6 +45,8 @@ class Fallback:
         self.module = module
         self.name = name
         self.param_names = param_names
+        #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
+        self.out_axes: list[int] | None = None
 
     def describe(self) -> str:
         numel = sum(getattr(self.module, n).numel() for n in self.param_names)
@@ -53,7 +55,7 @@ class Fallback:
     def _params(self) -> dict[str, torch.Tensor]:
         return {n: getattr(self.module, n).detach() for n in self.param_names}
 
-    def _runner(self, args: tuple, kwargs: dict, mapped: list[str | None], batch_size: int):
+    def _runner(self, args: tuple, kwargs: dict, mapped: list[str | None], batch_size: int, squeeze: bool = True):
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
         leaves stacked on a leading batch axis (``"flat"`` leaves: ``(B·k, ...)`` viewed as ``(B, k, ...)``)."""
         leaves, spec = tree_flatten((args, kwargs))
@@ -69,18 +71,33 @@ class Fallback:
             # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
             # the submodule's own hooks count its use.
             out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
-            return tuple(t if flat else t.squeeze(0) for t in float_outputs(out))
+            outs = float_outputs(out)
+            if flat or not squeeze:
+                return tuple(outs)
+            return tuple(t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
 
         stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
                         for i in idx)
         return run, stacked
 
-    @staticmethod
-    def per_example_outputs(outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
+    def per_example_outputs(self, outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
         """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs)."""
         if "flat" in mapped:
             return [t.reshape(batch_size, -1, *t.shape[1:]) for t in outs]
-        return outs
+        return [t.movedim(ax, 0) for t, ax in zip(outs, self.out_axes)]
+
+    def _find_out_axes(self, args: tuple, kwargs: dict, outs: list[torch.Tensor], batch_size: int,
+                       mapped: list[str | None]) -> list[int | None]:
+        """Each output's example axis: size ``B`` in the batched output and 1 when the module runs on example 0."""
+        run, per_example = self._runner(args, kwargs, mapped, batch_size, squeeze=False)
+        with torch.no_grad():
+            single = run(self._params(), tuple(x[0] for x in per_example))
+        axes = []
+        for t, o in zip(outs, single):
+            cand = [j for j in range(t.dim()) if o.dim() == t.dim() and t.shape[j] == batch_size and o.shape[j] == 1
+                    and all(t.shape[k] == o.shape[k] for k in range(t.dim()) if k != j)]
+            axes.append(0 if 0 in cand else (cand[0] if len(cand) == 1 else None))
+        return axes
 
     @staticmethod
     def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | None] | None = None) -> list:
@@ -99,8 +116,15 @@ class Fallback:
         outs = float_outputs(output)
         cls = type(self.module).__name__
         rows = "flat" in mapped
-        bad = [tuple(t.shape) for t in outs
-               if t.dim() == 0 or (t.shape[0] % batch_size if rows else t.shape[0] != batch_size)]
+        if rows:
+            bad = [tuple(t.shape) for t in outs if t.dim() == 0 or t.shape[0] % batch_size]
+        else:
+            try:
+                axes = self._find_out_axes(args, kwargs, outs, batch_size, mapped)
+            except Exception:  # noqa: BLE001 - reported below as a failed re-run
+                axes = [0] * len(outs)
+            bad = [tuple(t.shape) for t, ax in zip(outs, axes) if ax is None]
+            self.out_axes = axes
         if bad:
             raise UnsupportedLayerError(
                 f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
@@ -124,9 +148,10 @@ class Fallback:
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
             raise UnsupportedLayerError(
                 f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
-                f"for, and re-running it on one example at a time failed ({type(err).__name__}: {err}). A module "
-                "whose forward mixes examples (batch statistics, e.g. BatchNorm in train mode) cannot be clipped per "
-                "example. Freeze these parameters or use a PEFT adapter (LoRA)."
+                f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
+                f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
+                "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
+                "(LoRA)."
             ) from err
         tol = 1e-2 if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs) else 1e-4
         for ref, got in zip(outs, again):
