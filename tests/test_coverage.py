@@ -271,6 +271,44 @@ def test_sequence_first_input_is_exact_per_example():
         torch.testing.assert_close(norms[i], sum(p.grad.pow(2).sum() for p in model.parameters()))
 
 
+def test_fallback_output_with_a_later_example_axis_is_exact():
+    """A module without a rule whose output holds the examples on axis 1 (like an LSTM's h_n)."""
+
+    class ScaleSeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return (x * self.w).transpose(0, 1)  # (T, B, d)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = ScaleSeqFirst()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.lin(self.scale(x).transpose(0, 1).tanh())
+
+    torch.manual_seed(9)
+    model = Model().double()
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    engine = ClippingEngine(model)
+
+    def run(sl):
+        return model(x[sl]).pow(2).sum((1, 2))
+
+    engine.first_step_check(run, 3)
+    with engine.record(3):
+        run(slice(0, 3)).sum().backward()
+    norms = engine.per_example_norms_sq()
+    for i in range(3):
+        model.zero_grad()
+        run(slice(i, i + 1)).sum().backward()
+        torch.testing.assert_close(norms["scale.w"][i], model.scale.w.grad.pow(2).sum())
+
+
 def test_tiny_index_table_is_instantiated_not_ghost_normed():
     from hf_dp.clipping.engine import use_ghost_norm
     from hf_dp.clipping.layers import Use
@@ -443,6 +481,9 @@ def test_statically_refused_parameters():
     with pytest.raises(UnsupportedLayerError, match=r"body\.temperature \(LinearWithTemperature: its 'linear' rule "
                                                     r"covers weight, bias only\)"):
         ClippingEngine(Toy(LinearWithTemperature()))
+    with pytest.raises(UnsupportedLayerError, match=r"body\.weight_ih_l0 \(GRU: recurrent layers have no per-layer "
+                                                    r"rule, and torch\.func has no batching rule"):
+        ClippingEngine(Toy(nn.GRU(3, 3, batch_first=True)))
     model = Toy(nn.Identity())
     model.register_parameter("scale", nn.Parameter(torch.ones(())))
     with pytest.raises(UnsupportedLayerError, match=r"scale \(Toy: parameters of the model itself"):
