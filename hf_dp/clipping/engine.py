@@ -147,6 +147,7 @@ class ClippingEngine:
         self._handler: GroupHandler | None = None
         self._group_of: dict[str, int] = {}
         self._verified: set[int] = set()
+        self._captures: list = []
         self._batch_size: int | None = None
         self.summed_grads: dict[str, torch.Tensor] = {}
 
@@ -169,7 +170,12 @@ class ClippingEngine:
         self.clear()
         self._batch_size = batch_size
         self._set_units(units, unit_weights)
-        handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules]
+        handles = [m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True) for n, m, r in self._modules
+                   if r.capture is None]
+        for n, m, r in self._modules:  # rules that factor functional calls inside the forward (layers.Rule.capture)
+            if r.capture is not None:
+                handles += [m.register_forward_pre_hook(self._capture_pre_hook(n, m, r)),
+                            m.register_forward_hook(self._capture_post_hook)]
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
         if freeze:
@@ -178,6 +184,8 @@ class ClippingEngine:
         try:
             yield
         finally:
+            while self._captures:  # a forward that raised never reached its post hook
+                self._captures.pop().__exit__(None, None, None)
             for p in self.params.values():
                 p.requires_grad_(True)
             for h in handles:
@@ -269,14 +277,38 @@ class ClippingEngine:
             return None
         return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
+    def _capture_pre_hook(self, name: str, module: nn.Module, rule: Rule):
+        attach = self._attach(name, module, rule)
+
+        def pre_hook(mod, args):
+            if torch.is_grad_enabled():
+                ctx = rule.capture(module, name, self._batch_size, lambda inp, out: attach(inp, out) or out)
+                ctx.__enter__()
+                self._captures.append(ctx)
+
+        return pre_hook
+
+    def _capture_post_hook(self, mod, args, output):
+        if self._captures and torch.is_grad_enabled():
+            self._captures.pop().__exit__(None, None, None)
+
     def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
-        owned = [self._names[id(getattr(module, n))] for n in rule.params
-                 if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+        attach = self._attach(name, module, rule)
 
         def hook(mod, args, kwargs, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
-            inp = args[0] if args else next(iter(kwargs.values()))
+            return attach(args[0] if args else next(iter(kwargs.values())), output)
+
+        return hook
+
+    def _attach(self, name: str, module: nn.Module, rule: Rule):
+        """``attach(inp, output)``: hook the gradient of ``output`` (a call of ``module`` on ``inp``) so that it adds
+        the rule's uses; returns the tensor to continue the forward with (or ``None``: ``output`` itself)."""
+        owned = [self._names[id(getattr(module, n))] for n in rule.params
+                 if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+
+        def hook(inp, output):
             inp = inp.detach()
             if rule.verify is not None and id(module) not in self._verified:
                 rule.verify(module, name, inp, output)
