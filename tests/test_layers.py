@@ -130,7 +130,7 @@ def test_partially_frozen_model_only_reports_trainable():
 
 def test_unsupported_layers_fail_loudly():
     with pytest.raises(UnsupportedLayerError, match="mods.0.weight"):
-        ClippingEngine(Seq(nn.Conv2d(1, 1, 3)))
+        ClippingEngine(Seq(nn.Conv3d(1, 1, 3)))
     with pytest.raises(UnsupportedLayerError, match="scale_grad_by_freq"):
         ClippingEngine(Seq(nn.Embedding(5, 2, scale_grad_by_freq=True)))
 

@@ -18,6 +18,7 @@ decides how to compute norms and clipped sums from the factors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers.pytorch_utils import Conv1D
 
 __all__ = ["Use", "find_rule", "UnsupportedLayerError", "rule_parameters"]
@@ -131,105 +133,279 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
     return uses
 
 
-_RMS_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_AFFINE_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
-def _rms_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The layer's own forward on ``x`` with its weight replaced (no hooks run, the module is not modified)."""
+def _affine_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's own forward on ``x`` with its weight / bias replaced (no hooks run, the module is not modified)."""
     clone = copy.copy(module)  # shares everything but the parameter dict
     clone._parameters = dict(module._parameters)
-    clone._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    for key, value in (("weight", weight), ("bias", bias)):
+        if module._parameters.get(key) is not None:
+            clone._parameters[key] = nn.Parameter(value, requires_grad=False)
     with torch.no_grad():
         return clone.forward(x)
 
 
-def _rms_unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
-    """``x̂``: the layer's own output with its scale set to one (``weight = 1 - offset``).
+def _unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
+    """``x̂``: the layer's own output with unit scale and zero shift (``weight = 1 - offset``, ``bias = 0``).
 
     Running the module itself (instead of re-implementing its normalisation) reproduces its exact arithmetic,
     including the float32 upcast Llama-style norms do internally.
     """
-    return _rms_run(module, x, torch.full_like(module.weight, 1.0 - offset))
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    return _affine_run(module, x, None if w is None else torch.full_like(w, 1.0 - offset),
+                       None if b is None else torch.zeros_like(b))
 
 
-def _rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
-    """RMSNorm (``torch.nn.RMSNorm``, Llama/Mistral/Qwen/T5 style): ``y = w ⊙ x̂`` (or ``(1 + w) ⊙ x̂``, Gemma),
-    ``x̂ = x / rms(x)``: ``G_w = Σ_t g ⊙ x̂`` either way."""
-    d = module.weight.numel()
-    x_hat = _rms_unit_output(module, inp, _RMS_OFFSET.get(module, 0.0))
-    g = _as_btd(grad, d)
-    return [Use(module.weight, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name)]
-
-
-def _verify_rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
-    """Check once, on real activations, that this RMSNorm-like layer computes ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂``, where
-    ``x̂`` (its output at unit scale) does not depend on ``w`` — the form whose weight gradient is ``Σ_t g ⊙ x̂``.
-
-    The rule is chosen by class name for third-party RMSNorm classes; a layer that computes something else must
-    fail loudly rather than be clipped with a wrong gradient. Records which of the two forms the layer uses.
+def _affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """Elementwise-affine normalisation ``y = (w + o) ⊙ x̂ + b`` (RMSNorm, T5/Gemma/Cohere/OLMo norms, Nemotron's
+    ``LayerNorm1P``, layer-scale), with ``x̂`` the layer's own output at unit scale: ``G_w = Σ_t g ⊙ x̂``,
+    ``G_b = Σ_t g``. The form (and the offset ``o``) was verified on real activations (:func:`_verify_affine_norm`).
     """
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    d = (w if w is not None else b).numel()
+    g = _as_btd(grad, d)
+    uses = []
+    if w is not None:
+        x_hat = _unit_output(module, inp, _AFFINE_OFFSET.get(module, 0.0))
+        uses.append(Use(w, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name))
+    if b is not None:
+        uses.append(Use(b, None, g, 1, name))
+    return uses
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(b.abs().max().clamp(min=1.0)) if b.numel() else 1.0
+    return bool(torch.allclose(a.to(b.dtype), b, rtol=tol, atol=tol * scale))
+
+
+def _verify_affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """Check once, on real activations, that this layer computes ``y = (w + o) ⊙ x̂ + b`` where ``x̂`` (its output
+    at unit scale, zero shift) depends neither on ``w`` / ``b`` nor on the other examples of the batch — the form
+    whose per-example gradients are ``Σ_t g ⊙ x̂`` and ``Σ_t g``.
+
+    The rule is chosen by the layer's parameters (a ``weight`` and/or ``bias`` of one shape); a layer that computes
+    something else must fail loudly rather than be clipped with a wrong gradient. Records the offset ``o`` (0 for
+    Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``).
+    """
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    p = w if w is not None else b
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    ok = False
     with torch.no_grad():
-        w = module.weight
-        tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        scale = torch.rand(w.shape, generator=gen, device=w.device, dtype=w.dtype) + 0.5
-        for offset in (0.0, 1.0):
-            x_hat = _rms_unit_output(module, inp, offset)
-            candidate = (w + offset) * x_hat
-            scaled = _rms_run(module, inp, scale - offset)  # must equal scale ⊙ x̂ for any scale, not just this w
-            if candidate.shape == out.shape and torch.allclose(candidate.to(out.dtype), out, rtol=tol, atol=tol) \
-                    and torch.allclose(scaled, scale * x_hat, rtol=tol, atol=tol):
-                _RMS_OFFSET[module] = offset
-                return
-    raise UnsupportedLayerError(
-        f"{name} ({type(module).__name__}) looks like an RMSNorm but does not compute weight * x / rms(x); "
-        "hf_dp has no exact per-example rule for it. Freeze it (param.requires_grad_(False))."
-    )
+        zero_b = None if b is None else torch.zeros_like(b)
+        offset = 0.0
+        if w is not None:  # y(w=0) = o x̂, y(w=1) = (1 + o) x̂
+            y0 = _affine_run(module, inp, torch.zeros_like(w), zero_b)
+            x_hat = _affine_run(module, inp, torch.ones_like(w), zero_b) - y0
+            offset = float((y0 * x_hat).sum() / (x_hat * x_hat).sum().clamp(min=1e-30))
+            offset = round(offset, 6)
+        _AFFINE_OFFSET[module] = offset
+        x_hat = _unit_output(module, inp, offset)
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        w_r = None if w is None else torch.rand(w.shape, generator=gen, device=p.device, dtype=p.dtype) + 0.5
+        b_r = None if b is None else torch.randn(b.shape, generator=gen, device=p.device, dtype=p.dtype)
+
+        def form(wt, bt):
+            y = x_hat if wt is None else (wt + offset) * x_hat
+            return y if bt is None else y + bt
+
+        ok = (tuple(x_hat.shape[x_hat.dim() - p.dim():]) == tuple(p.shape)
+              and _close(form(w, b), out, tol)
+              and _close(_affine_run(module, inp, w_r, b_r), form(w_r, b_r), tol)
+              and (inp.shape[0] < 2 or _close(_unit_output(module, inp[:1], offset), x_hat[:1], tol)))
+    if not ok:
+        _AFFINE_OFFSET.pop(module, None)
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
+            "(weight + offset) * x_hat + bias with x_hat independent of its parameters and of the other examples "
+            "(checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
+            "(param.requires_grad_(False)) or train it through a PEFT adapter."
+        )
+
+
+# ----------------------------------------------------------------------------------------------------- convolutions
+def _conv(module: nn.Conv1d | nn.Conv2d, name: str, inp: torch.Tensor, out: torch.Tensor,
+          grad: torch.Tensor) -> list[Use]:
+    """``nn.Conv1d`` / ``nn.Conv2d`` via unfold (as Opacus ``grad_sample/conv.py``): with ``P`` the unfolded input
+    patches ``(B, L, C_in/groups · k)`` and ``g`` the output gradient ``(B, L, C_out)`` over the ``L`` output
+    positions, ``G_W = gᵀ P`` (groups = 1); ``G_b = Σ_l g``.
+
+    Grouped / depthwise convolutions (Mamba): each output channel sees only its group's patches, so the per-position
+    factor is the block outer product ``R_l = [g_{l,j} ⊗ P_{l,j}]_j`` of size ``|W|`` and ``G_W = Σ_l R_l`` (a "ones"
+    use) — ``kernel · C_in/groups`` times the activation's memory, small for depthwise kernels.
+    """
+    nd = module.weight.dim() - 2
+    c_out, c_in_g = module.weight.shape[:2]
+    k = module.weight.shape[2:]
+    x = inp if inp.dim() == nd + 2 else inp.unsqueeze(0)  # unbatched input: a batch of one
+    if module.padding_mode != "zeros":
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        padding = (0,) * nd
+    elif module.padding == "same":
+        total = [d * (kk - 1) for d, kk in zip(module.dilation, k)]
+        x = F.pad(x, [p for t in reversed(total) for p in (t // 2, t - t // 2)])
+        padding = (0,) * nd
+    elif module.padding == "valid":
+        padding = (0,) * nd
+    else:
+        padding = module.padding
+    if nd == 1:  # a 1-D convolution is a 2-D one over a height-1 image
+        x = x.unsqueeze(2)
+        kernel, dilation, stride, padding = (1, k[0]), (1, module.dilation[0]), (1, module.stride[0]), (0, padding[0])
+    else:
+        kernel, dilation, stride = k, module.dilation, module.stride
+    patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C_in·k, L)
+    b = patches.shape[0]
+    g = grad.reshape(b, c_out, -1).transpose(1, 2)  # (B, L, C_out)
+    patches = patches.transpose(1, 2)  # (B, L, C_in·k), channel-major like the weight
+    groups = module.groups
+    if groups == 1:
+        uses = [Use(module.weight, g, patches, c_out, name)]
+    else:
+        seq = g.shape[1]
+        g_blocks = g.reshape(b, seq, groups, c_out // groups, 1)
+        p_blocks = patches.reshape(b, seq, groups, 1, c_in_g * patches.shape[-1] // (groups * c_in_g))
+        outer = (g_blocks * p_blocks.to(g.dtype)).reshape(b, seq, -1)  # (B, L, |W|)
+        uses = [Use(module.weight, None, outer, 1, name)]
+    if module.bias is not None:
+        uses.append(Use(module.bias, None, g, 1, name))
+    return uses
+
+
+def _check_conv(module: nn.Module, name: str) -> None:
+    if module.weight.dim() not in (3, 4):
+        raise UnsupportedLayerError(f"{name}: only 1-D and 2-D convolutions have a per-example rule; freeze it.")
+
+
+# ------------------------------------------------------------------------------- subclasses with their own forward
+def _verify_linear_subclass(module: nn.Linear, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """An ``nn.Linear`` subclass with its own ``forward`` (Falcon's ``FalconLinear``: ``x @ W.T + b``) is clipped
+    with the linear rule only if, on real activations, its output is ``F.linear(x, W, b)`` — for its own weight and
+    for a random one (the output is that affine function of the parameters, not merely equal at one point)."""
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    with torch.no_grad():
+        gen = torch.Generator(device=module.weight.device).manual_seed(0)
+        w_r = torch.randn(module.weight.shape, generator=gen, device=module.weight.device, dtype=module.weight.dtype)
+        b_r = None if module.bias is None else torch.randn(module.bias.shape, generator=gen,
+                                                             device=module.bias.device, dtype=module.bias.dtype)
+        ok = _close(F.linear(inp, module.weight, module.bias), out, tol) and \
+            _close(_affine_run(module, inp, w_r, b_r), F.linear(inp, w_r, b_r), tol)
+    if not ok:
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}) subclasses nn.Linear but its forward does not compute "
+            "F.linear(x, weight, bias) (checked on this batch); hf_dp has no exact per-example rule for it. "
+            "Freeze it (param.requires_grad_(False)) or train it through a PEFT adapter."
+        )
+
+
+class _EmbeddingCalls(TorchFunctionMode):
+    """Active during the forward of an ``nn.Embedding`` subclass that has its own ``forward``: every
+    ``F.embedding(ids, self.weight, ...)`` call is handed to ``attach(ids, output) -> output`` (the engine's hook on
+    that call's output), so the plain embedding rule applies to the call itself — exact whatever the subclass does
+    around it: a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or a computed position id (OPT /
+    BART / BioGPT learned positions). Ids without the batch axis (``(1, T)`` or ``(T,)``: positions computed once
+    and broadcast) are expanded to the micro-batch's ``B`` rows first, so each example gets its own rows. Any other
+    use of the weight inside that forward (besides reading metadata) is refused.
+    """
+
+    def __init__(self, module: nn.Embedding, name: str, batch_size: int | None,
+                 attach: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = self.module.weight
+        if not any(a is weight for a in (*args, *kwargs.values())):
+            return func(*args, **kwargs)
+        if func is F.embedding and len(args) >= 2 and args[1] is weight:
+            ids, b = args[0], self.batch_size
+            if b is not None and b > 1:
+                ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis
+                ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 else ids
+            return self.attach(ids, func(ids, *args[1:], **kwargs))
+        result = func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__" and not isinstance(result, torch.Tensor):
+            return result  # metadata: weight.device, weight.dtype, weight.shape
+        raise UnsupportedLayerError(
+            f"{self.name} ({type(self.module).__name__}) uses its weight in its forward other than through "
+            f"F.embedding ({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze "
+            "the weight (param.requires_grad_(False)); if it is tied to an output layer (LM head), that freezes the "
+            "head too — or train through a PEFT adapter."
+        )
 
 
 RuleFn = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], list[Use]]
+Attach = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Rule:
-    """A layer type's rule: its per-example factorisation and the parameters it covers."""
+    """A layer type's rule: its per-example factorisation and the parameters it covers.
+
+    ``capture`` (optional): instead of the module's own input and output, the rule factors functional calls made
+    inside its forward. ``capture(module, name, batch_size, attach)`` returns a context manager, entered for the
+    duration of the module's forward, that hands each such call's input and output to ``attach(inp, out) -> out``
+    (which hooks the output's gradient and returns the tensor the forward must continue with); ``uses`` then gets
+    that call's input and output gradient.
+    """
 
     name: str
     uses: RuleFn
     params: tuple[str, ...]
     check: Callable[[nn.Module, str], None] | None = None
     verify: Callable[[nn.Module, str, torch.Tensor, torch.Tensor], None] | None = None
+    capture: Callable[[nn.Module, str, int | None, Attach], contextlib.AbstractContextManager] | None = None
 
 
 _LINEAR = Rule("linear", _linear, ("weight", "bias"))
+_LINEAR_SUBCLASS = Rule("linear_subclass", _linear, ("weight", "bias"), verify=_verify_linear_subclass)
 _CONV1D = Rule("hf_conv1d", _conv1d, ("weight", "bias"))
+_CONV = Rule("conv", _conv, ("weight", "bias"), check=_check_conv)
 _EMBEDDING = Rule("embedding", _embedding, ("weight",), check=_check_embedding)
+_EMBEDDING_CALLS = Rule("embedding_calls", _embedding, ("weight",), check=_check_embedding,
+                        capture=_EmbeddingCalls)
 _LAYER_NORM = Rule("layer_norm", _layer_norm, ("weight", "bias"))
-_RMS_NORM = Rule("rms_norm", _rms_norm, ("weight",), verify=_verify_rms_norm)
+_AFFINE_NORM = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm)
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    if isinstance(module, getattr(nn, "RMSNorm", ())):
-        return True
-    cls = type(module).__name__
-    looks_rms = cls.endswith("RMSNorm") or cls == "T5LayerNorm"
+def _is_affine_candidate(module: nn.Module) -> bool:
+    """A layer whose own parameters are a ``weight`` and/or ``bias`` of one shape (normalisations, layer-scale):
+    a candidate for :func:`_affine_norm`, whose form is verified on the first batch. Batch normalisation is not: it
+    mixes examples and writes private running statistics."""
+    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.modules.conv._ConvNd)):
+        return False
     params = dict(module.named_parameters(recurse=False))
-    return looks_rms and set(params) == {"weight"} and params["weight"].dim() == 1
+    if not params or not set(params) <= {"weight", "bias"}:
+        return False
+    return len({tuple(p.shape) for p in params.values()}) == 1
 
 
 def find_rule(module: nn.Module) -> Rule | None:
     """The rule for ``module``'s own (non-recursive) parameters, or ``None`` if no rule covers this layer type.
 
-    Exact type checks come first; subclasses of ``nn.Linear`` / ``nn.Embedding`` are accepted only when they do not
-    override ``forward`` (a subclass with its own forward may compute something else).
+    Exact types first. Subclasses with their own ``forward`` are recognised by behaviour, never by name:
+    ``nn.Embedding`` subclasses through their ``F.embedding`` calls (:class:`_EmbeddingCalls`), ``nn.Linear``
+    subclasses and elementwise-affine layers by a check on the first batch that they compute the form their rule
+    assumes (:func:`_verify_linear_subclass`, :func:`_verify_affine_norm`).
     """
     if isinstance(module, Conv1D):
         return _CONV1D
-    for base, rule in ((nn.Linear, _LINEAR), (nn.Embedding, _EMBEDDING), (nn.LayerNorm, _LAYER_NORM)):
+    for base, rule in ((nn.Linear, _LINEAR), (nn.Embedding, _EMBEDDING), (nn.LayerNorm, _LAYER_NORM),
+                       (nn.Conv1d, _CONV), (nn.Conv2d, _CONV)):
         if isinstance(module, base) and type(module).forward is base.forward:
             return rule
-    if _is_rms_norm(module):
-        return _RMS_NORM
+    if isinstance(module, nn.Embedding):
+        return _EMBEDDING_CALLS
+    if isinstance(module, nn.Linear):
+        return _LINEAR_SUBCLASS
+    if _is_affine_candidate(module):
+        return _AFFINE_NORM
     return None
 
 
