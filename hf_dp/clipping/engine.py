@@ -282,7 +282,7 @@ class ClippingEngine:
 
         def pre_hook(mod, args):
             if torch.is_grad_enabled():
-                ctx = rule.capture(module, name, self._batch_size, lambda inp, out: attach(inp, out) or out)
+                ctx = rule.capture(module, name, self._batch_size, attach)
                 ctx.__enter__()
                 self._captures.append(ctx)
 
@@ -304,7 +304,7 @@ class ClippingEngine:
 
     def _attach(self, name: str, module: nn.Module, rule: Rule):
         """``attach(inp, output)``: hook the gradient of ``output`` (a call of ``module`` on ``inp``) so that it adds
-        the rule's uses; returns the tensor to continue the forward with (or ``None``: ``output`` itself)."""
+        the rule's uses; returns the tensor to continue the forward with."""
         owned = [self._names[id(getattr(module, n))] for n in rule.params
                  if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
 

@@ -133,7 +133,7 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
     return uses
 
 
-_AFFINE_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_AFFINE_FORM: weakref.WeakKeyDictionary[nn.Module, tuple[float, int]] = weakref.WeakKeyDictionary()  # (o, axis)
 
 
 def _affine_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None,
@@ -161,15 +161,17 @@ def _unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Ten
 
 def _affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
     """Elementwise-affine normalisation ``y = (w + o) ⊙ x̂ + b`` (RMSNorm, T5/Gemma/Cohere/OLMo norms, Nemotron's
-    ``LayerNorm1P``, layer-scale), with ``x̂`` the layer's own output at unit scale: ``G_w = Σ_t g ⊙ x̂``,
-    ``G_b = Σ_t g``. The form (and the offset ``o``) was verified on real activations (:func:`_verify_affine_norm`).
+    ``LayerNorm1P``, SqueezeBERT's channel-first LayerNorm, layer-scale), with ``x̂`` the layer's own output at unit
+    scale: ``G_w = Σ_t g ⊙ x̂``, ``G_b = Σ_t g``. The form, the offset ``o`` and the axis the parameters run along
+    were verified on real activations (:func:`_verify_affine_norm`).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    offset, axis = _AFFINE_FORM.get(module, (0.0, -1))
     d = (w if w is not None else b).numel()
-    g = _as_btd(grad, d)
+    g = _as_btd(grad.movedim(axis, -1), d)
     uses = []
     if w is not None:
-        x_hat = _unit_output(module, inp, _AFFINE_OFFSET.get(module, 0.0))
+        x_hat = _unit_output(module, inp, offset).movedim(axis, -1)
         uses.append(Use(w, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name))
     if b is not None:
         uses.append(Use(b, None, g, 1, name))
@@ -190,42 +192,44 @@ def _verify_affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: to
 
     The rule is chosen by the layer's parameters (a ``weight`` and/or ``bias`` of one shape); a layer that computes
     something else must fail loudly rather than be clipped with a wrong gradient. Records the offset ``o`` (0 for
-    Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``).
+    Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``) and the output axis the parameters
+    run along (the last one, or a channel axis: SqueezeBERT normalises ``(B, C, T)``).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     p = w if w is not None else b
     tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
-    ok = False
+    _AFFINE_FORM.pop(module, None)
     with torch.no_grad():
         zero_b = None if b is None else torch.zeros_like(b)
         offset = 0.0
         if w is not None:  # y(w=0) = o x̂, y(w=1) = (1 + o) x̂
             y0 = _affine_run(module, inp, torch.zeros_like(w), zero_b)
             x_hat = _affine_run(module, inp, torch.ones_like(w), zero_b) - y0
-            offset = float((y0 * x_hat).sum() / (x_hat * x_hat).sum().clamp(min=1e-30))
-            offset = round(offset, 6)
-        _AFFINE_OFFSET[module] = offset
+            offset = round(float((y0 * x_hat).sum() / (x_hat * x_hat).sum().clamp(min=1e-30)), 6)
         x_hat = _unit_output(module, inp, offset)
         gen = torch.Generator(device=p.device).manual_seed(0)
         w_r = None if w is None else torch.rand(w.shape, generator=gen, device=p.device, dtype=p.dtype) + 0.5
         b_r = None if b is None else torch.randn(b.shape, generator=gen, device=p.device, dtype=p.dtype)
+        y_r = _affine_run(module, inp, w_r, b_r)
+        alone = inp.shape[0] < 2 or _close(_unit_output(module, inp[:1], offset), x_hat[:1], tol)
+        axes = [-1] if p.dim() > 1 else [a - x_hat.dim() for a in range(x_hat.dim() - 1, 0, -1)
+                                         if x_hat.shape[a] == p.numel()]
+        for axis in axes:
+            def form(wt, bt, axis=axis):
+                x = x_hat.movedim(axis, -1)
+                y = x if wt is None else (wt + offset) * x
+                return (y if bt is None else y + bt).movedim(-1, axis)
 
-        def form(wt, bt):
-            y = x_hat if wt is None else (wt + offset) * x_hat
-            return y if bt is None else y + bt
-
-        ok = (tuple(x_hat.shape[x_hat.dim() - p.dim():]) == tuple(p.shape)
-              and _close(form(w, b), out, tol)
-              and _close(_affine_run(module, inp, w_r, b_r), form(w_r, b_r), tol)
-              and (inp.shape[0] < 2 or _close(_unit_output(module, inp[:1], offset), x_hat[:1], tol)))
-    if not ok:
-        _AFFINE_OFFSET.pop(module, None)
-        raise UnsupportedLayerError(
-            f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
-            "(weight + offset) * x_hat + bias with x_hat independent of its parameters and of the other examples "
-            "(checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
-            "(param.requires_grad_(False)) or train it through a PEFT adapter."
-        )
+            if (alone and tuple(x_hat.shape[x_hat.dim() - p.dim():] if axis == -1 else (x_hat.shape[axis],))
+                    == tuple(p.shape) and _close(form(w, b), out, tol) and _close(y_r, form(w_r, b_r), tol)):
+                _AFFINE_FORM[module] = (offset, axis)
+                return
+    raise UnsupportedLayerError(
+        f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
+        "(weight + offset) * x_hat + bias with x_hat independent of its parameters and of the other examples "
+        "(checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
+        "(param.requires_grad_(False)) or train it through a PEFT adapter."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- convolutions
