@@ -52,9 +52,7 @@ def own_loss_grads(model: torch.nn.Module, data: Dataset) -> list[dict[str, torc
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     out = []
     for row in data:
-        batch = {k: torch.tensor([v]) for k, v in row.items()}
-        if batch.get("pixel_values") is not None:
-            batch["pixel_values"] = batch["pixel_values"].double()
+        batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items()}
         model.zero_grad(set_to_none=True)
         with _own_loss_context():
             loss = model(**batch).loss
@@ -79,14 +77,14 @@ def group_norms(grads, names: list[str]) -> list[float]:
     return sorted(math.sqrt(sum(float(g[n].pow(2).sum()) for n in names)) for g in grads)
 
 
-def check_exact(model: torch.nn.Module, data: Dataset, tmp_path, clipping: str = "flat") -> DPTrainer:
+def check_exact(model: torch.nn.Module, data: Dataset, tmp_path, clipping: str = "flat", **trainer_kw) -> DPTrainer:
     """One DP step (σ = 0, q = 1) equals the oracle's clipped sum / N; some examples clipped, some not."""
     model = model.double()
     model.config.use_cache = False
     grads = own_loss_grads(model, data)
     trainable = list(grads[0])
     args = zoo_args(tmp_path, group_norms(grads, trainable)[N // 2 - 1] + 1e-9, clipping)
-    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    trainer = DPTrainer(model=model, args=args, train_dataset=data, **trainer_kw)
     if clipping == "flat":
         groups, thresholds = [trainable], [args.per_sample_max_grad_norm]
     else:
@@ -155,6 +153,10 @@ DECODERS = {
     "opt": lambda: freeze(dec(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=24, word_embed_proj_dim=16, dropout=0.0,
                               attention_dropout=0.0)(), ".fc1.", ".fc2.", "layers.0.final_layer_norm"),
     "biogpt": dec(tf.BioGptConfig, tf.BioGptForCausalLM, scale_embedding=True, **SMALL),
+    # State space: depthwise causal Conv1d; A_log / D are parameters of the mixer itself (no layer rule): frozen.
+    "mamba": lambda: freeze(tf.MambaForCausalLM(tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3, time_step_rank=4,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0)), ".A_log", ".D"),
     "xglm": dec(tf.XGLMConfig, tf.XGLMForCausalLM, d_model=16, ffn_dim=24, num_layers=1, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0),  # scaled embedding, sinusoidal positions
 }
@@ -182,6 +184,29 @@ SEQ2SEQ = {
 }
 
 
+def image_cls(n: int = N, size: int = 8, labels: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Random float64 images (a list dataset: HF ``Dataset`` would hand back float32)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, size, size, generator=g, dtype=torch.float64)
+    y = torch.randint(0, labels, (n,), generator=g)
+    return [{"pixel_values": x[i], "labels": y[i]} for i in range(n)]
+
+
+VISION = {
+    # Conv2d patch embedding. cls_token / position_embeddings are used directly in ViTEmbeddings.forward: no layer
+    # rule covers them (the engine's generic fallback will); frozen here.
+    "vit": lambda: freeze(tf.ViTForImageClassification(tf.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, num_labels=3, **SMALL)), "cls_token", "position_embeddings"),
+    # Conv-only: patchify Conv2d, depthwise 7x7 Conv2d (groups = C), channels-first LayerNorm, strided downsampling.
+    "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(
+        num_channels=3, patch_size=2, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, layer_scale_init_value=0.0,
+        image_size=8, num_labels=3, drop_path_rate=0.0)),
+}
+# The image classifiers' own loss is single-label cross-entropy; hf_dp has no default per-example loss for them yet.
+IMAGE_LOSS = {"per_example_loss": lambda out, y: torch.nn.functional.cross_entropy(out.logits, y, reduction="none")}
+
+
 def decoder_data():
     return lm_dataset(N, seq_len=6)
 
@@ -195,7 +220,7 @@ def seq2seq_data():
 
 
 CASES = ([(k, f, decoder_data) for k, f in DECODERS.items()] + [(k, f, encoder_data) for k, f in ENCODERS.items()]
-         + [(k, f, seq2seq_data) for k, f in SEQ2SEQ.items()])
+         + [(k, f, seq2seq_data) for k, f in SEQ2SEQ.items()] + [(k, f, image_cls) for k, f in VISION.items()])
 
 
 def float64_defaults(make):
@@ -207,7 +232,9 @@ def float64_defaults(make):
 
 
 CASES = [(k, float64_defaults(f) if k == "xglm" else f, d) for k, f, d in CASES]
-NEEDS = {"blenderbot_small": "the trainer builds decoder inputs with prepare_decoder_input_ids_from_labels, which "
+NEEDS = {"mamba": "MambaMixer uses conv1d.weight and dt_proj.weight directly in its forward (no layer hook sees "
+                  "them; the engine's generic fallback is issue 13's engine work): refused today",
+         "blenderbot_small": "the trainer builds decoder inputs with prepare_decoder_input_ids_from_labels, which "
                              "BlenderbotSmall lacks (issue 13, losses work)"}
 
 
@@ -223,4 +250,170 @@ def _default_dtype():
     for c in CASES], ids=[c[0] for c in CASES])
 def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
     torch.manual_seed(0)
-    check_exact(make(), data(), tmp_path)
+    check_exact(make(), data(), tmp_path, **(IMAGE_LOSS if name in VISION else {}))
+
+
+# Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
+# tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
+# Conv2d.
+PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext"]
+
+
+@pytest.mark.parametrize("name", PER_LAYER)
+def test_per_layer_clipping_is_exact(tmp_path, name):
+    _, make, data = next(c for c in CASES if c[0] == name)
+    torch.manual_seed(0)
+    check_exact(make(), data(), tmp_path, clipping="per_layer", **(IMAGE_LOSS if name in VISION else {}))
+
+
+# ------------------------------------------------------------------------------- the new rules, layer by layer
+# Each against a loop over single examples (tests/test_layers.py: check_engine), then each run-time check refusing
+# the case it exists for.
+from test_layers import Seq, check_engine  # noqa: E402
+
+from hf_dp import ClippingEngine, UnsupportedLayerError  # noqa: E402
+
+
+@pytest.mark.parametrize("conv", [
+    lambda: torch.nn.Conv1d(3, 4, 3),
+    lambda: torch.nn.Conv1d(3, 6, 3, stride=2, padding=2, dilation=2, bias=False),
+    lambda: torch.nn.Conv1d(4, 4, 3, padding="same", groups=4),  # depthwise (Mamba)
+    lambda: torch.nn.Conv1d(4, 6, 2, groups=2, padding_mode="circular", padding=1),
+    lambda: torch.nn.Conv2d(3, 4, 2, stride=2),  # patch embedding (ViT)
+    lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4),  # depthwise (ConvNeXt)
+    lambda: torch.nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), padding_mode="reflect"),
+], ids=["plain1d", "stride_pad_dil", "depthwise_same", "grouped_circular", "patch2d", "depthwise2d", "reflect2d"])
+def test_conv_rule(conv):
+    torch.manual_seed(0)
+    layer = conv()
+    x = torch.randn(5, layer.in_channels, *([7, 6] if isinstance(layer, torch.nn.Conv2d) else [9]))
+    check_engine(Seq(layer, torch.nn.Tanh()), x)
+
+
+class ScaledEmbedding(torch.nn.Embedding):
+    """BART / Gemma style: the parent's lookup times a scale."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
+class Positions(torch.nn.Embedding):
+    """BlenderbotSmall / BART style: looks up positions it computes itself, with no batch axis, plus an offset."""
+
+    def forward(self, ids, offset: int = 1):
+        return super().forward(torch.arange(ids.shape[1]) + offset)  # (T, d), broadcast over the batch
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, lin=torch.nn.Linear, positions=True):
+        super().__init__()
+        self.tok = ScaledEmbedding(11, 4, padding_idx=0)
+        self.pos = Positions(12, 4) if positions else None
+        self.proj = lin(4, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.tok.weight  # tied: the scaled lookup and the head are one parameter
+
+    def forward(self, ids):
+        h = self.tok(ids) + (self.pos(ids) if self.pos is not None else 0)
+        return self.head(torch.tanh(self.proj(h)))
+
+
+def test_embedding_subclasses_scaled_tied_and_broadcast_positions():
+    torch.manual_seed(1)
+    check_engine(TinyLM(), torch.randint(0, 11, (5, 6)))
+
+
+class FalconLike(torch.nn.Linear):
+    def forward(self, x):
+        y = x @ self.weight.T
+        return y if self.bias is None else y + self.bias
+
+
+class NotLinear(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2.0  # a scale the linear rule would miss
+
+
+def test_linear_subclass_verified_by_behaviour():
+    torch.manual_seed(2)
+    check_engine(TinyLM(lin=FalconLike, positions=False), torch.randint(0, 11, (4, 5)))
+    model = TinyLM(lin=NotLinear, positions=False)
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match="proj.*does not compute"), engine.record(4):
+        model(torch.randint(0, 11, (4, 5))).sum().backward()
+
+
+class WeightReadDirectly(torch.nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) + self.weight.mean(0)  # a second use of the weight, outside F.embedding
+
+
+def test_embedding_subclass_other_use_of_weight_is_refused():
+    model = Seq(WeightReadDirectly(11, 4), torch.nn.Linear(4, 2))
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match="other than through F.embedding.*tied"), engine.record(3):
+        model(torch.randint(0, 11, (3, 5))).sum().backward()
+
+
+class GemmaLikeNorm(torch.nn.Module):
+    """(1 + w) ⊙ x / rms(x), as Gemma."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.weight)
+
+
+class ChannelsFirstNorm(torch.nn.LayerNorm):
+    """SqueezeBERT / ConvNeXt: normalises (B, C, T) over C."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+class BatchStatNorm(torch.nn.Module):
+    """Normalises with statistics over the whole batch: mixes examples."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.bias = torch.nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return self.weight * (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-5) + self.bias
+
+
+class ChannelScale(torch.nn.Module):
+    """Weight of the right size, applied along the wrong axis for its claimed form unless the rule finds the axis."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(d) + 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x) * self.weight[:, None]  # (B, C, T) scaled along C
+
+
+def test_affine_norm_rule_offsets_axes_and_layer_scale():
+    torch.manual_seed(3)
+    check_engine(Seq(torch.nn.Linear(4, 6), GemmaLikeNorm(6), torch.nn.Linear(6, 2)), torch.randn(4, 3, 4))
+    lnorm = ChannelsFirstNorm(5)
+    with torch.no_grad():
+        lnorm.weight.uniform_(0.5, 1.5)
+        lnorm.bias.uniform_(-1, 1)
+    check_engine(Seq(torch.nn.Conv1d(3, 5, 2), lnorm, torch.nn.Conv1d(5, 2, 1)), torch.randn(4, 3, 6))
+    check_engine(Seq(torch.nn.Conv1d(3, 5, 1), ChannelScale(5), torch.nn.Conv1d(5, 2, 1)), torch.randn(4, 3, 6))
+
+
+def test_affine_norm_that_mixes_examples_is_refused():
+    model = Seq(torch.nn.Linear(3, 4), BatchStatNorm(4))
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match="other examples"), engine.record(4):
+        model(torch.randn(4, 5, 3)).sum().backward()
+
+
+def test_batch_norm_is_refused_before_training():
+    with pytest.raises(UnsupportedLayerError, match=r"mods\.1\.weight"):
+        ClippingEngine(Seq(torch.nn.Conv1d(2, 3, 1), torch.nn.BatchNorm1d(3)))
