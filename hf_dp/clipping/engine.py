@@ -298,6 +298,8 @@ class ClippingEngine:
         def hook(mod, args, kwargs, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
+            if rule.all_inputs:
+                return attach((*args, *kwargs.values()), output)
             return attach(args[0] if args else next(iter(kwargs.values())), output)
 
         return hook
@@ -309,7 +311,8 @@ class ClippingEngine:
                  if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
 
         def hook(inp, output):
-            inp = inp.detach()
+            inp = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inp) if isinstance(inp, tuple) \
+                else inp.detach()
             if rule.verify is not None and id(module) not in self._verified:
                 rule.verify(module, name, inp, output)
                 self._verified.add(id(module))
@@ -330,7 +333,7 @@ class ClippingEngine:
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
-                uses = [u for u in rule.uses(module, name, box.pop(), None, grad.detach())
+                uses = [u.by_example(self._batch_size) for u in rule.uses(module, name, box.pop(), None, grad.detach())
                         if id(u.param) in self._names]
                 for u in uses:
                     if u.batch_size != self._batch_size:
