@@ -47,6 +47,8 @@ class Use:
         right: ``(B, T, d_R)``.
         left_dim: ``d_L``.
         module_name: qualified name of the module, for error messages.
+        token_rows: the batch axis holds the micro-batch's tokens flattened example-major (``B·T`` rows, token ``t``
+            of example ``t // T``: MoE layers see ``hidden_states.view(-1, d)``); see :meth:`by_example`.
     """
 
     param: nn.Parameter
@@ -54,6 +56,20 @@ class Use:
     right: torch.Tensor
     left_dim: int
     module_name: str
+    token_rows: bool = False
+
+    def by_example(self, batch_size: int) -> Use:
+        """A ``token_rows`` use regrouped per example: ``(B·T, T', d) → (B, T·T', d)``, the same ``Σ Lᵀ R``."""
+        if not self.token_rows:
+            return self
+        if self.right.shape[0] % batch_size:
+            raise UnsupportedLayerError(
+                f"{self.module_name}: {self.right.shape[0]} token rows cannot be split into {batch_size} examples.")
+
+        def regroup(x):
+            return None if x is None else x.reshape(batch_size, -1, *x.shape[2:])
+
+        return Use(self.param, regroup(self.left), regroup(self.right), self.left_dim, self.module_name)
 
     @property
     def kind(self) -> str:
@@ -344,6 +360,214 @@ class _EmbeddingCalls(TorchFunctionMode):
         )
 
 
+# ------------------------------------------------------------------------------------------- mixture of experts
+def _is_experts(module: nn.Module) -> bool:
+    """transformers 5 expert blocks (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS,
+    DeepSeek-V3, …): 3-D ``[gate_]up_proj`` / ``down_proj`` parameters, one slice per expert."""
+    down = getattr(module, "down_proj", None)
+    return isinstance(down, nn.Parameter) and down.dim() == 3 and hasattr(module, "has_gate") \
+        and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+
+
+def _expert_params(module: nn.Module, overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    names = {"up": up, "down": "down_proj", "up_b": f"{up}_bias", "down_b": "down_proj_bias"}
+    out = {}
+    for key, attr in names.items():
+        p = (overrides or {}).get(attr, getattr(module, attr, None) if (key in ("up", "down") or module.has_bias)
+                                   else None)
+        out[key] = p
+    return out
+
+
+def _expert_up(module: nn.Module, p: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s up-projection of token rows ``x``."""
+    w = p["up"][e]
+    u = x @ w if module.is_transposed else x @ w.t()
+    return u if p["up_b"] is None else u + p["up_b"][e]
+
+
+def _expert_act(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """The module's own gate (``_apply_gate``: SwiGLU, GPT-OSS's clamped GLU, …) or activation."""
+    return module._apply_gate(u) if module.has_gate else module.act_fn(u)
+
+
+def _expert_down(module: nn.Module, p: dict, e: int, h: torch.Tensor) -> torch.Tensor:
+    w = p["down"][e]
+    y = h @ w if module.is_transposed else h @ w.t()
+    return y if p["down_b"] is None else y + p["down_b"][e]
+
+
+def _experts_recompute(module: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                       p: dict) -> torch.Tensor:
+    """The experts' output from their parameters, as :func:`_experts` factors it (checked against the module)."""
+    out = torch.zeros_like(x)
+    for e in range(module.num_experts):
+        tok, slot = torch.where(idx == e)
+        if tok.numel():
+            y = _expert_down(module, p, e, _expert_act(module, _expert_up(module, p, e, x[tok])))
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+    return out
+
+
+def _experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """Routed experts ``y_t = Σ_k w_{t,k} down_{e}(act(up_{e}(x_t)))``, ``e = idx_{t,k}`` (transformers 5 expert
+    blocks, 3-D parameters). Per token, the gradient of expert ``e``'s slice is an outer product, so each example's
+    gradient is a sum over its routed tokens; expert slices are disjoint blocks of one parameter:
+
+    * ``up`` ``(E, 2I, D)``: one row per token, ``L_t = [δ_{t,e}]_e`` (zero for unrouted experts), ``R_t = x_t`` —
+      the factor shape of a ``Linear(D, E·2I)``; ``δ_{t,e}`` is the gradient at the up-projection's output,
+      by autograd through the module's own gate;
+    * ``down`` ``(E, D, I)``: one row per (token, routed expert), ``L = block_e(w_{t,e} g_t)``, ``R = h_{t,e}``;
+    * transposed storage (GPT-OSS) swaps which of the two needs a row per routed pair; biases are "ones" uses.
+
+    Rows are tokens (``token_rows``): the engine regroups them example-major. Loops run over experts only.
+    """
+    x, idx, weights = inp[0], inp[1], inp[2]
+    p = _expert_params(module)
+    n, d = x.shape
+    n_exp, k = module.num_experts, idx.shape[-1]
+    g = grad.reshape(n, d)
+    dt = g.dtype
+    delta, acts = None, None
+    delta_rows, act_rows, grad_rows, x_rows = [], [], [], []
+    for e in range(n_exp):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        with torch.no_grad():
+            u = _expert_up(module, p, e, xe)
+        gamma = g[tok] * weights[tok, slot, None].to(dt)  # gradient at the expert's down-projection output
+        w_down = p["down"][e].detach()
+        g_h = gamma @ (w_down.t() if module.is_transposed else w_down).to(dt)
+        with torch.enable_grad():
+            u = u.detach().requires_grad_(True)
+            h = _expert_act(module, u)
+            (d_u,) = torch.autograd.grad(h, u, g_h.to(h.dtype))
+        if delta is None:
+            delta = g.new_zeros(n, n_exp, d_u.shape[-1])
+            acts = g.new_zeros(n, n_exp, h.shape[-1])
+        delta[tok, e] = d_u.to(dt)
+        acts[tok, e] = (h.detach() * weights[tok, slot, None]).to(dt)
+        delta_rows.append((e, tok, d_u.to(dt)))
+        act_rows.append((e, tok, h.detach().to(dt)))
+        grad_rows.append((e, tok, gamma))
+        x_rows.append((e, tok, xe.to(dt)))
+    if delta is None:  # no token routed to any expert: nothing to clip
+        return []
+    uses = []
+    up, down = p["up"], p["down"]
+
+    def pair_rows(rows, width: int, blocked: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row per (token, routed expert): left in the expert's block of an ``E·width`` vector, right as is.
+        Rows are laid out (token, slot) so that each token keeps ``k`` rows (unused ones stay zero)."""
+        left = g.new_zeros(n, k, n_exp * width)
+        right = g.new_zeros(n, k, rows[0][2].shape[-1])
+        for (e, tok, l_val), (_, _, r_val) in zip(blocked, rows):
+            slot = torch.where(idx[tok] == e)[1]
+            left[tok, slot, e * width:(e + 1) * width] = l_val
+            right[tok, slot] = r_val
+        return left, right
+
+    if not module.is_transposed:
+        # up (E, 2I, D): G[e] = Σ δ_eᵀ x  ->  (E·2I, D) with one row per token
+        uses.append(Use(up, delta.reshape(n, 1, -1), x.to(dt).reshape(n, 1, d), up.shape[0] * up.shape[1], name,
+                        token_rows=True))
+        # down (E, D, I): G[e] = Σ (w g)ᵀ h_e  ->  (E·D, I), a row per routed pair
+        left, right = pair_rows(act_rows, d, grad_rows)
+        uses.append(Use(down, left, right, down.shape[0] * down.shape[1], name, token_rows=True))
+    else:
+        # up (E, D, 2I): G[e] = Σ xᵀ δ_e  ->  (E·D, 2I), a row per routed pair
+        left, right = pair_rows(delta_rows, d, x_rows)
+        uses.append(Use(up, left, right, up.shape[0] * up.shape[1], name, token_rows=True))
+        # down (E, I, D): G[e] = Σ (w h_e)ᵀ g  ->  (E·I, D) with one row per token
+        uses.append(Use(down, acts.reshape(n, 1, -1), g.reshape(n, 1, d), down.shape[0] * down.shape[1], name,
+                        token_rows=True))
+    if p["up_b"] is not None:
+        uses.append(Use(p["up_b"], None, delta.reshape(n, 1, -1), 1, name, token_rows=True))
+    if p["down_b"] is not None:
+        routed = torch.zeros(n, n_exp, dtype=dt, device=g.device)
+        for e, tok, _ in grad_rows:
+            slot = torch.where(idx[tok] == e)[1]
+            routed[tok, e] = weights[tok, slot].to(dt)
+        uses.append(Use(p["down_b"], None, (routed.unsqueeze(-1) * g.unsqueeze(1)).reshape(n, 1, -1), 1, name,
+                        token_rows=True))
+    return uses
+
+
+def _verify_experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor) -> None:
+    """Check once, on real activations, that the expert block computes what :func:`_experts` factors — for its own
+    parameters and for random ones (no post-expert norm, no other use of the parameters)."""
+    x, idx, weights = inp[0], inp[1], inp[2]
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    ok = not getattr(module, "has_post_expert_norm", False) and x.dim() == 2 and idx.dim() == 2
+    if ok:
+        with torch.no_grad():
+            ok = _close(_experts_recompute(module, x, idx, weights, _expert_params(module)), out, tol)
+            if ok:
+                gen = torch.Generator(device=x.device).manual_seed(0)
+                rand = {n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * 0.1
+                        for n, p in module.named_parameters(recurse=False)}
+                clone = copy.copy(module)
+                clone._parameters = {n: nn.Parameter(v, requires_grad=False) for n, v in rand.items()}
+                ok = _close(_experts_recompute(module, x, idx, weights, _expert_params(module, rand)),
+                            clone.forward(x, idx, weights), tol)
+    if not ok:
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}): this expert block does not compute the routed gated MLP hf_dp's "
+            "expert rule factors (checked on this batch); freeze its experts or train the model through LoRA on "
+            "the attention layers."
+        )
+
+
+class _LinearCalls(TorchFunctionMode):
+    """Active during the forward of a router (a module with a 2-D ``weight`` that scores tokens for experts):
+    its ``F.linear(x, self.weight, bias)`` call is factored as a linear layer's. Routers see the tokens flattened
+    example-major (``(B·T, d)``); the call is made on the ``(B, T, d)`` view so each row stays with its example.
+    Any other use of the weight is refused."""
+
+    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach):
+        super().__init__()
+        self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = self.module.weight
+        if not any(a is weight for a in (*args, *kwargs.values())):
+            return func(*args, **kwargs)
+        if func is F.linear and len(args) >= 2 and args[1] is weight:
+            x, b = args[0], self.batch_size
+            if b and x.dim() == 2 and x.shape[0] % b == 0:
+                y = self.attach(x.view(b, x.shape[0] // b, x.shape[1]),
+                                func(x.view(b, x.shape[0] // b, x.shape[1]), *args[1:], **kwargs))
+                return y.reshape(x.shape[0], -1)
+            return self.attach(x, func(*args, **kwargs))
+        result = func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__" and not isinstance(result, torch.Tensor):
+            return result
+        raise UnsupportedLayerError(
+            f"{self.name} ({type(self.module).__name__}) uses its weight in its forward other than through F.linear "
+            f"({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze it "
+            "(param.requires_grad_(False))."
+        )
+
+
+def _router(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """A router's ``F.linear(x, W, b)``: ``G_W = gᵀ x``, ``G_b = Σ_t g`` (as :func:`_linear`)."""
+    d_out, d_in = module.weight.shape
+    uses = [Use(module.weight, _as_btd(grad, d_out), _as_btd(inp, d_in), d_out, name)]
+    if getattr(module, "bias", None) is not None:
+        uses.append(Use(module.bias, None, _as_btd(grad, d_out), 1, name))
+    return uses
+
+
+def _is_router(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 2 and hasattr(module, "top_k") and \
+        hasattr(module, "num_experts")
+
+
 RuleFn = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], list[Use]]
 Attach = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -365,6 +589,7 @@ class Rule:
     check: Callable[[nn.Module, str], None] | None = None
     verify: Callable[[nn.Module, str, torch.Tensor, torch.Tensor], None] | None = None
     capture: Callable[[nn.Module, str, int | None, Attach], contextlib.AbstractContextManager] | None = None
+    all_inputs: bool = False  # ``uses`` / ``verify`` get every positional and keyword input as a tuple
 
 
 _LINEAR = Rule("linear", _linear, ("weight", "bias"))
@@ -375,6 +600,9 @@ _EMBEDDING = Rule("embedding", _embedding, ("weight",), check=_check_embedding)
 _EMBEDDING_CALLS = Rule("embedding_calls", _embedding, ("weight",), check=_check_embedding,
                         capture=_EmbeddingCalls)
 _LAYER_NORM = Rule("layer_norm", _layer_norm, ("weight", "bias"))
+_EXPERTS = Rule("experts", _experts, ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                                        "down_proj_bias"), verify=_verify_experts, all_inputs=True)
+_ROUTER = Rule("router", _router, ("weight", "bias"), capture=_LinearCalls)
 _AFFINE_NORM = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm)
 
 
@@ -408,6 +636,10 @@ def find_rule(module: nn.Module) -> Rule | None:
         return _EMBEDDING_CALLS
     if isinstance(module, nn.Linear):
         return _LINEAR_SUBCLASS
+    if _is_experts(module):
+        return _EXPERTS
+    if _is_router(module):
+        return _ROUTER
     if _is_affine_candidate(module):
         return _AFFINE_NORM
     return None
