@@ -157,6 +157,22 @@ DECODERS = {
     "mamba": lambda: freeze(tf.MambaForCausalLM(tf.MambaConfig(
         vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3, time_step_rank=4,
         pad_token_id=0, bos_token_id=0, eos_token_id=0)), ".A_log", ".D"),
+    # Mixture of experts (3-D expert parameters + a router on flattened tokens). "eager" experts: the grouped_mm
+    # kernels take no float64; the rule does not depend on the implementation (it is checked against its output).
+    "mixtral": dec(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2,
+                   experts_implementation="eager"),
+    "olmoe": dec(tf.OlmoeConfig, tf.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                 experts_implementation="eager"),
+    # The shared expert and its gate are Linear layers on flattened (B·T, d) tokens: frozen until the engine maps
+    # token rows of plain layers to examples (as OPT's fc1/fc2).
+    "qwen2_moe": lambda: freeze(dec(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=8, shared_expert_intermediate_size=8,
+                                    experts_implementation="eager")(), "shared_expert"),
+    # Transposed expert storage with biases and a clamped, interleaved GLU. Attention sinks are a parameter used
+    # directly in the attention function (no layer rule): frozen.
+    "gpt_oss": lambda: freeze(dec(tf.GptOssConfig, tf.GptOssForCausalLM, head_dim=8, num_local_experts=4,
+                                  num_experts_per_tok=2, experts_implementation="eager",
+                                  layer_types=["full_attention"])(), "sinks"),
     "xglm": dec(tf.XGLMConfig, tf.XGLMForCausalLM, d_model=16, ffn_dim=24, num_layers=1, dropout=0.0,
                 attention_dropout=0.0, activation_dropout=0.0),  # scaled embedding, sinusoidal positions
 }
@@ -255,8 +271,8 @@ def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
 
 # Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
 # tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
-# Conv2d.
-PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext"]
+# Conv2d, transposed MoE experts with biases and their router.
+PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss"]
 
 
 @pytest.mark.parametrize("name", PER_LAYER)
@@ -417,3 +433,71 @@ def test_affine_norm_that_mixes_examples_is_refused():
 def test_batch_norm_is_refused_before_training():
     with pytest.raises(UnsupportedLayerError, match=r"mods\.1\.weight"):
         ClippingEngine(Seq(torch.nn.Conv1d(2, 3, 1), torch.nn.BatchNorm1d(3)))
+
+
+class Router(torch.nn.Module):
+    """A top-k router as transformers 5 writes them: F.linear on flattened tokens."""
+
+    def __init__(self, d, n_exp, scale=1.0):
+        super().__init__()
+        self.top_k, self.num_experts, self.scale = 2, n_exp, scale
+        self.weight = torch.nn.Parameter(torch.randn(n_exp, d))
+
+    def forward(self, x):
+        weight = self.weight if self.scale == 1.0 else self.weight * self.scale  # (DeepSeek-V3 casts it)
+        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]), weight)
+        w, idx = torch.topk(logits.softmax(-1), self.top_k, dim=-1)
+        return w, idx
+
+
+class Experts(torch.nn.Module):
+    """The transformers 5 expert-block layout (``@use_experts_implementation`` attributes); ``scale`` != 1 makes it
+    compute something the expert rule does not factor."""
+
+    def __init__(self, d, n_exp, inter, scale=1.0):
+        super().__init__()
+        self.num_experts, self.scale = n_exp, scale
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(n_exp, 2 * inter, d) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(n_exp, d, inter) * 0.3)
+        self.act_fn = torch.nn.SiLU()
+
+    def _apply_gate(self, u):
+        gate, up = u.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(idx == e)
+            h = self._apply_gate(torch.nn.functional.linear(x[tok], self.gate_up_proj[e]))
+            y = torch.nn.functional.linear(h, self.down_proj[e]) * w[tok, slot, None]
+            out.index_add_(0, tok, y)
+        return out * self.scale
+
+
+class MoE(torch.nn.Module):
+    def __init__(self, router_scale=1.0, experts_scale=1.0):
+        super().__init__()
+        self.inp = torch.nn.Linear(3, 6)
+        self.gate = Router(6, 4, router_scale)
+        self.experts = Experts(6, 4, 5, experts_scale)
+
+    def forward(self, x):
+        h = self.inp(x)
+        w, idx = self.gate(h)
+        return self.experts(h.reshape(-1, 6), idx, w).reshape(h.shape)
+
+
+def test_moe_experts_and_router():
+    torch.manual_seed(4)
+    check_engine(MoE(), torch.randn(5, 4, 3))
+
+
+@pytest.mark.parametrize("which,match", [("experts", "does not compute the routed gated MLP"),
+                                          ("router", "other than through F.linear")])
+def test_moe_lookalikes_are_refused(which, match):
+    model = MoE(**{f"{which}_scale": 2.0})
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match=match), engine.record(3):
+        model(torch.randn(3, 4, 3)).sum().backward()

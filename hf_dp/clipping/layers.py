@@ -411,15 +411,17 @@ def _experts_recompute(module: nn.Module, x: torch.Tensor, idx: torch.Tensor, we
 
 
 def _experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
-    """Routed experts ``y_t = Σ_k w_{t,k} down_{e}(act(up_{e}(x_t)))``, ``e = idx_{t,k}`` (transformers 5 expert
-    blocks, 3-D parameters). Per token, the gradient of expert ``e``'s slice is an outer product, so each example's
-    gradient is a sum over its routed tokens; expert slices are disjoint blocks of one parameter:
+    """Routed experts ``y_t = Σ_k w_{t,k} down_e(act(up_e(x_t)))``, ``e = idx_{t,k}`` (transformers 5 expert blocks,
+    3-D parameters). Per token, the gradient of expert ``e``'s slice is an outer product, so each example's gradient
+    is a sum over its routed tokens; expert slices are disjoint blocks of one parameter. With ``δ_{t,e}`` the
+    gradient at the up-projection's output (autograd through the module's own gate), ``h_{t,e}`` the activation and
+    ``γ_{t,e} = w_{t,e} g_t`` the gradient at the down-projection's output:
 
     * ``up`` ``(E, 2I, D)``: one row per token, ``L_t = [δ_{t,e}]_e`` (zero for unrouted experts), ``R_t = x_t`` —
-      the factor shape of a ``Linear(D, E·2I)``; ``δ_{t,e}`` is the gradient at the up-projection's output,
-      by autograd through the module's own gate;
-    * ``down`` ``(E, D, I)``: one row per (token, routed expert), ``L = block_e(w_{t,e} g_t)``, ``R = h_{t,e}``;
-    * transposed storage (GPT-OSS) swaps which of the two needs a row per routed pair; biases are "ones" uses.
+      the factors of a ``Linear(D, E·2I)``;
+    * ``down`` ``(E, D, I)``: one row per (token, slot), ``L = γ_{t,e}`` in expert ``e``'s block, ``R = h_{t,e}``;
+    * transposed storage (GPT-OSS: ``(E, D, 2I)``, ``(E, I, D)``) swaps which needs a row per slot;
+    * biases: "ones" uses, ``R_t = [δ_{t,e}]_e`` and ``[γ_{t,e}]_e``.
 
     Rows are tokens (``token_rows``): the engine regroups them example-major. Loops run over experts only.
     """
@@ -429,70 +431,54 @@ def _experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor, grad: 
     n_exp, k = module.num_experts, idx.shape[-1]
     g = grad.reshape(n, d)
     dt = g.dtype
-    delta, acts = None, None
-    delta_rows, act_rows, grad_rows, x_rows = [], [], [], []
+    x = x.to(dt)
+    up, down = p["up"], p["down"]
+    per_expert = []  # (e, tokens, slots, δ, h, γ)
     for e in range(n_exp):
         tok, slot = torch.where(idx == e)
         if tok.numel() == 0:
             continue
-        xe = x[tok]
         with torch.no_grad():
-            u = _expert_up(module, p, e, xe)
-        gamma = g[tok] * weights[tok, slot, None].to(dt)  # gradient at the expert's down-projection output
-        w_down = p["down"][e].detach()
+            u = _expert_up(module, p, e, x[tok].to(up.dtype))
+        gamma = g[tok] * weights[tok, slot, None].to(dt)
+        w_down = down[e].detach()
         g_h = gamma @ (w_down.t() if module.is_transposed else w_down).to(dt)
         with torch.enable_grad():
             u = u.detach().requires_grad_(True)
             h = _expert_act(module, u)
             (d_u,) = torch.autograd.grad(h, u, g_h.to(h.dtype))
-        if delta is None:
-            delta = g.new_zeros(n, n_exp, d_u.shape[-1])
-            acts = g.new_zeros(n, n_exp, h.shape[-1])
-        delta[tok, e] = d_u.to(dt)
-        acts[tok, e] = (h.detach() * weights[tok, slot, None]).to(dt)
-        delta_rows.append((e, tok, d_u.to(dt)))
-        act_rows.append((e, tok, h.detach().to(dt)))
-        grad_rows.append((e, tok, gamma))
-        x_rows.append((e, tok, xe.to(dt)))
-    if delta is None:  # no token routed to any expert: nothing to clip
+        per_expert.append((e, tok, slot, d_u.to(dt), h.detach().to(dt), gamma))
+    if not per_expert:
         return []
-    uses = []
-    up, down = p["up"], p["down"]
 
-    def pair_rows(rows, width: int, blocked: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row per (token, routed expert): left in the expert's block of an ``E·width`` vector, right as is.
-        Rows are laid out (token, slot) so that each token keeps ``k`` rows (unused ones stay zero)."""
+    def per_token(values: int) -> torch.Tensor:
+        """``(n, E·width)``: each token's per-expert ``values`` (index into the tuples above), zero if unrouted."""
+        width = per_expert[0][values].shape[-1]
+        out = g.new_zeros(n, n_exp, width)
+        for e, tok, slot, *vals in per_expert:
+            out[tok, e] = vals[values - 3] * (weights[tok, slot, None].to(dt) if values == 4 else 1.0)
+        return out.reshape(n, 1, n_exp * width)
+
+    def per_slot(block: int, other: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n, k, E·width)`` and ``(n, k, ·)``: one row per (token, slot), ``block`` in expert ``e``'s block."""
         left = g.new_zeros(n, k, n_exp * width)
-        right = g.new_zeros(n, k, rows[0][2].shape[-1])
-        for (e, tok, l_val), (_, _, r_val) in zip(blocked, rows):
-            slot = torch.where(idx[tok] == e)[1]
-            left[tok, slot, e * width:(e + 1) * width] = l_val
-            right[tok, slot] = r_val
+        right = g.new_zeros(n, k, per_expert[0][other].shape[-1])
+        for e, tok, slot, *vals in per_expert:
+            left[tok, slot, e * width:(e + 1) * width] = vals[block - 3] if block < 6 else x[tok]
+            right[tok, slot] = vals[other - 3]
         return left, right
 
+    DELTA, H, GAMMA, X = 3, 4, 5, 6  # noqa: N806 (indices into per_expert's tuples; X: the token's input)
     if not module.is_transposed:
-        # up (E, 2I, D): G[e] = Σ δ_eᵀ x  ->  (E·2I, D) with one row per token
-        uses.append(Use(up, delta.reshape(n, 1, -1), x.to(dt).reshape(n, 1, d), up.shape[0] * up.shape[1], name,
-                        token_rows=True))
-        # down (E, D, I): G[e] = Σ (w g)ᵀ h_e  ->  (E·D, I), a row per routed pair
-        left, right = pair_rows(act_rows, d, grad_rows)
-        uses.append(Use(down, left, right, down.shape[0] * down.shape[1], name, token_rows=True))
+        uses = [Use(up, per_token(DELTA), x.reshape(n, 1, d), up.shape[0] * up.shape[1], name, token_rows=True),
+                Use(down, *per_slot(GAMMA, H, d), down.shape[0] * down.shape[1], name, token_rows=True)]
     else:
-        # up (E, D, 2I): G[e] = Σ xᵀ δ_e  ->  (E·D, 2I), a row per routed pair
-        left, right = pair_rows(delta_rows, d, x_rows)
-        uses.append(Use(up, left, right, up.shape[0] * up.shape[1], name, token_rows=True))
-        # down (E, I, D): G[e] = Σ (w h_e)ᵀ g  ->  (E·I, D) with one row per token
-        uses.append(Use(down, acts.reshape(n, 1, -1), g.reshape(n, 1, d), down.shape[0] * down.shape[1], name,
-                        token_rows=True))
+        uses = [Use(up, *per_slot(X, DELTA, d), up.shape[0] * up.shape[1], name, token_rows=True),
+                Use(down, per_token(H), g.reshape(n, 1, d), down.shape[0] * down.shape[1], name, token_rows=True)]
     if p["up_b"] is not None:
-        uses.append(Use(p["up_b"], None, delta.reshape(n, 1, -1), 1, name, token_rows=True))
+        uses.append(Use(p["up_b"], None, per_token(DELTA), 1, name, token_rows=True))
     if p["down_b"] is not None:
-        routed = torch.zeros(n, n_exp, dtype=dt, device=g.device)
-        for e, tok, _ in grad_rows:
-            slot = torch.where(idx[tok] == e)[1]
-            routed[tok, e] = weights[tok, slot].to(dt)
-        uses.append(Use(p["down_b"], None, (routed.unsqueeze(-1) * g.unsqueeze(1)).reshape(n, 1, -1), 1, name,
-                        token_rows=True))
+        uses.append(Use(p["down_b"], None, per_token(GAMMA), 1, name, token_rows=True))
     return uses
 
 
