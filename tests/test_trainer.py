@@ -179,7 +179,7 @@ def test_sample_rate_above_one_is_refused(tmp_path):
 def test_unsupported_trainable_parameter_is_named(tmp_path):
     model = tiny_bert()
     model.register_parameter("temperature", torch.nn.Parameter(torch.ones(1)))
-    model.classifier = torch.nn.Sequential(torch.nn.Conv1d(16, 3, 1))  # a layer type without a rule
+    model.classifier = torch.nn.Sequential(torch.nn.Conv3d(16, 3, 1))  # a layer type without a rule
     with pytest.raises(UnsupportedLayerError) as err:
         DPTrainer(model=model, args=make_args(tmp_path, target_epsilon=1.0), train_dataset=lm_dataset(16))
     text = str(err.value)

@@ -601,6 +601,8 @@ def _is_affine_candidate(module: nn.Module) -> bool:
     params = dict(module.named_parameters(recurse=False))
     if not params or not set(params) <= {"weight", "bias"}:
         return False
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False  # not a leaf: e.g. BERT's LM head owns its decoder's bias (covered by the decoder's rule)
     return len({tuple(p.shape) for p in params.values()}) == 1
 
 
