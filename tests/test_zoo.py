@@ -501,3 +501,14 @@ def test_moe_lookalikes_are_refused(which, match):
     engine = ClippingEngine(model)
     with pytest.raises(UnsupportedLayerError, match=match), engine.record(3):
         model(torch.randn(3, 4, 3)).sum().backward()
+
+
+def test_fsdp_engine_refuses_rules_it_cannot_hook():
+    """The FSDP engine keys hooks by attribute and keeps no parameters: call-capturing and all-input rules would lose
+    their uses there, so it refuses them by name instead."""
+    from hf_dp.clipping.fsdp import FSDPClippingEngine
+
+    with pytest.raises(UnsupportedLayerError, match=r"Under FSDP.*tok \(ScaledEmbedding\)"):
+        FSDPClippingEngine(TinyLM(positions=False))
+    with pytest.raises(UnsupportedLayerError, match=r"Under FSDP.*gate \(Router\), experts \(Experts\)"):
+        FSDPClippingEngine(MoE())
