@@ -294,11 +294,13 @@ from hf_dp import ClippingEngine, UnsupportedLayerError  # noqa: E402
     lambda: torch.nn.Conv1d(3, 4, 3),
     lambda: torch.nn.Conv1d(3, 6, 3, stride=2, padding=2, dilation=2, bias=False),
     lambda: torch.nn.Conv1d(4, 4, 3, padding="same", groups=4),  # depthwise (Mamba)
+    lambda: torch.nn.Conv1d(3, 2, 4, padding="same", dilation=3),  # asymmetric 'same' padding
     lambda: torch.nn.Conv1d(4, 6, 2, groups=2, padding_mode="circular", padding=1),
     lambda: torch.nn.Conv2d(3, 4, 2, stride=2),  # patch embedding (ViT)
     lambda: torch.nn.Conv2d(4, 4, 3, padding=1, groups=4),  # depthwise (ConvNeXt)
     lambda: torch.nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), padding_mode="reflect"),
-], ids=["plain1d", "stride_pad_dil", "depthwise_same", "grouped_circular", "patch2d", "depthwise2d", "reflect2d"])
+], ids=["plain1d", "stride_pad_dil", "depthwise_same", "even_same", "grouped_circular", "patch2d", "depthwise2d",
+        "reflect2d"])
 def test_conv_rule(conv):
     torch.manual_seed(0)
     layer = conv()

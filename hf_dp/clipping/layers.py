@@ -297,11 +297,6 @@ def _conv(module: nn.Conv1d | nn.Conv2d, name: str, inp: torch.Tensor, out: torc
     return uses
 
 
-def _check_conv(module: nn.Module, name: str) -> None:
-    if module.weight.dim() not in (3, 4):
-        raise UnsupportedLayerError(f"{name}: only 1-D and 2-D convolutions have a per-example rule; freeze it.")
-
-
 # ------------------------------------------------------------------------------- subclasses with their own forward
 def _verify_linear_subclass(module: nn.Linear, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
     """An ``nn.Linear`` subclass with its own ``forward`` (Falcon's ``FalconLinear``: ``x @ W.T + b``) is clipped
@@ -581,7 +576,7 @@ class Rule:
 _LINEAR = Rule("linear", _linear, ("weight", "bias"))
 _LINEAR_SUBCLASS = Rule("linear_subclass", _linear, ("weight", "bias"), verify=_verify_linear_subclass)
 _CONV1D = Rule("hf_conv1d", _conv1d, ("weight", "bias"))
-_CONV = Rule("conv", _conv, ("weight", "bias"), check=_check_conv)
+_CONV = Rule("conv", _conv, ("weight", "bias"))
 _EMBEDDING = Rule("embedding", _embedding, ("weight",), check=_check_embedding)
 _EMBEDDING_CALLS = Rule("embedding_calls", _embedding, ("weight",), check=_check_embedding,
                         capture=_EmbeddingCalls)
