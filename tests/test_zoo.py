@@ -301,6 +301,7 @@ from hf_dp import ClippingEngine, UnsupportedLayerError  # noqa: E402
     lambda: torch.nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2), padding_mode="reflect"),
 ], ids=["plain1d", "stride_pad_dil", "depthwise_same", "even_same", "grouped_circular", "patch2d", "depthwise2d",
         "reflect2d"])
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's own, from the layer itself
 def test_conv_rule(conv):
     torch.manual_seed(0)
     layer = conv()
