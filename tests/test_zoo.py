@@ -184,6 +184,10 @@ ENCODERS = {
     "distilbert": lambda: tf.DistilBertForSequenceClassification(tf.DistilBertConfig(
         vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, hidden_dim=24, max_position_embeddings=32, dropout=0.0,
         attention_dropout=0.0, seq_classif_dropout=0.0, num_labels=3, pad_token_id=0)),
+    # DeBERTa-v2/v3 with its convolution layer (Conv1d + LayerNorm). Relative attention is off: its position
+    # projections see the relative embeddings once per batch (no batch axis), the engine's broadcast work.
+    "deberta_v2": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=False,
+                      position_biased_input=True, conv_kernel_size=3, pooler_dropout=0.0),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
