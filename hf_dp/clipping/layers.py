@@ -506,18 +506,26 @@ class _LinearCalls(TorchFunctionMode):
     """Active during the forward of a router (a module with a 2-D ``weight`` that scores tokens for experts):
     its ``F.linear(x, self.weight, bias)`` call is factored as a linear layer's. Routers see the tokens flattened
     example-major (``(B·T, d)``); the call is made on the ``(B, T, d)`` view so each row stays with its example.
-    Any other use of the weight is refused."""
+    A dtype cast of the weight on its way to ``F.linear`` (DeepSeek-V3: ``weight.type(torch.float32)``) is the same
+    weight (the cast's gradient is the identity). Any other use of the weight is refused."""
+
+    _CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
 
     def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach):
         super().__init__()
         self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
+        self.aliases = [module.weight]  # the weight and its dtype casts (kept alive: identity checks)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        weight = self.module.weight
-        if not any(a is weight for a in (*args, *kwargs.values())):
+        if not any(a is w for a in (*args, *kwargs.values()) for w in self.aliases):
             return func(*args, **kwargs)
-        if func is F.linear and len(args) >= 2 and args[1] is weight:
+        if getattr(func, "__name__", "") in self._CASTS and args and any(args[0] is w for w in self.aliases):
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.shape == self.module.weight.shape:
+                self.aliases.append(result)
+                return result
+        if func is F.linear and len(args) >= 2 and any(args[1] is w for w in self.aliases):
             x, b = args[0], self.batch_size
             if b and x.dim() == 2 and x.shape[0] % b == 0:
                 y = self.attach(x.view(b, x.shape[0] // b, x.shape[1]),
