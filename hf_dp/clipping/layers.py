@@ -318,41 +318,80 @@ def _verify_linear_subclass(module: nn.Linear, name: str, inp: torch.Tensor, out
         )
 
 
-class _EmbeddingCalls(TorchFunctionMode):
-    """Active during the forward of an ``nn.Embedding`` subclass that has its own ``forward``: every
-    ``F.embedding(ids, self.weight, ...)`` call is handed to ``attach(ids, output) -> output`` (the engine's hook on
-    that call's output), so the plain embedding rule applies to the call itself — exact whatever the subclass does
-    around it: a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or a computed position id (OPT /
-    BART / BioGPT learned positions). Ids without the batch axis (``(1, T)`` or ``(T,)``: positions computed once
-    and broadcast) are expanded to the micro-batch's ``B`` rows first, so each example gets its own rows. Any other
-    use of the weight inside that forward (besides reading metadata) is refused.
+Attach = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _WeightCalls(TorchFunctionMode):
+    """Active during a module's forward (``Rule.capture``): each ``functional(x, self.weight, ...)`` call is handed
+    to ``attach(x, output) -> output`` (the engine's hook on that call's output), so the parent layer's rule applies
+    to the call itself — exact whatever the module does around it. A dtype cast of the weight on its way to that
+    call (DeepSeek-V3: ``weight.type(torch.float32)``) is the same weight (the cast's gradient is the identity). Any
+    other use of the weight inside the forward (besides reading metadata) is refused.
     """
 
-    def __init__(self, module: nn.Embedding, name: str, batch_size: int | None,
-                 attach: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    functional = staticmethod(F.linear)
+    _CASTS = frozenset({"type", "to", "float", "double", "half", "bfloat16"})
+
+    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach: Attach):
         super().__init__()
         self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
+        self.aliases = [module.weight]  # the weight and its dtype casts (kept alive: identity checks)
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.attach(args[0], func(*args, **kwargs))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        weight = self.module.weight
-        if not any(a is weight for a in (*args, *kwargs.values())):
+        if not any(a is w for a in (*args, *kwargs.values()) for w in self.aliases):
             return func(*args, **kwargs)
-        if func is F.embedding and len(args) >= 2 and args[1] is weight:
-            ids, b = args[0], self.batch_size
-            if b is not None and b > 1:
-                ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis
-                ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 else ids
-            return self.attach(ids, func(ids, *args[1:], **kwargs))
-        result = func(*args, **kwargs)
+        result = None
+        if getattr(func, "__name__", "") in self._CASTS and args and any(args[0] is w for w in self.aliases):
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.shape == self.module.weight.shape:
+                self.aliases.append(result)
+                return result
+        if func is self.functional and len(args) >= 2 and any(args[1] is w for w in self.aliases):
+            return self.call(func, args, kwargs)
+        result = func(*args, **kwargs) if result is None else result
         if getattr(func, "__name__", "") == "__get__" and not isinstance(result, torch.Tensor):
             return result  # metadata: weight.device, weight.dtype, weight.shape
         raise UnsupportedLayerError(
             f"{self.name} ({type(self.module).__name__}) uses its weight in its forward other than through "
-            f"F.embedding ({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze "
-            "the weight (param.requires_grad_(False)); if it is tied to an output layer (LM head), that freezes the "
-            "head too — or train through a PEFT adapter."
+            f"F.{self.functional.__name__} "
+            f"({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze the weight "
+            "(param.requires_grad_(False)); if it is tied to another layer (e.g. an LM head), that freezes the other "
+            "layer too — or train through a PEFT adapter."
         )
+
+
+class _EmbeddingCalls(_WeightCalls):
+    """An ``nn.Embedding`` subclass with its own ``forward``: its ``F.embedding(ids, self.weight, ...)`` calls get the
+    plain embedding rule — a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or computed position
+    ids (OPT / BART / BioGPT learned positions) around them do not matter. Ids without the batch axis (``(1, T)`` or
+    ``(T,)``: positions computed once and broadcast) are expanded to the micro-batch's ``B`` rows first, so each
+    example gets its own rows (an output that broadcasts the same way downstream)."""
+
+    functional = staticmethod(F.embedding)
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        ids, b = args[0], self.batch_size
+        if b is not None and b > 1:
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis
+            ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 else ids
+        return self.attach(ids, func(ids, *args[1:], **kwargs))
+
+
+class _RouterCalls(_WeightCalls):
+    """A MoE router (a module with a 2-D ``weight`` scoring tokens for experts): its ``F.linear(x, self.weight, b)``
+    call gets the linear rule. Routers see the tokens flattened example-major (``(B·T, d)``); the call is made on
+    the ``(B, T, d)`` view so each row stays with its example."""
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        x, b = args[0], self.batch_size
+        if not (b and x.dim() == 2 and x.shape[0] % b == 0):
+            return self.attach(x, func(*args, **kwargs))
+        x3 = x.view(b, x.shape[0] // b, x.shape[1])
+        return self.attach(x3, func(x3, *args[1:], **kwargs)).reshape(x.shape[0], -1)
 
 
 # ------------------------------------------------------------------------------------------- mixture of experts
@@ -502,46 +541,6 @@ def _verify_experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor)
         )
 
 
-class _LinearCalls(TorchFunctionMode):
-    """Active during the forward of a router (a module with a 2-D ``weight`` that scores tokens for experts):
-    its ``F.linear(x, self.weight, bias)`` call is factored as a linear layer's. Routers see the tokens flattened
-    example-major (``(B·T, d)``); the call is made on the ``(B, T, d)`` view so each row stays with its example.
-    A dtype cast of the weight on its way to ``F.linear`` (DeepSeek-V3: ``weight.type(torch.float32)``) is the same
-    weight (the cast's gradient is the identity). Any other use of the weight is refused."""
-
-    _CASTS = {"type", "to", "float", "double", "half", "bfloat16"}
-
-    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach):
-        super().__init__()
-        self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
-        self.aliases = [module.weight]  # the weight and its dtype casts (kept alive: identity checks)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not any(a is w for a in (*args, *kwargs.values()) for w in self.aliases):
-            return func(*args, **kwargs)
-        if getattr(func, "__name__", "") in self._CASTS and args and any(args[0] is w for w in self.aliases):
-            result = func(*args, **kwargs)
-            if isinstance(result, torch.Tensor) and result.shape == self.module.weight.shape:
-                self.aliases.append(result)
-                return result
-        if func is F.linear and len(args) >= 2 and any(args[1] is w for w in self.aliases):
-            x, b = args[0], self.batch_size
-            if b and x.dim() == 2 and x.shape[0] % b == 0:
-                y = self.attach(x.view(b, x.shape[0] // b, x.shape[1]),
-                                func(x.view(b, x.shape[0] // b, x.shape[1]), *args[1:], **kwargs))
-                return y.reshape(x.shape[0], -1)
-            return self.attach(x, func(*args, **kwargs))
-        result = func(*args, **kwargs)
-        if getattr(func, "__name__", "") == "__get__" and not isinstance(result, torch.Tensor):
-            return result
-        raise UnsupportedLayerError(
-            f"{self.name} ({type(self.module).__name__}) uses its weight in its forward other than through F.linear "
-            f"({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze it "
-            "(param.requires_grad_(False))."
-        )
-
-
 def _router(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
     """A router's ``F.linear(x, W, b)``: ``G_W = gᵀ x``, ``G_b = Σ_t g`` (as :func:`_linear`)."""
     d_out, d_in = module.weight.shape
@@ -558,7 +557,6 @@ def _is_router(module: nn.Module) -> bool:
 
 
 RuleFn = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], list[Use]]
-Attach = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -591,7 +589,7 @@ _EMBEDDING_CALLS = Rule("embedding_calls", _embedding, ("weight",), check=_check
 _LAYER_NORM = Rule("layer_norm", _layer_norm, ("weight", "bias"))
 _EXPERTS = Rule("experts", _experts, ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
                                         "down_proj_bias"), verify=_verify_experts, all_inputs=True)
-_ROUTER = Rule("router", _router, ("weight", "bias"), capture=_LinearCalls)
+_ROUTER = Rule("router", _router, ("weight", "bias"), capture=_RouterCalls)
 _AFFINE_NORM = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm)
 
 
