@@ -185,6 +185,13 @@ def _no_uses(*_args) -> list[Use]:  # the fallback's uses come from its own hook
     return []
 
 
+def _detached(inp):
+    """A hooked call's input (a tensor, or every input with ``Rule.all_inputs``), detached."""
+    if isinstance(inp, tuple):
+        return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inp)
+    return inp.detach()
+
+
 def _rows(x: torch.Tensor) -> int | None:
     """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
     return x.shape[0] if x.dim() >= 2 else None
@@ -284,6 +291,7 @@ class ClippingEngine:
         self._handler: GroupHandler | None = None
         self._group_of: dict[str, int] = {}
         self._verified: set[int] = set()
+        self._captures: list[tuple[int, contextlib.AbstractContextManager]] = []  # open Rule.capture contexts
         self._batch_size: int | None = None
         self._calls: dict[int, int] = {}
         self._replaying = False
@@ -323,8 +331,13 @@ class ClippingEngine:
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
-            hook = self._fallback_hook(n, m) if id(m) in self._fallbacks else self._forward_hook(n, m, r)
-            handles.append(m.register_forward_hook(hook, with_kwargs=True))
+            if id(m) in self._fallbacks:
+                handles.append(m.register_forward_hook(self._fallback_hook(n, m), with_kwargs=True))
+            elif r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
+                handles += [m.register_forward_pre_hook(self._capture_pre_hook(n, m, r)),
+                            m.register_forward_hook(self._capture_post_hook)]
+            else:
+                handles.append(m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
         handles += [self._broadcast_point(m, k) for m in self._bcast_owners for k in _BROADCAST_METHODS
@@ -336,6 +349,8 @@ class ClippingEngine:
         try:
             yield
         finally:
+            while self._captures:  # a forward that raised never reached its post hook
+                self._captures.pop()[1].__exit__(None, None, None)
             for p in self.params.values():
                 p.requires_grad_(True)
             for h in handles:
@@ -620,29 +635,57 @@ class ClippingEngine:
                     self._process_group(k)
 
     def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
-        owned = self._owned(module, rule)
+        attach = self._attach(name, module, rule)
 
         def hook(mod, args, kwargs, output):
             if self._replaying:
                 return None
-            key = self._next_call(mod)
-            inp = args[0] if args else next(iter(kwargs.values()))
+            inp = (*args, *kwargs.values()) if rule.all_inputs else (args[0] if args else next(iter(kwargs.values())))
+            return attach(inp, output)
+
+        return hook
+
+    def _capture_pre_hook(self, name: str, module: nn.Module, rule: Rule):
+        attach = self._attach(name, module, rule)
+
+        def pre_hook(mod, args):
+            if torch.is_grad_enabled() and not self._replaying and self._probe is None:
+                ctx = rule.capture(module, name, self._batch_size, attach)
+                ctx.__enter__()
+                self._captures.append((id(module), ctx))
+
+        return pre_hook
+
+    def _capture_post_hook(self, mod, args, output):
+        if self._captures and self._captures[-1][0] == id(mod):
+            self._captures.pop()[1].__exit__(None, None, None)
+
+    def _attach(self, name: str, module: nn.Module, rule: Rule):
+        """``attach(inp, output) -> output``: hook the gradient of ``output`` (a call of ``module``, or with
+        ``Rule.capture`` a functional call inside its forward, on ``inp``) so that it adds the rule's uses; returns the
+        tensor the forward continues with."""
+        owned = self._owned(module, rule)
+
+        def hook(inp, output):
+            if self._replaying:
+                return output
+            key = self._next_call(module)
             if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
                 if self._probe is not None or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
-                    return None
+                    return output
                 if not output.requires_grad:
                     output = output.detach().requires_grad_(True)
-                self._bcast.append((name, module, rule, inp.detach(), output))
+                self._bcast.append((name, module, rule, _detached(inp), output))
                 if self._groups is not None:
                     for n in owned:
                         self._pending[n] = self._pending.get(n, 0) + 1
                 return output
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
-                return None
+                return output
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
-                return None
-            inp = inp.detach()
+                return output
+            inp = _detached(inp)
             b = self._batch_size
             layout = self._layout.get(key)
             flat = layout == "flat"
@@ -681,7 +724,8 @@ class ClippingEngine:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
                 elif axis:
                     grad = grad.movedim(axis, 0)
-                uses = [u for u in rule.uses(module, name, box.pop(), None, grad) if id(u.param) in self._names]
+                uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
+                        if id(u.param) in self._names]
                 self._add_uses(name, uses)
 
             if self._groups is not None:

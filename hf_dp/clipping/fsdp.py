@@ -103,6 +103,13 @@ class FSDPClippingEngine(ClippingEngine):
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
+        special = [f"{n} ({type(m).__name__})" for n, m, r in self._modules if r.capture is not None or r.all_inputs]
+        if special:  # their hooks are not keyed by attribute here (layers.Rule.capture / all_inputs)
+            raise UnsupportedLayerError(
+                "Under FSDP, hf_dp has no per-example rule yet for these layers (embedding subclasses, MoE experts "
+                "and routers): " + ", ".join(special) + ". Freeze them (requires_grad_(False)), train through LoRA, "
+                "or train without FSDP."
+            )
         if self._fallbacks:
             raise UnsupportedLayerError(
                 "Under FSDP, hf_dp has no generic fallback for layers without a per-layer rule: "

@@ -18,6 +18,7 @@ decides how to compute norms and clipped sums from the factors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers.pytorch_utils import Conv1D
 
 __all__ = ["Use", "find_rule", "UnsupportedLayerError", "rule_parameters"]
@@ -45,6 +47,8 @@ class Use:
         right: ``(B, T, d_R)``.
         left_dim: ``d_L``.
         module_name: qualified name of the module, for error messages.
+        token_rows: the batch axis holds the micro-batch's tokens flattened example-major (``B·T`` rows, token ``t``
+            of example ``t // T``: MoE layers see ``hidden_states.view(-1, d)``); see :meth:`by_example`.
     """
 
     param: nn.Parameter
@@ -52,6 +56,20 @@ class Use:
     right: torch.Tensor
     left_dim: int
     module_name: str
+    token_rows: bool = False
+
+    def by_example(self, batch_size: int) -> Use:
+        """A ``token_rows`` use regrouped per example: ``(B·T, T', d) → (B, T·T', d)``, the same ``Σ Lᵀ R``."""
+        if not self.token_rows:
+            return self
+        if self.right.shape[0] % batch_size:
+            raise UnsupportedLayerError(
+                f"{self.module_name}: {self.right.shape[0]} token rows cannot be split into {batch_size} examples.")
+
+        def regroup(x):
+            return None if x is None else x.reshape(batch_size, -1, *x.shape[2:])
+
+        return Use(self.param, regroup(self.left), regroup(self.right), self.left_dim, self.module_name)
 
     @property
     def kind(self) -> str:
@@ -131,60 +149,411 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
     return uses
 
 
-_RMS_OFFSET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+_AFFINE_FORM: weakref.WeakKeyDictionary[nn.Module, tuple[float, int]] = weakref.WeakKeyDictionary()  # (o, axis)
 
 
-def _rms_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The layer's own forward on ``x`` with its weight replaced (no hooks run, the module is not modified)."""
+def _affine_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's own forward on ``x`` with its weight / bias replaced (no hooks run, the module is not modified)."""
     clone = copy.copy(module)  # shares everything but the parameter dict
     clone._parameters = dict(module._parameters)
-    clone._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+    for key, value in (("weight", weight), ("bias", bias)):
+        if module._parameters.get(key) is not None:
+            clone._parameters[key] = nn.Parameter(value, requires_grad=False)
     with torch.no_grad():
         return clone.forward(x)
 
 
-def _rms_unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
-    """``x̂``: the layer's own output with its scale set to one (``weight = 1 - offset``).
+def _unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
+    """``x̂``: the layer's own output with unit scale and zero shift (``weight = 1 - offset``, ``bias = 0``).
 
     Running the module itself (instead of re-implementing its normalisation) reproduces its exact arithmetic,
     including the float32 upcast Llama-style norms do internally.
     """
-    return _rms_run(module, x, torch.full_like(module.weight, 1.0 - offset))
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    return _affine_run(module, x, None if w is None else torch.full_like(w, 1.0 - offset),
+                       None if b is None else torch.zeros_like(b))
 
 
-def _rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
-    """RMSNorm (``torch.nn.RMSNorm``, Llama/Mistral/Qwen/T5 style): ``y = w ⊙ x̂`` (or ``(1 + w) ⊙ x̂``, Gemma),
-    ``x̂ = x / rms(x)``: ``G_w = Σ_t g ⊙ x̂`` either way."""
-    d = module.weight.numel()
-    x_hat = _rms_unit_output(module, inp, _RMS_OFFSET.get(module, 0.0))
-    g = _as_btd(grad, d)
-    return [Use(module.weight, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name)]
-
-
-def _verify_rms_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
-    """Check once, on real activations, that this RMSNorm-like layer computes ``w ⊙ x̂`` or ``(1 + w) ⊙ x̂``, where
-    ``x̂`` (its output at unit scale) does not depend on ``w`` — the form whose weight gradient is ``Σ_t g ⊙ x̂``.
-
-    The rule is chosen by class name for third-party RMSNorm classes; a layer that computes something else must
-    fail loudly rather than be clipped with a wrong gradient. Records which of the two forms the layer uses.
+def _affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """Elementwise-affine normalisation ``y = (w + o) ⊙ x̂ + b`` (RMSNorm, T5/Gemma/Cohere/OLMo norms, Nemotron's
+    ``LayerNorm1P``, SqueezeBERT's channel-first LayerNorm, layer-scale), with ``x̂`` the layer's own output at unit
+    scale: ``G_w = Σ_t g ⊙ x̂``, ``G_b = Σ_t g``. The form, the offset ``o`` and the axis the parameters run along
+    were verified on real activations (:func:`_verify_affine_norm`).
     """
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    offset, axis = _AFFINE_FORM.get(module, (0.0, -1))
+    d = (w if w is not None else b).numel()
+    g = _as_btd(grad.movedim(axis, -1), d)
+    uses = []
+    if w is not None:
+        x_hat = _unit_output(module, inp, offset).movedim(axis, -1)
+        uses.append(Use(w, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name))
+    if b is not None:
+        uses.append(Use(b, None, g, 1, name))
+    return uses
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(b.abs().max().clamp(min=1.0)) if b.numel() else 1.0
+    return bool(torch.allclose(a.to(b.dtype), b, rtol=tol, atol=tol * scale))
+
+
+def _verify_affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """Check once, on real activations, that this layer computes ``y = (w + o) ⊙ x̂ + b`` where ``x̂`` (its output
+    at unit scale, zero shift) depends neither on ``w`` / ``b`` nor on the other examples of the batch — the form
+    whose per-example gradients are ``Σ_t g ⊙ x̂`` and ``Σ_t g``.
+
+    The rule is chosen by the layer's parameters (a ``weight`` and/or ``bias`` of one shape); a layer that computes
+    something else must fail loudly rather than be clipped with a wrong gradient. Records the offset ``o`` (0 for
+    Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``) and the output axis the parameters
+    run along (the last one, or a channel axis: SqueezeBERT normalises ``(B, C, T)``).
+    """
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    p = w if w is not None else b
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    _AFFINE_FORM.pop(module, None)
     with torch.no_grad():
-        w = module.weight
-        tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        scale = torch.rand(w.shape, generator=gen, device=w.device, dtype=w.dtype) + 0.5
-        for offset in (0.0, 1.0):
-            x_hat = _rms_unit_output(module, inp, offset)
-            candidate = (w + offset) * x_hat
-            scaled = _rms_run(module, inp, scale - offset)  # must equal scale ⊙ x̂ for any scale, not just this w
-            if candidate.shape == out.shape and torch.allclose(candidate.to(out.dtype), out, rtol=tol, atol=tol) \
-                    and torch.allclose(scaled, scale * x_hat, rtol=tol, atol=tol):
-                _RMS_OFFSET[module] = offset
+        zero_b = None if b is None else torch.zeros_like(b)
+        offset = 0.0
+        if w is not None:  # y(w=0) = o x̂, y(w=1) = (1 + o) x̂
+            y0 = _affine_run(module, inp, torch.zeros_like(w), zero_b)
+            x_hat = _affine_run(module, inp, torch.ones_like(w), zero_b) - y0
+            offset = round(float((y0 * x_hat).sum() / (x_hat * x_hat).sum().clamp(min=1e-30)), 6)
+        x_hat = _unit_output(module, inp, offset)
+        gen = torch.Generator(device=p.device).manual_seed(0)
+        w_r = None if w is None else torch.rand(w.shape, generator=gen, device=p.device, dtype=p.dtype) + 0.5
+        b_r = None if b is None else torch.randn(b.shape, generator=gen, device=p.device, dtype=p.dtype)
+        y_r = _affine_run(module, inp, w_r, b_r)
+        alone = inp.shape[0] < 2 or _close(_unit_output(module, inp[:1], offset), x_hat[:1], tol)
+        axes = [-1] if p.dim() > 1 else [a - x_hat.dim() for a in range(x_hat.dim() - 1, 0, -1)
+                                         if x_hat.shape[a] == p.numel()]
+        for axis in axes:
+            def form(wt, bt, axis=axis):
+                x = x_hat.movedim(axis, -1)
+                y = x if wt is None else (wt + offset) * x
+                return (y if bt is None else y + bt).movedim(-1, axis)
+
+            if (alone and tuple(x_hat.shape[x_hat.dim() - p.dim():] if axis == -1 else (x_hat.shape[axis],))
+                    == tuple(p.shape) and _close(form(w, b), out, tol) and _close(y_r, form(w_r, b_r), tol)):
+                _AFFINE_FORM[module] = (offset, axis)
                 return
     raise UnsupportedLayerError(
-        f"{name} ({type(module).__name__}) looks like an RMSNorm but does not compute weight * x / rms(x); "
-        "hf_dp has no exact per-example rule for it. Freeze it (param.requires_grad_(False))."
+        f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
+        "(weight + offset) * x_hat + bias with x_hat independent of its parameters and of the other examples "
+        "(checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
+        "(param.requires_grad_(False)) or train it through a PEFT adapter."
     )
+
+
+# ----------------------------------------------------------------------------------------------------- convolutions
+def _conv(module: nn.Conv1d | nn.Conv2d, name: str, inp: torch.Tensor, out: torch.Tensor,
+          grad: torch.Tensor) -> list[Use]:
+    """``nn.Conv1d`` / ``nn.Conv2d`` via unfold (as Opacus ``grad_sample/conv.py``): with ``P`` the unfolded input
+    patches ``(B, L, C_in/groups · k)`` and ``g`` the output gradient ``(B, L, C_out)`` over the ``L`` output
+    positions, ``G_W = gᵀ P`` (groups = 1); ``G_b = Σ_l g``.
+
+    Grouped / depthwise convolutions (Mamba): each output channel sees only its group's patches, so the per-position
+    factor is the block outer product ``R_l = [g_{l,j} ⊗ P_{l,j}]_j`` of size ``|W|`` and ``G_W = Σ_l R_l`` (a "ones"
+    use) — ``kernel · C_in/groups`` times the activation's memory, small for depthwise kernels.
+    """
+    nd = module.weight.dim() - 2
+    c_out, c_in_g = module.weight.shape[:2]
+    k = module.weight.shape[2:]
+    x = inp if inp.dim() == nd + 2 else inp.unsqueeze(0)  # unbatched input: a batch of one
+    if module.padding_mode != "zeros":
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        padding = (0,) * nd
+    elif module.padding == "same":
+        total = [d * (kk - 1) for d, kk in zip(module.dilation, k)]
+        x = F.pad(x, [p for t in reversed(total) for p in (t // 2, t - t // 2)])
+        padding = (0,) * nd
+    elif module.padding == "valid":
+        padding = (0,) * nd
+    else:
+        padding = module.padding
+    if nd == 1:  # a 1-D convolution is a 2-D one over a height-1 image
+        x = x.unsqueeze(2)
+        kernel, dilation, stride, padding = (1, k[0]), (1, module.dilation[0]), (1, module.stride[0]), (0, padding[0])
+    else:
+        kernel, dilation, stride = k, module.dilation, module.stride
+    patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, C_in·k, L)
+    b = patches.shape[0]
+    g = grad.reshape(b, c_out, -1).transpose(1, 2)  # (B, L, C_out)
+    patches = patches.transpose(1, 2)  # (B, L, C_in·k), channel-major like the weight
+    groups = module.groups
+    if groups == 1:
+        uses = [Use(module.weight, g, patches, c_out, name)]
+    else:
+        seq = g.shape[1]
+        g_blocks = g.reshape(b, seq, groups, c_out // groups, 1)
+        p_blocks = patches.reshape(b, seq, groups, 1, c_in_g * patches.shape[-1] // (groups * c_in_g))
+        outer = (g_blocks * p_blocks.to(g.dtype)).reshape(b, seq, -1)  # (B, L, |W|)
+        uses = [Use(module.weight, None, outer, 1, name)]
+    if module.bias is not None:
+        uses.append(Use(module.bias, None, g, 1, name))
+    return uses
+
+
+# ------------------------------------------------------------------------------- subclasses with their own forward
+def _verify_linear_subclass(module: nn.Linear, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """An ``nn.Linear`` subclass with its own ``forward`` (Falcon's ``FalconLinear``: ``x @ W.T + b``) is clipped
+    with the linear rule only if, on real activations, its output is ``F.linear(x, W, b)`` — for its own weight and
+    for a random one (the output is that affine function of the parameters, not merely equal at one point)."""
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    with torch.no_grad():
+        gen = torch.Generator(device=module.weight.device).manual_seed(0)
+        w_r = torch.randn(module.weight.shape, generator=gen, device=module.weight.device, dtype=module.weight.dtype)
+        b_r = None if module.bias is None else torch.randn(module.bias.shape, generator=gen,
+                                                             device=module.bias.device, dtype=module.bias.dtype)
+        ok = _close(F.linear(inp, module.weight, module.bias), out, tol) and \
+            _close(_affine_run(module, inp, w_r, b_r), F.linear(inp, w_r, b_r), tol)
+    if not ok:
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}) subclasses nn.Linear but its forward does not compute "
+            "F.linear(x, weight, bias) (checked on this batch); hf_dp has no exact per-example rule for it. "
+            "Freeze it (param.requires_grad_(False)) or train it through a PEFT adapter."
+        )
+
+
+Attach = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _WeightCalls(TorchFunctionMode):
+    """Active during a module's forward (``Rule.capture``): each ``functional(x, self.weight, ...)`` call is handed
+    to ``attach(x, output) -> output`` (the engine's hook on that call's output), so the parent layer's rule applies
+    to the call itself — exact whatever the module does around it. A dtype cast of the weight on its way to that
+    call (DeepSeek-V3: ``weight.type(torch.float32)``) is the same weight (the cast's gradient is the identity). Any
+    other use of the weight inside the forward (besides reading metadata) is refused.
+    """
+
+    functional = staticmethod(F.linear)
+    _CASTS = frozenset({"type", "to", "float", "double", "half", "bfloat16"})
+
+    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach: Attach):
+        super().__init__()
+        self.module, self.name, self.batch_size, self.attach = module, name, batch_size, attach
+        self.aliases = [module.weight]  # the weight and its dtype casts (kept alive: identity checks)
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        return self.attach(args[0], func(*args, **kwargs))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(a is w for a in (*args, *kwargs.values()) for w in self.aliases):
+            return func(*args, **kwargs)
+        result = None
+        if getattr(func, "__name__", "") in self._CASTS and args and any(args[0] is w for w in self.aliases):
+            result = func(*args, **kwargs)
+            if isinstance(result, torch.Tensor) and result.shape == self.module.weight.shape:
+                self.aliases.append(result)
+                return result
+        if func is self.functional and len(args) >= 2 and any(args[1] is w for w in self.aliases):
+            return self.call(func, args, kwargs)
+        result = func(*args, **kwargs) if result is None else result
+        if getattr(func, "__name__", "") == "__get__" and not isinstance(result, torch.Tensor):
+            return result  # metadata: weight.device, weight.dtype, weight.shape
+        raise UnsupportedLayerError(
+            f"{self.name} ({type(self.module).__name__}) uses its weight in its forward other than through "
+            f"F.{self.functional.__name__} "
+            f"({getattr(func, '__name__', func)}), so hf_dp cannot clip that use per example. Freeze the weight "
+            "(param.requires_grad_(False)); if it is tied to another layer (e.g. an LM head), that freezes the other "
+            "layer too — or train through a PEFT adapter."
+        )
+
+
+class _EmbeddingCalls(_WeightCalls):
+    """An ``nn.Embedding`` subclass with its own ``forward``: its ``F.embedding(ids, self.weight, ...)`` calls get the
+    plain embedding rule — a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or computed position
+    ids (OPT / BART / BioGPT learned positions) around them do not matter. Ids without the batch axis (``(1, T)`` or
+    ``(T,)``: positions computed once and broadcast) are expanded to the micro-batch's ``B`` rows first, so each
+    example gets its own rows (an output that broadcasts the same way downstream)."""
+
+    functional = staticmethod(F.embedding)
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        ids, b = args[0], self.batch_size
+        if b is not None and b > 1:
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis
+            ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 else ids
+        return self.attach(ids, func(ids, *args[1:], **kwargs))
+
+
+class _RouterCalls(_WeightCalls):
+    """A MoE router (a module with a 2-D ``weight`` scoring tokens for experts): its ``F.linear(x, self.weight, b)``
+    call gets the linear rule. Routers see the tokens flattened example-major (``(B·T, d)``); the call is made on
+    the ``(B, T, d)`` view so each row stays with its example."""
+
+    def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
+        x, b = args[0], self.batch_size
+        if not (b and x.dim() == 2 and x.shape[0] % b == 0):
+            return self.attach(x, func(*args, **kwargs))
+        x3 = x.view(b, x.shape[0] // b, x.shape[1])
+        return self.attach(x3, func(x3, *args[1:], **kwargs)).reshape(x.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------------------- mixture of experts
+def _is_experts(module: nn.Module) -> bool:
+    """transformers 5 expert blocks (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, GPT-OSS,
+    DeepSeek-V3, …): 3-D ``[gate_]up_proj`` / ``down_proj`` parameters, one slice per expert."""
+    down = getattr(module, "down_proj", None)
+    return isinstance(down, nn.Parameter) and down.dim() == 3 and hasattr(module, "has_gate") \
+        and hasattr(module, "is_transposed") and hasattr(module, "num_experts")
+
+
+def _expert_params(module: nn.Module, overrides: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    names = {"up": up, "down": "down_proj", "up_b": f"{up}_bias", "down_b": "down_proj_bias"}
+    out = {}
+    for key, attr in names.items():
+        p = (overrides or {}).get(attr, getattr(module, attr, None) if (key in ("up", "down") or module.has_bias)
+                                   else None)
+        out[key] = p
+    return out
+
+
+def _expert_up(module: nn.Module, p: dict, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert ``e``'s up-projection of token rows ``x``."""
+    w = p["up"][e]
+    u = x @ w if module.is_transposed else x @ w.t()
+    return u if p["up_b"] is None else u + p["up_b"][e]
+
+
+def _expert_act(module: nn.Module, u: torch.Tensor) -> torch.Tensor:
+    """The module's own gate (``_apply_gate``: SwiGLU, GPT-OSS's clamped GLU, …) or activation."""
+    return module._apply_gate(u) if module.has_gate else module.act_fn(u)
+
+
+def _expert_down(module: nn.Module, p: dict, e: int, h: torch.Tensor) -> torch.Tensor:
+    w = p["down"][e]
+    y = h @ w if module.is_transposed else h @ w.t()
+    return y if p["down_b"] is None else y + p["down_b"][e]
+
+
+def _experts_recompute(module: nn.Module, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                       p: dict) -> torch.Tensor:
+    """The experts' output from their parameters, as :func:`_experts` factors it (checked against the module)."""
+    out = torch.zeros_like(x)
+    for e in range(module.num_experts):
+        tok, slot = torch.where(idx == e)
+        if tok.numel():
+            y = _expert_down(module, p, e, _expert_act(module, _expert_up(module, p, e, x[tok])))
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+    return out
+
+
+def _experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """Routed experts ``y_t = Σ_k w_{t,k} down_e(act(up_e(x_t)))``, ``e = idx_{t,k}`` (transformers 5 expert blocks,
+    3-D parameters). Per token, the gradient of expert ``e``'s slice is an outer product, so each example's gradient
+    is a sum over its routed tokens; expert slices are disjoint blocks of one parameter. With ``δ_{t,e}`` the
+    gradient at the up-projection's output (autograd through the module's own gate), ``h_{t,e}`` the activation and
+    ``γ_{t,e} = w_{t,e} g_t`` the gradient at the down-projection's output:
+
+    * ``up`` ``(E, 2I, D)``: one row per token, ``L_t = [δ_{t,e}]_e`` (zero for unrouted experts), ``R_t = x_t`` —
+      the factors of a ``Linear(D, E·2I)``;
+    * ``down`` ``(E, D, I)``: one row per (token, slot), ``L = γ_{t,e}`` in expert ``e``'s block, ``R = h_{t,e}``;
+    * transposed storage (GPT-OSS: ``(E, D, 2I)``, ``(E, I, D)``) swaps which needs a row per slot;
+    * biases: "ones" uses, ``R_t = [δ_{t,e}]_e`` and ``[γ_{t,e}]_e``.
+
+    Rows are tokens (``token_rows``): the engine regroups them example-major. Loops run over experts only.
+    """
+    x, idx, weights = inp[0], inp[1], inp[2]
+    p = _expert_params(module)
+    n, d = x.shape
+    n_exp, k = module.num_experts, idx.shape[-1]
+    g = grad.reshape(n, d)
+    dt = g.dtype
+    x = x.to(dt)
+    up, down = p["up"], p["down"]
+    per_expert = []  # (e, tokens, slots, δ, h, γ)
+    for e in range(n_exp):
+        tok, slot = torch.where(idx == e)
+        if tok.numel() == 0:
+            continue
+        with torch.no_grad():
+            u = _expert_up(module, p, e, x[tok].to(up.dtype))
+        gamma = g[tok] * weights[tok, slot, None].to(dt)
+        w_down = down[e].detach()
+        g_h = gamma @ (w_down.t() if module.is_transposed else w_down).to(dt)
+        with torch.enable_grad():
+            u = u.detach().requires_grad_(True)
+            h = _expert_act(module, u)
+            (d_u,) = torch.autograd.grad(h, u, g_h.to(h.dtype))
+        per_expert.append((e, tok, slot, d_u.to(dt), h.detach().to(dt), gamma))
+    if not per_expert:
+        return []
+
+    def per_token(values: int) -> torch.Tensor:
+        """``(n, E·width)``: each token's per-expert ``values`` (index into the tuples above), zero if unrouted."""
+        width = per_expert[0][values].shape[-1]
+        out = g.new_zeros(n, n_exp, width)
+        for e, tok, slot, *vals in per_expert:
+            out[tok, e] = vals[values - 3] * (weights[tok, slot, None].to(dt) if values == 4 else 1.0)
+        return out.reshape(n, 1, n_exp * width)
+
+    def per_slot(block: int, other: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n, k, E·width)`` and ``(n, k, ·)``: one row per (token, slot), ``block`` in expert ``e``'s block."""
+        left = g.new_zeros(n, k, n_exp * width)
+        right = g.new_zeros(n, k, per_expert[0][other].shape[-1])
+        for e, tok, slot, *vals in per_expert:
+            left[tok, slot, e * width:(e + 1) * width] = vals[block - 3] if block < 6 else x[tok]
+            right[tok, slot] = vals[other - 3]
+        return left, right
+
+    DELTA, H, GAMMA, X = 3, 4, 5, 6  # noqa: N806 (indices into per_expert's tuples; X: the token's input)
+    if not module.is_transposed:
+        uses = [Use(up, per_token(DELTA), x.reshape(n, 1, d), up.shape[0] * up.shape[1], name, token_rows=True),
+                Use(down, *per_slot(GAMMA, H, d), down.shape[0] * down.shape[1], name, token_rows=True)]
+    else:
+        uses = [Use(up, *per_slot(X, DELTA, d), up.shape[0] * up.shape[1], name, token_rows=True),
+                Use(down, per_token(H), g.reshape(n, 1, d), down.shape[0] * down.shape[1], name, token_rows=True)]
+    if p["up_b"] is not None:
+        uses.append(Use(p["up_b"], None, per_token(DELTA), 1, name, token_rows=True))
+    if p["down_b"] is not None:
+        uses.append(Use(p["down_b"], None, per_token(GAMMA), 1, name, token_rows=True))
+    return uses
+
+
+def _verify_experts(module: nn.Module, name: str, inp: tuple, out: torch.Tensor) -> None:
+    """Check once, on real activations, that the expert block computes what :func:`_experts` factors — for its own
+    parameters and for random ones (no post-expert norm, no other use of the parameters)."""
+    x, idx, weights = inp[0], inp[1], inp[2]
+    tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    ok = not getattr(module, "has_post_expert_norm", False) and x.dim() == 2 and idx.dim() == 2
+    if ok:
+        with torch.no_grad():
+            ok = _close(_experts_recompute(module, x, idx, weights, _expert_params(module)), out, tol)
+            if ok:
+                gen = torch.Generator(device=x.device).manual_seed(0)
+                rand = {n: torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * 0.1
+                        for n, p in module.named_parameters(recurse=False)}
+                clone = copy.copy(module)
+                clone._parameters = {n: nn.Parameter(v, requires_grad=False) for n, v in rand.items()}
+                ok = _close(_experts_recompute(module, x, idx, weights, _expert_params(module, rand)),
+                            clone.forward(x, idx, weights), tol)
+    if not ok:
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}): this expert block does not compute the routed gated MLP hf_dp's "
+            "expert rule factors (checked on this batch); freeze its experts or train the model through LoRA on "
+            "the attention layers."
+        )
+
+
+def _router(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """A router's ``F.linear(x, W, b)``: ``G_W = gᵀ x``, ``G_b = Σ_t g`` (as :func:`_linear`)."""
+    d_out, d_in = module.weight.shape
+    uses = [Use(module.weight, _as_btd(grad, d_out), _as_btd(inp, d_in), d_out, name)]
+    if getattr(module, "bias", None) is not None:
+        uses.append(Use(module.bias, None, _as_btd(grad, d_out), 1, name))
+    return uses
+
+
+def _is_router(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 2 and hasattr(module, "top_k") and \
+        hasattr(module, "num_experts")
 
 
 RuleFn = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], list[Use]]
@@ -192,44 +561,76 @@ RuleFn = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], li
 
 @dataclass(frozen=True)
 class Rule:
-    """A layer type's rule: its per-example factorisation and the parameters it covers."""
+    """A layer type's rule: its per-example factorisation and the parameters it covers.
+
+    ``capture`` (optional): instead of the module's own input and output, the rule factors functional calls made
+    inside its forward. ``capture(module, name, batch_size, attach)`` returns a context manager, entered for the
+    duration of the module's forward, that hands each such call's input and output to ``attach(inp, out) -> out``
+    (which hooks the output's gradient and returns the tensor the forward must continue with); ``uses`` then gets
+    that call's input and output gradient.
+    """
 
     name: str
     uses: RuleFn
     params: tuple[str, ...]
     check: Callable[[nn.Module, str], None] | None = None
     verify: Callable[[nn.Module, str, torch.Tensor, torch.Tensor], None] | None = None
+    capture: Callable[[nn.Module, str, int | None, Attach], contextlib.AbstractContextManager] | None = None
+    all_inputs: bool = False  # ``uses`` / ``verify`` get every positional and keyword input as a tuple
 
 
 _LINEAR = Rule("linear", _linear, ("weight", "bias"))
+_LINEAR_SUBCLASS = Rule("linear_subclass", _linear, ("weight", "bias"), verify=_verify_linear_subclass)
 _CONV1D = Rule("hf_conv1d", _conv1d, ("weight", "bias"))
+_CONV = Rule("conv", _conv, ("weight", "bias"))
 _EMBEDDING = Rule("embedding", _embedding, ("weight",), check=_check_embedding)
+_EMBEDDING_CALLS = Rule("embedding_calls", _embedding, ("weight",), check=_check_embedding,
+                        capture=_EmbeddingCalls)
 _LAYER_NORM = Rule("layer_norm", _layer_norm, ("weight", "bias"))
-_RMS_NORM = Rule("rms_norm", _rms_norm, ("weight",), verify=_verify_rms_norm)
+_EXPERTS = Rule("experts", _experts, ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias",
+                                        "down_proj_bias"), verify=_verify_experts, all_inputs=True)
+_ROUTER = Rule("router", _router, ("weight", "bias"), capture=_RouterCalls)
+_AFFINE_NORM = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm)
 
 
-def _is_rms_norm(module: nn.Module) -> bool:
-    if isinstance(module, getattr(nn, "RMSNorm", ())):
-        return True
-    cls = type(module).__name__
-    looks_rms = cls.endswith("RMSNorm") or cls == "T5LayerNorm"
+def _is_affine_candidate(module: nn.Module) -> bool:
+    """A layer whose own parameters are a ``weight`` and/or ``bias`` of one shape (normalisations, layer-scale):
+    a candidate for :func:`_affine_norm`, whose form is verified on the first batch. Batch normalisation is not: it
+    mixes examples and writes private running statistics."""
+    if isinstance(module, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.modules.conv._ConvNd)):
+        return False
     params = dict(module.named_parameters(recurse=False))
-    return looks_rms and set(params) == {"weight"} and params["weight"].dim() == 1
+    if not params or not set(params) <= {"weight", "bias"}:
+        return False
+    if any(True for child in module.children() for _ in child.parameters()):
+        return False  # not a leaf: e.g. BERT's LM head owns its decoder's bias (covered by the decoder's rule)
+    return len({tuple(p.shape) for p in params.values()}) == 1
 
 
 def find_rule(module: nn.Module) -> Rule | None:
     """The rule for ``module``'s own (non-recursive) parameters, or ``None`` if no rule covers this layer type.
 
-    Exact type checks come first; subclasses of ``nn.Linear`` / ``nn.Embedding`` are accepted only when they do not
-    override ``forward`` (a subclass with its own forward may compute something else).
+    Exact types first. Subclasses with their own ``forward`` are recognised by behaviour, never by name:
+    ``nn.Embedding`` subclasses through their ``F.embedding`` calls (:class:`_EmbeddingCalls`), ``nn.Linear``
+    subclasses and elementwise-affine layers by a check on the first batch that they compute the form their rule
+    assumes (:func:`_verify_linear_subclass`, :func:`_verify_affine_norm`).
     """
     if isinstance(module, Conv1D):
         return _CONV1D
-    for base, rule in ((nn.Linear, _LINEAR), (nn.Embedding, _EMBEDDING), (nn.LayerNorm, _LAYER_NORM)):
+    for base, rule in ((nn.Linear, _LINEAR), (nn.Embedding, _EMBEDDING), (nn.LayerNorm, _LAYER_NORM),
+                       (nn.Conv1d, _CONV), (nn.Conv2d, _CONV)):
         if isinstance(module, base) and type(module).forward is base.forward:
             return rule
-    if _is_rms_norm(module):
-        return _RMS_NORM
+    if isinstance(module, nn.Embedding):
+        return _EMBEDDING_CALLS
+    if isinstance(module, nn.Linear):
+        return _LINEAR_SUBCLASS
+    if _is_experts(module):
+        return _EXPERTS
+    if _is_router(module):
+        return _ROUTER
+    if _is_affine_candidate(module):
+        return _AFFINE_NORM
     return None
 
 
