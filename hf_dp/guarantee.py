@@ -58,8 +58,9 @@ class StepGradientGuard:
     :meth:`released` records, right after ``.grad`` is written, each tensor's identity and version counter. At
     :meth:`check` (``TrainerCallback.on_pre_optimizer_step``) a parameter may carry no gradient or exactly that tensor;
     an in-place change (a plain ``backward()`` accumulates into an existing ``.grad`` in place, bumping its version)
-    is refused, except the one in-place rescaling the Trainer's own ``max_grad_norm`` clipping does (post-processing
-    of the released gradient). A step without a release (budget stop) must leave every gradient empty.
+    is refused, except the one in-place rescaling by ``clip_grad_norm_`` the Trainer does before every optimizer step
+    (with ``max_grad_norm``, or with an infinite bound to measure the norm): post-processing of the released gradient.
+    A step without a release (budget stop) must leave every gradient empty.
     """
 
     def __init__(self) -> None:
