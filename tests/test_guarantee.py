@@ -107,9 +107,12 @@ def build_model_init(args, data):
     return DPTrainer(model_init=bert, args=args, train_dataset=data)
 
 
-def test_model_init_holds(tmp_path):
-    """Trainer.train() builds a new model with model_init: the engine is rebuilt for it (call_model_init)."""
-    assert_neighbours_within_c(tmp_path / "c", build=build_model_init)
+def test_model_init_holds(tmp_path, caplog):
+    """Trainer.train() builds a new model with model_init: the engine is rebuilt for it (call_model_init), not
+    only caught later by the per-step trainable-set check."""
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        assert_neighbours_within_c(tmp_path / "c", build=build_model_init)
+    assert "trainable parameters changed" not in caplog.text
     assert_everything_noised(tmp_path / "noise", build=build_model_init)
 
 
@@ -363,6 +366,8 @@ def flattening_build(args, data):
 
 def test_padding_free_packing_is_refused_before_training(tmp_path):
     trainer = flattening_build(dp_args(tmp_path, 4), lm_dataset(4).remove_columns("attention_mask"))
+    with pytest.raises(ValueError, match="Packing is not supported by DPTrainer"):
+        trainer.get_train_dataloader()  # the collator is probed on two rows when the loader is built
     before = params(trainer.model)
     with pytest.raises(ValueError, match="Packing is not supported by DPTrainer"):
         trainer.train()
