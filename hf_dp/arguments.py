@@ -106,7 +106,8 @@ class DPTrainingArguments(TrainingArguments):
     The expected logical batch size is `per_device_train_batch_size × gradient_accumulation_steps × world_size`, so
     the sampling rate is q = that / N. `per_device_train_batch_size` only bounds memory: a Poisson batch larger than
     expected is split into more micro-batches, never truncated. The Trainer's own `max_grad_norm` (clipping of the
-    already-noised gradient) defaults to 0 (off).
+    already-noised gradient) defaults to 0 (off). `fp16=True` is refused (its loss scaler would divide the noised
+    gradient); `bf16=True` is supported.
     """
 
     target_epsilon: float | None = field(

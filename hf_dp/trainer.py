@@ -110,7 +110,8 @@ def _distributed() -> bool:
 
 
 class _DPCallback(TrainerCallback):
-    """The DPTrainer's own hooks into the loop: calibration at train start, sampler epochs, budget stops."""
+    """The DPTrainer's own hooks into the loop: calibration and the loader check at train start, sampler epochs, the
+    gradient check before every optimizer step (``guarantee.py``), non-finite example reports, budget stops."""
 
     def __init__(self, trainer: DPTrainer):
         self.trainer = trainer
