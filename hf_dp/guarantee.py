@@ -13,6 +13,7 @@ This module holds those checks; the trainer calls them at train start, at collat
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -64,11 +65,15 @@ class StepGradientGuard:
     """
 
     def __init__(self) -> None:
-        self._written: dict[int, tuple[torch.Tensor, int]] = {}
+        self._written: dict[int, tuple[torch.Tensor, int, int]] = {}
         self.has_released = False
 
     def released(self, params: Iterable[nn.Parameter]) -> None:
-        self._written = {id(p): (p.grad, p.grad._version) for p in params if p.grad is not None}
+        grads = [(p, p.grad) for p in params if p.grad is not None]
+        # Views of one buffer (the distributed release is one all-reduced flat tensor) share one version counter:
+        # an in-place op on each of k views advances it k times. Record k with each gradient.
+        shared = Counter(g.untyped_storage().data_ptr() for _, g in grads)
+        self._written = {id(p): (g, g._version, shared[g.untyped_storage().data_ptr()]) for p, g in grads}
         self.has_released = True
 
     def reset(self) -> None:
@@ -83,7 +88,7 @@ class StepGradientGuard:
             mine = self._written.get(id(p))
             if mine is None or p.grad is not mine[0]:
                 escaped.append(name)
-            elif p.grad._version > mine[1] + allowed_version_bumps:
+            elif p.grad._version > mine[1] + allowed_version_bumps * mine[2]:
                 modified.append(name)
         self.reset()
         if escaped:

@@ -678,7 +678,12 @@ class DPTrainer(Trainer):
         for flat clipping, the engine is rebuilt (and the log says so); group-wise modes refuse a change during
         training (their thresholds and noise allocation are per group), and a change inside a step is refused.
         """
-        added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
+        if self._fsdp is not None:  # the FSDP engine keeps meta stand-ins (FSDP swaps the parameters): by name
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            added = sorted(trainable - set(self.clipping_engine.params))
+            removed = sorted(set(self.clipping_engine.params) - trainable)
+        else:
+            added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
         if not added and not removed:
             return
         what = describe_difference(added, removed)
