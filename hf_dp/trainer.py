@@ -110,18 +110,14 @@ def _distributed() -> bool:
 
 
 class _DPCallback(TrainerCallback):
-    """The DPTrainer's own hooks into the loop: calibration and the loader check at train start, sampler epochs, the
-    gradient check before every optimizer step (``guarantee.py``), non-finite example reports, budget stops."""
+    """The DPTrainer's own hooks into the loop: calibration and the loader check at train start, sampler epochs,
+    non-finite example reports, budget stops."""
 
     def __init__(self, trainer: DPTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        # transformers 5 calls this after the last chunk's training_step and before optimizer.step().
-        self.trainer._check_step_gradients()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self.trainer._dp_sampler
@@ -140,6 +136,21 @@ class _DPCallback(TrainerCallback):
             control.should_training_stop = True
             control.should_save = True
         return control
+
+
+class _DPGradientCheck(TrainerCallback):
+    """Before every optimizer step (transformers 5 calls ``on_pre_optimizer_step`` after the step's last
+    ``training_step`` and before ``optimizer.step()``): the gradients are this step's DP release (``guarantee.py``).
+
+    It is the first callback, so it sees the gradients as the DP step left them. Callbacks after it (flatness
+    regularisers, a data-independent term added to ``.grad``) post-process the released gradient.
+    """
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._check_step_gradients()
 
 
 class DPTrainer(Trainer):
@@ -230,6 +241,7 @@ class DPTrainer(Trainer):
         self._nonfinite_in_step: torch.Tensor | int = 0
         self._hyperparameter_trials = 0
         self.add_callback(_DPCallback(self))
+        self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         if self.train_dataset is not None:
             self._validate_against_dataset()
 
@@ -536,7 +548,11 @@ class DPTrainer(Trainer):
         """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
         if self._fsdp is not None:  # FSDP2: two-pass ghost clipping, noise on the local shards (clipping/fsdp.py)
             return self._fsdp.training_step(model, None if _is_empty(inputs) else inputs)
-        self._sync_trainable_set(at_step_boundary=self._chunks_in_step == 0)
+        if self._chunks_in_step == 0:
+            self._sync_trainable_set(at_step_boundary=True)
+            self._discard_stale_gradients()
+        else:
+            self._sync_trainable_set(at_step_boundary=False)
         self._chunks_in_step += 1
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -709,6 +725,20 @@ class DPTrainer(Trainer):
                        "every trainable parameter is clipped per example.",
                        "before train()" if at_train_begin else "during training", what)
         self._build_clipping()
+
+    def _discard_stale_gradients(self) -> None:
+        """At a step's first chunk no parameter should hold a gradient (the Trainer zeroes them after every optimizer
+        step); one computed outside the DP step (e.g. a callback's backward in ``on_step_begin``) is dropped, never
+        applied, and never mistaken for the hooks' by the self-check."""
+        stale = [p for p in self.model.parameters() if p.grad is not None]
+        if stale:
+            if not getattr(self, "_warned_stale", False):
+                logger.warning("hf_dp: %d parameter(s) held a gradient computed outside the DP step (e.g. by a "
+                               "callback's backward); it is discarded: only the DP release reaches the optimizer.",
+                               len(stale))
+                self._warned_stale = True
+            for p in stale:
+                p.grad = None
 
     def _check_step_gradients(self) -> None:
         """Before the optimizer step: the gradients are this step's DP release and nothing else."""

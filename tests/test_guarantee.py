@@ -469,21 +469,45 @@ def test_subclass_training_step_with_plain_backward_is_refused(tmp_path, cls, ma
     assert all(torch.equal(before[k], p) for k, p in params(trainer.model).items())  # nothing was applied
 
 
-class BackwardInCallback(TrainerCallback):
-    def __init__(self, batch):
-        self.batch = batch
+class BackwardAtStepBegin(TrainerCallback):
+    """Runs a plain backward on private examples before the step: its raw gradient must not reach the optimizer."""
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        model(**self.batch).loss.backward()
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        data = self.trainer.train_dataset
+        batch = {k: torch.tensor(data[:2][k]) for k in ("input_ids", "attention_mask", "labels")}
+        model(**batch).loss.backward()
 
 
-def test_callback_that_runs_a_backward_is_refused(tmp_path):
-    data = bert_data(4)
-    batch = {k: torch.tensor(data[:2][k]) for k in ("input_ids", "attention_mask", "labels")}
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4), train_dataset=data,
-                        callbacks=[BackwardInCallback(batch)])
-    with pytest.raises(RuntimeError, match="changed in place"):
-        trainer.train()
+def test_callback_that_runs_a_backward_before_the_step_holds(tmp_path, caplog):
+    """A raw gradient left in ``.grad`` before the step is discarded at the step's first chunk (and the DP step
+    writes, never accumulates, the released gradient)."""
+
+    def build(args, data):
+        trainer = default_build(args, data)
+        trainer.add_callback(BackwardAtStepBegin(trainer))
+        return trainer
+
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        assert_neighbours_within_c(tmp_path / "c", build=build)
+    assert "discarded" in caplog.text
+    assert_everything_noised(tmp_path / "noise", build=build)
+
+
+def test_post_processing_callback_holds(tmp_path):
+    """hf_dp's CrossModelFlattening adds a data-independent term to the released gradient (after the check, which
+    does not refuse it). λ is tiny because Σ = Δ·m scales that term by m, which differs between D and D′."""
+    from hf_dp.callbacks import CrossModelFlattening
+
+    reference = {n: p.detach() + 0.1 for n, p in bert().named_parameters()}
+
+    def build(args, data):
+        return DPTrainer(model=bert(), args=args, train_dataset=data,
+                         callbacks=[CrossModelFlattening(reference, source="public", weight=1e-9)])
+
+    assert_neighbours_within_c(tmp_path, build=build)
 
 
 def test_unfreezing_inside_a_step_is_refused(tmp_path):
