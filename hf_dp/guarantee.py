@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["StepGradientGuard", "trainable_set_difference", "check_batch_rows", "check_train_loader",
-           "overriding_class", "check_delta", "check_noise_std"]
+__all__ = ["StepGradientGuard", "trainable_set_difference", "describe_difference", "check_batch_rows",
+           "check_train_loader", "overriding_class", "check_delta", "check_noise_std"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
