@@ -6,12 +6,15 @@ Every field has ``metadata={"help": ...}`` so ``HfArgumentParser`` renders it on
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainingArguments
+
+from .guarantee import check_noise_std
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +110,8 @@ class DPTrainingArguments(TrainingArguments):
     The expected logical batch size is `per_device_train_batch_size × gradient_accumulation_steps × world_size`, so
     the sampling rate is q = that / N. `per_device_train_batch_size` only bounds memory: a Poisson batch larger than
     expected is split into more micro-batches, never truncated. The Trainer's own `max_grad_norm` (clipping of the
-    already-noised gradient) defaults to 0 (off).
+    already-noised gradient) defaults to 0 (off). `fp16=True` is refused (its loss scaler would divide the noised
+    gradient); `bf16=True` is supported.
     """
 
     target_epsilon: float | None = field(
@@ -195,6 +199,25 @@ class DPTrainingArguments(TrainingArguments):
                           "results then go into the model card's model-index and the pushed trainer_state.json."},
     )
 
+    def _check_finite(self) -> None:
+        """Every privacy number must be a finite number: σ = ∞ or C = ∞ would be accepted by the range checks
+        below and train to non-finite weights (or without clipping) while ε is reported."""
+        scalars = {
+            "target_epsilon": self.target_epsilon, "target_delta": self.target_delta,
+            "noise_multiplier": self.noise_multiplier, "per_sample_max_grad_norm": self.per_sample_max_grad_norm,
+            "target_quantile": self.target_quantile, "quantile_lr": self.quantile_lr,
+            "quantile_budget_fraction": self.quantile_budget_fraction,
+            "quantile_noise_multiplier": self.quantile_noise_multiplier,
+        }
+        for name, value in scalars.items():
+            if value is not None and not math.isfinite(float(value)):
+                raise ValueError(f"{name} must be a finite number, got {value}.")
+        if self.group_max_grad_norms is not None and not all(math.isfinite(float(c))
+                                                             for c in self.group_max_grad_norms):
+            raise ValueError(f"group_max_grad_norms must all be finite numbers, got {self.group_max_grad_norms}.")
+        if self.noise_multiplier is not None:
+            check_noise_std(self.noise_multiplier, self.per_sample_max_grad_norm)
+
     def __post_init__(self):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _has_accelerator():
             # `torchrun` / `accelerate launch --multi_gpu` on a machine without any accelerator: without use_cpu,
@@ -202,6 +225,15 @@ class DPTrainingArguments(TrainingArguments):
             # processes form one gloo job, which is what was launched.
             logger.info("hf_dp: %s processes launched, no accelerator: use_cpu=True (gloo).", os.environ["WORLD_SIZE"])
             self.use_cpu = True
+        if self.fp16:
+            # Checked before TrainingArguments.__post_init__, which may refuse fp16 on CPU with an unrelated message.
+            raise ValueError(
+                "fp16=True is not supported by DPTrainer: accelerate's GradScaler divides the gradient in `.grad` by "
+                "its loss scale (65,536 at first) before the optimizer step, and DPTrainer writes the already noised "
+                "and normalised gradient there, so the model would barely train while ε is spent. Use bf16=True "
+                "(no loss scaling) or full precision (fp32)."
+            )
+        self._check_finite()
         super().__post_init__()
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(

@@ -31,11 +31,21 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
-from .arguments import DPTrainingArguments, NotPrivateWarning
+from .arguments import DPTrainingArguments
 from .cards import create_model_card
 from .clipping.engine import ClippingEngine, train_without_dropout
 from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
+from .guarantee import (
+    StepGradientGuard,
+    check_batch_rows,
+    check_delta,
+    check_noise_std,
+    check_train_loader,
+    describe_difference,
+    overriding_class,
+    trainable_set_difference,
+)
 from .losses import PerExampleLoss, decoder_input_ids_from_labels, default_per_example_loss, is_seq2seq_lm
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
@@ -53,11 +63,13 @@ _UNIT = "_hf_dp_unit"
 
 
 class _EmptySafeCollator:
-    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, and the
-    privacy-unit ids that :class:`_UnitTaggedDataset` attaches are collated into one tensor."""
+    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, the
+    privacy-unit ids that :class:`_UnitTaggedDataset` attaches are collated into one tensor, and every collated batch
+    is checked to hold one row per sampled example (``check_rows``: ``DPTrainer._check_batch_rows``)."""
 
-    def __init__(self, collator):
+    def __init__(self, collator, check_rows=None):
         self.collator = collator
+        self.check_rows = check_rows
 
     def __call__(self, features: list) -> dict:
         if len(features) == 0:
@@ -65,9 +77,14 @@ class _EmptySafeCollator:
         if isinstance(features[0], dict) and _UNIT in features[0]:
             units = torch.tensor([f[_UNIT] for f in features], dtype=torch.long)
             batch = self.collator([{k: v for k, v in f.items() if k != _UNIT} for f in features])
+            if self.check_rows is not None:
+                self.check_rows(len(features), batch)
             batch[_UNIT] = units
             return batch
-        return self.collator(features)
+        batch = self.collator(features)
+        if self.check_rows is not None:
+            self.check_rows(len(features), batch)
+        return batch
 
 
 class _UnitTaggedDataset(torch.utils.data.Dataset):
@@ -93,13 +110,14 @@ def _distributed() -> bool:
 
 
 class _DPCallback(TrainerCallback):
-    """The DPTrainer's own hooks into the loop: calibration at train start, sampler epochs, budget stops."""
+    """The DPTrainer's own hooks into the loop: calibration and the loader check at train start, sampler epochs,
+    non-finite example reports, budget stops."""
 
     def __init__(self, trainer: DPTrainer):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._dp_on_train_begin(state)
+        self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self.trainer._dp_sampler
@@ -107,6 +125,7 @@ class _DPCallback(TrainerCallback):
             sampler.set_epoch(state.global_step // sampler.steps_per_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._report_nonfinite(state.global_step)
         if state.global_step < state.max_steps and not self.trainer._budget_allows(1):
             logger.warning(
                 "hf_dp: stopping at step %d: one more step would exceed the privacy budget ε=%s (δ=%s). "
@@ -117,6 +136,21 @@ class _DPCallback(TrainerCallback):
             control.should_training_stop = True
             control.should_save = True
         return control
+
+
+class _DPGradientCheck(TrainerCallback):
+    """Before every optimizer step (transformers 5 calls ``on_pre_optimizer_step`` after the step's last
+    ``training_step`` and before ``optimizer.step()``): the gradients are this step's DP release (``guarantee.py``).
+
+    It is the first callback, so it sees the gradients as the DP step left them. Callbacks after it (flatness
+    regularisers, a data-independent term added to ``.grad``) post-process the released gradient.
+    """
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._check_step_gradients()
 
 
 class DPTrainer(Trainer):
@@ -142,19 +176,27 @@ class DPTrainer(Trainer):
 
     def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, peft_config: Any = None,
                  **kwargs: Any):
+        self._peft_config = peft_config  # also applied to every model that model_init builds (call_model_init)
         if peft_config is not None:
             if args:
                 args = (apply_peft_config(args[0], peft_config), *args[1:])
-            else:
+            elif kwargs.get("model") is not None:
                 kwargs["model"] = apply_peft_config(kwargs.get("model"), peft_config)
         super().__init__(*args, **kwargs)
-        per_example_prompts(self.model)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (target_epsilon or noise_multiplier, clipping, ...).")
         if self.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
                 "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
+            )
+        owner = overriding_class(type(self), "compute_loss")
+        if owner not in (Trainer, DPTrainer) and not getattr(owner, "_dp_compute_loss_is_not_trained", False):
+            raise ValueError(
+                f"{owner.__name__} overrides compute_loss, but DPTrainer never calls compute_loss in training (each "
+                "example's loss is computed by per_example_loss, then clipped), so your loss would be silently "
+                "ignored in training and used only in evaluation. Pass per_example_loss=fn with fn(outputs, labels) "
+                "-> one loss per example (Tensor[B]) instead; for evaluation-only changes override prediction_step."
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
@@ -179,33 +221,61 @@ class DPTrainer(Trainer):
             )
         if self.neftune_noise_alpha is not None:
             raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
-        if per_example_loss is None:
-            per_example_loss, self.task = default_per_example_loss(self.model)
-        else:
-            self.task = "custom"
+        self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
-        self._fsdp: FSDPFlatClipping | None = None
-        if self.is_fsdp_enabled:
-            # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
-            self._fsdp = FSDPFlatClipping(self)
-            self.clipping_engine = self._fsdp.engine
-        else:
-            self.clipping_engine = ClippingEngine(self.model)
+        self.task = "custom"
         self.noise_multiplier: float | None = self.args.noise_multiplier
-        self.group_clipper: GroupClipper | None = None
         self.noise_allocation = self.args.noise_allocation or (
             "equal_budget" if self.args.clipping == "per_device" else "global")
-        if self.args.clipping != "flat":
-            self._setup_group_clipping()
+        self._fsdp: FSDPFlatClipping | None = None
+        self._build_clipping()
         self.accountant = PrivacyAccountant(accountant=self.args.accountant)
         self.budget_exhausted = False
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
         self._noise: NoiseGenerator | None = None
         self._allowed_steps: int | None = None
+        self._grad_guard = StepGradientGuard()
+        self._chunks_in_step = 0
+        self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
+        self._nonfinite_in_step: torch.Tensor | int = 0
+        self._hyperparameter_trials = 0
         self.add_callback(_DPCallback(self))
+        self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         if self.train_dataset is not None:
             self._validate_against_dataset()
+
+    def _build_clipping(self) -> None:
+        """The per-example machinery for ``self.model``: PEFT per-example prompts, the default per-example loss, the
+        clipping engine (FSDP2: the two-pass one) and, for group-wise modes, the groups. Called at construction and
+        whenever the model or its trainable set changes (``model_init``, a parameter unfrozen before ``train()``)."""
+        per_example_prompts(self.model)
+        if not self._custom_loss:
+            self.per_example_loss, self.task = default_per_example_loss(self.model)
+        if self.is_fsdp_enabled:
+            # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
+            self._fsdp = FSDPFlatClipping(self)
+            self.clipping_engine = self._fsdp.engine
+        else:
+            self.clipping_engine = ClippingEngine(self.model)
+        self.group_clipper: GroupClipper | None = None
+        if self.args.clipping != "flat":
+            self._setup_group_clipping()
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """``Trainer.call_model_init``, plus ``peft_config`` applied to the new model and, when ``train()`` builds a
+        new model (``model_init``, ``hyperparameter_search``), the clipping engine rebuilt for it: the engine built
+        at construction hooks the previous model, whose per-example gradients the new one would escape."""
+        model = super().call_model_init(trial)
+        if getattr(self, "_peft_config", None) is not None:
+            model = apply_peft_config(model, self._peft_config)
+        if getattr(self, "clipping_engine", None) is not None:  # not the call inside Trainer.__init__
+            if trial is not None:
+                self._hyperparameter_trials += 1
+            self.model = model
+            self._build_clipping()
+            logger.info("hf_dp: model_init built a new model; the clipping engine was rebuilt for it.")
+        return model
 
     def _warn_fsdp_not_enabled(self) -> None:
         """FSDP was asked for but accelerate did not enable it: say loudly that DDP (or one process) runs instead."""
@@ -222,16 +292,11 @@ class DPTrainer(Trainer):
         warnings.warn(msg, UserWarning, stacklevel=3)
 
     def _validate_against_dataset(self) -> None:
-        """Checks that need N: q <= 1 (raises) and δ < 1/N (warns)."""
+        """Checks that need N: a non-empty training set, q <= 1 and δ < 1/N (each raises)."""
+        if len(self.train_dataset) == 0:
+            raise ValueError("The train_dataset is empty: DP training needs N >= 1 examples (q = B/N).")
         _ = self.sample_rate
-        n = self.num_examples_private
-        if self.args.target_delta is not None and self.args.target_delta >= 1.0 / n:
-            warnings.warn(
-                f"target_delta={self.args.target_delta} is not below 1/N = {1.0 / n:.3g}: a mechanism that publishes "
-                "one random example in full satisfies (0, 1/N)-DP. Choose δ well below 1/N.",
-                NotPrivateWarning,
-                stacklevel=3,
-            )
+        check_delta(self.target_delta, self.num_examples_private)
 
     def _setup_group_clipping(self) -> None:
         """Groups, thresholds and (for per-layer modes) clipping fused into the backward pass (He et al. 2023)."""
@@ -368,10 +433,15 @@ class DPTrainer(Trainer):
         self._dp_sampler = sampler
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
+        collate = _EmptySafeCollator(collator, self._check_batch_rows)
+        # Probe the collator on two rows now, so that one that packs, drops or merges rows fails before training
+        # (the same check runs on every batch). The RNG is forked: a masking collator's draws are not shifted.
+        with torch.random.fork_rng(devices=[]):
+            collate([dataset[i] for i in range(min(2, len(dataset)))])
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
-            collate_fn=_EmptySafeCollator(collator),
+            collate_fn=collate,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
@@ -379,6 +449,12 @@ class DPTrainer(Trainer):
         if self._fsdp is not None:
             self._fsdp.dummy_source = loader  # FSDP: padding micro-batches (weight 0) are collated from it
         return loader
+
+    def _check_batch_rows(self, num_examples: int, batch: dict) -> None:
+        """Refuse a collated batch that does not hold one row per sampled example (``guarantee.check_batch_rows``:
+        padding-free packing, a collator that drops or merges rows). Subclasses that clip packed rows per segment
+        override this."""
+        check_batch_rows(num_examples, batch)
 
     def _shared_seed(self) -> int:
         """The run's DP seed (``dp_seed`` or a secret one), identical on every rank."""
@@ -508,6 +584,12 @@ class DPTrainer(Trainer):
         """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
         if self._fsdp is not None:  # FSDP2: two-pass ghost clipping, noise on the local shards (clipping/fsdp.py)
             return self._fsdp.training_step(model, None if _is_empty(inputs) else inputs)
+        if self._chunks_in_step == 0:
+            self._sync_trainable_set(at_step_boundary=True)
+            self._discard_stale_gradients()
+        else:
+            self._sync_trainable_set(at_step_boundary=False)
+        self._chunks_in_step += 1
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -536,15 +618,19 @@ class DPTrainer(Trainer):
                     if losses.requires_grad:
                         losses.sum().backward()
                     losses = losses.detach()
+                bad = ~torch.isfinite(losses)  # non-finite examples get factor 0 (clip_factors_from_norms)
                 if self.group_clipper is None:
                     norms_sq = engine.per_example_norms_sq()  # per user with user-level units
                     n_units = b if units is None else int(units.max()) + 1
                     factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, n_units)
                     engine.accumulate_clipped(factors.to(losses.device))
+                    zero = (factors == 0).to(losses.device)
+                    bad = bad | (zero if units is None else zero[units])
                 else:
                     engine.finish_fused()  # groups were clipped during the backward pass
                 engine.clear()
-                loss_sum = loss_sum + losses.detach().sum().to(loss_sum.device)
+                self._nonfinite_in_step = self._nonfinite_in_step + bad.sum()
+                loss_sum = loss_sum + torch.where(bad, 0.0, losses).sum().to(loss_sum.device)
         if self.accelerator.gradient_state.sync_gradients:
             self._finish_dp_step()
         # Logged loss: Σ_i L_i / (expected local batch); summed over the step's chunks this is the mean loss.
@@ -553,6 +639,7 @@ class DPTrainer(Trainer):
 
     def _finish_dp_step(self) -> None:
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
+        self._chunks_in_step = 0
         engine = self.clipping_engine
         summed = engine.pop_summed_grads()
         if not self._budget_allows(1):
@@ -575,34 +662,147 @@ class DPTrainer(Trainer):
             self.group_clipper.update(grads.pop(_COUNTS) + 0.5)  # b̃_k = (Σ(b − ½) + z) / B + ½
         for name, p in engine.params.items():
             p.grad = grads[name].to(p.dtype)
+        self._grad_guard.released(engine.params.values())  # before the optimizer step: these and only these
         self.accountant.step(self.noise_multiplier, self.sample_rate)
 
     # ------------------------------------------------------------------ accounting
-    def _dp_on_train_begin(self, state) -> None:
+    def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
+        check_train_loader(train_dataloader, self._dp_sampler)  # a subclass's loader must not bypass Poisson sampling
+        if getattr(self, "_trial", None) is not None and self._fsdp is None:
+            # hyperparameter_search set this trial's arguments after call_model_init built the engine.
+            self._build_clipping()
+            if not self._resumed:
+                self.noise_multiplier = self.args.noise_multiplier
         if _distributed() and self._fsdp is None:  # under FSDP every coordinate lives on one rank only
             for p in self.model.parameters():
                 dist.broadcast(p.data, src=0)
         remaining = max(state.max_steps - state.global_step, 0)
-        if self.accountant.steps != state.global_step:
+        if self._resumed and self.accountant.steps < state.global_step:
             raise RuntimeError(
                 f"The accountant has {self.accountant.steps} steps but the Trainer is at step {state.global_step}: "
                 "resume from a checkpoint written by DPTrainer (it holds dp_state.json)."
             )
         if self.noise_multiplier is None:
-            self.noise_multiplier = calibrate_noise_multiplier(
-                self.args.target_epsilon, self.target_delta, self.sample_rate, max(remaining, 1),
-                accountant=self.args.accountant, history=list(self.accountant.history),
-            )
+            self._check_budget_left()
+            try:
+                self.noise_multiplier = calibrate_noise_multiplier(
+                    self.args.target_epsilon, self.target_delta, self.sample_rate, max(remaining, 1),
+                    accountant=self.args.accountant, history=list(self.accountant.history),
+                )
+            except ValueError as err:
+                if not self.accountant.steps:
+                    raise
+                raise ValueError(
+                    f"No noise multiplier reaches target_epsilon={self.args.target_epsilon} after the "
+                    f"{self.accountant.steps} steps this model already took: {err} Train fewer steps, or start from "
+                    "a fresh model with a new DPTrainer."
+                ) from err
             logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
                         self.noise_multiplier, remaining, self.sample_rate, self.args.target_epsilon,
                         self.target_delta)
+        check_noise_std(self.noise_multiplier, self.args.per_sample_max_grad_norm)
         if self.group_clipper is not None:
             self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
-        self.accountant.planned_steps = state.max_steps
+        self.accountant.planned_steps = self.accountant.steps + remaining
         self._allowed_steps = self._steps_within_budget(remaining)
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
+
+    def _check_budget_left(self) -> None:
+        """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
+        if not self.accountant.steps or self.args.target_epsilon is None:
+            return
+        spent = self.accountant.get_epsilon(self.target_delta)
+        if spent >= self.args.target_epsilon:
+            raise ValueError(
+                f"The privacy budget target_epsilon={self.args.target_epsilon} (δ={self.target_delta:.3g}) is already "
+                f"spent: this model took {self.accountant.steps} DP steps in earlier train() calls (ε={spent:.4f}), "
+                "and ε composes over all of them. Keep the model as it is, or start from a fresh model with a new "
+                "DPTrainer (or pass model_init, which builds a fresh model for every train())."
+            )
+
+    # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
+    def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
+        """The engine must clip exactly the model's trainable parameters (by identity).
+
+        A parameter unfrozen, frozen or replaced since the engine was built: at train start, and at a step boundary
+        for flat clipping, the engine is rebuilt (and the log says so); group-wise modes refuse a change during
+        training (their thresholds and noise allocation are per group), and a change inside a step is refused.
+        """
+        if self._fsdp is not None:  # the FSDP engine keeps meta stand-ins (FSDP swaps the parameters): by name
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            added = sorted(trainable - set(self.clipping_engine.params))
+            removed = sorted(set(self.clipping_engine.params) - trainable)
+        else:
+            added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
+        if not added and not removed:
+            return
+        what = describe_difference(added, removed)
+        if self._fsdp is not None:
+            raise RuntimeError(
+                f"hf_dp: the trainable parameters changed after DPTrainer was built ({what}). Under FSDP the clipping "
+                "engine cannot be rebuilt: set requires_grad before constructing DPTrainer."
+            )
+        if not at_train_begin and not at_step_boundary:
+            raise RuntimeError(
+                f"hf_dp: the trainable parameters changed in the middle of a DP step ({what}); the examples of this "
+                "step already clipped did not include them. Change requires_grad or modules only at a step boundary "
+                "(on_step_begin / on_step_end of a callback) or before train()."
+            )
+        if not at_train_begin and self.group_clipper is not None:
+            raise RuntimeError(
+                f"hf_dp: the trainable parameters changed during training ({what}) under "
+                f"clipping={self.args.clipping!r}, whose groups, thresholds and noise allocation were fixed at train "
+                "start. Set requires_grad before train() (or use clipping='flat', whose engine is rebuilt at the "
+                "next step)."
+            )
+        logger.warning("hf_dp: the trainable parameters changed %s (%s); the clipping engine was rebuilt so that "
+                       "every trainable parameter is clipped per example.",
+                       "before train()" if at_train_begin else "during training", what)
+        self._build_clipping()
+
+    def _discard_stale_gradients(self) -> None:
+        """At a step's first chunk no parameter should hold a gradient (the Trainer zeroes them after every optimizer
+        step); one computed outside the DP step (e.g. a callback's backward in ``on_step_begin``) is dropped, never
+        applied, and never mistaken for the hooks' by the self-check."""
+        stale = [p for p in self.model.parameters() if p.grad is not None]
+        if stale:
+            if not getattr(self, "_warned_stale", False):
+                logger.warning("hf_dp: %d parameter(s) held a gradient computed outside the DP step (e.g. by a "
+                               "callback's backward); it is discarded: only the DP release reaches the optimizer.",
+                               len(stale))
+                self._warned_stale = True
+            for p in stale:
+                p.grad = None
+
+    def _check_step_gradients(self) -> None:
+        """Before the optimizer step: the gradients are this step's DP release and nothing else."""
+        if self._fsdp is not None:
+            return  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it against the hooks
+        released = self._grad_guard.has_released
+        # The Trainer rescales every gradient in place once before this point (clip_grad_norm_ with max_grad_norm,
+        # or with an infinite bound only to measure the norm): post-processing of the released gradient.
+        self._grad_guard.check(self.model, allowed_version_bumps=1)
+        added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
+        if released and (added or removed):
+            raise RuntimeError(
+                "hf_dp: the trainable parameters changed during this step's backward pass "
+                f"({describe_difference(added, removed)}). Change requires_grad or modules only at a step boundary."
+            )
+
+    def _report_nonfinite(self, step: int) -> None:
+        """Warn about (and log as ``nonfinite_examples``) examples of the last step with a non-finite loss or norm."""
+        count = int(self._nonfinite_in_step)
+        self._nonfinite_in_step = 0
+        if not count:
+            return
+        self.nonfinite_examples += count
+        logger.warning(
+            "hf_dp: step %d: %d example(s) had a non-finite loss or gradient norm (NaN/inf, e.g. a NaN label); they "
+            "got clipping factor 0 (no contribution, the DP guarantee holds) and are left out of the logged loss. "
+            "%d so far. Check the data.", step, count, self.nonfinite_examples)
+        self.log({"nonfinite_examples": count})
 
     def _steps_within_budget(self, planned: int) -> int | None:
         """How many more steps the budget allows (None: unlimited, when ε is reported rather than targeted)."""
@@ -664,6 +864,9 @@ class DPTrainer(Trainer):
             notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
         if self.args.load_best_model_at_end:
             notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+        if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
+            notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
+                         "private data and selecting among them is not covered")
         notes.extend(release_notes(self))  # uploads that cannot be redacted (release.py)
         for cb in self.callback_handler.callbacks:
             extra = getattr(cb, "dp_guarantee_notes", None)
@@ -704,16 +907,38 @@ class DPTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
-        """``Trainer.train``; on resume, also restores the accountant so that ε continues exactly."""
+        """``Trainer.train``; on resume, also restores the accountant so that ε continues exactly.
+
+        Privacy accounting follows the model: a second ``train()`` on the same model (without resume) continues the
+        accountant, so ε composes over both runs (with ``target_epsilon``, σ is calibrated to the budget that is
+        left, and the run is refused if none is). Only a new model starts a fresh accountant: ``model_init`` (which
+        builds one for every ``train()``), or a new ``DPTrainer`` on a fresh model.
+        """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        self._resumed = bool(resume_from_checkpoint)
+        self._dp_sampler = None  # set by get_train_dataloader; checked at train start (a subclass may bypass it)
+        self._grad_guard.reset()
+        self._chunks_in_step = 0
+        self._nonfinite_in_step = 0
+        if self.model_init is None:
+            self._sync_trainable_set(at_step_boundary=True, at_train_begin=True)  # (model_init: call_model_init)
         if resume_from_checkpoint:
             self._load_dp_state(resume_from_checkpoint)
-        else:
-            self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+        elif self.model_init is not None:
+            self.accountant = PrivacyAccountant(accountant=self.args.accountant)  # a new model is built in train()
             self.noise_multiplier = self.args.noise_multiplier
+        else:
+            if self.accountant.steps:
+                msg = (f"hf_dp: train() again on the same model, which already took {self.accountant.steps} DP "
+                       "steps: privacy accounting continues, ε composes over all runs"
+                       + (" and σ is calibrated to the budget that is left." if self.args.target_epsilon is not None
+                          else "."))
+                logger.warning(msg)
+                warnings.warn(msg, UserWarning, stacklevel=2)
+            self.noise_multiplier = self.args.noise_multiplier  # None with target_epsilon: calibrated at train start
         self._dp_steps_at_begin = self.accountant.steps
         self.budget_exhausted = False
         self._self_checked = False

@@ -98,16 +98,21 @@ def _as_ones(u: Use) -> Use:
 
 
 def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``Σ_i c_i L_iᵀ R_i`` as a ``(d_L, d_R)`` matrix: one matmul (or one ``index_add``) over all tokens."""
+    """``Σ_i c_i L_iᵀ R_i`` as a ``(d_L, d_R)`` matrix: one matmul (or one ``index_add``) over all tokens.
+
+    The rows of an example with ``c_i = 0`` (a non-finite example, ``modes.clip_factors_from_norms``) are zeroed
+    rather than scaled: ``0 · NaN = NaN`` inside the matmul would poison every coordinate of the sum.
+    """
     d_r = u.right.shape[-1]
-    r = u.right.to(dtype)
     c = factors.to(dtype).view(-1, 1, 1)
+    keep = c != 0
+    r = torch.where(keep, u.right.to(dtype), 0.0)
     if u.left is None:
         return (r * c).sum((0, 1)).unsqueeze(0)
     if u.kind == "index":
         out = r.new_zeros(u.left_dim, d_r)
         return out.index_add_(0, u.left.reshape(-1), (r * c).reshape(-1, d_r))
-    left = u.left.to(dtype)
+    left = torch.where(keep, u.left.to(dtype), 0.0)
     if left.shape[-1] <= d_r:
         left = left * c
     else:
@@ -922,8 +927,8 @@ class ClippingEngine:
 
     def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None) -> None:
         p = self.params[name]
-        if inst is not None:
-            s = torch.einsum("b,blr->lr", c.to(inst.dtype), inst)
+        if inst is not None:  # rows of examples with factor 0 (non-finite) zeroed, not scaled: 0 · NaN = NaN
+            s = torch.einsum("b,blr->lr", c.to(inst.dtype), torch.where(c.view(-1, 1, 1) != 0, inst, 0.0))
         else:
             dtype = _acc_dtype(*[u.right for u in uses])
             s = _clipped_sum(uses[0], c, dtype)  # a fresh tensor (matmul / index_add_ / sum): safe to add into

@@ -26,8 +26,13 @@ STABILITY_EPS = 1e-6
 
 
 def clip_factors_from_norms(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, C / (‖g‖ + 1e-6))``: ``‖g‖ · factor ≤ C`` always holds, and tiny gradients are left unscaled."""
-    return (max_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+    """``min(1, C / (‖g‖ + 1e-6))``: ``‖g‖ · factor ≤ C`` always holds, and tiny gradients are left unscaled.
+
+    An example whose norm is not finite (a NaN or infinite loss, e.g. a NaN regression label) gets factor 0: it
+    contributes nothing, so the sensitivity stays ``C`` (the engine also zeroes its rows, since ``0 · NaN = NaN``).
+    """
+    factors = (max_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
 def flat_clip_factors(norms_sq: dict[str, torch.Tensor], max_norm: float, batch_size: int) -> torch.Tensor:

@@ -1,0 +1,569 @@
+"""The DP guarantee as a black-box property, over a catalogue of Trainer usages (DESIGN invariant 8, issue 12).
+
+The property: with σ = 0 and q = 1 (SGD, lr = 1, constant schedule, float64), for neighbouring datasets D and D′
+(one example removed) the summed clipped update ``Σ = (θ₀ − θ₁) · qN`` moves by at most C; and with a huge σ no
+parameter moves without noise (its update is ~ σC/(qN)·√d). Each usage below either holds, or is refused with a
+clear error before anything is released.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2
+from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
+
+from hf_dp import DPTrainer, DPTrainingArguments
+
+C = 1e-2  # small: every example is clipped, so an unclipped gradient shows as a jump far above C
+N = 5
+HUGE_SIGMA = 1e4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_gc():
+    """Every ``train()`` starts with accelerate's ``free_memory()``, a full ``gc.collect()`` over everything the
+    imports created (~0.9 s here); frozen, those objects are skipped (~0.05 s)."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def dp_args(tmp_path, m: int, ga: int = 1, sigma: float = 0.0, **kw) -> DPTrainingArguments:
+    """q = 1: per-device batch × GA = m examples; SGD with lr = 1 and a constant schedule: θ₁ = θ₀ − Σ/m."""
+    base = dict(output_dir=str(tmp_path), noise_multiplier=sigma, per_sample_max_grad_norm=C,
+                per_device_train_batch_size=m // ga, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
+                optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
+                save_strategy="no", dp_seed=0, disable_tqdm=True, logging_strategy="no")
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPTrainingArguments(**base)
+
+
+def bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return tiny_bert().double()
+
+
+def bert_data(n: int) -> Dataset:
+    return cls_dataset(N, 3).select(range(n))
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def default_build(args, data, model_factory=bert):
+    return DPTrainer(model=model_factory(), args=args, train_dataset=data)
+
+
+def train_once(trainer):
+    trainer.train()
+
+
+def summed_updates(tmp_path, build=default_build, data_fn=bert_data, n=N, ga=1, sigma=0.0, train=train_once,
+                   neighbour=True, **kw) -> list[dict[str, torch.Tensor]]:
+    """Train on D (n examples) and D′ (the last one removed), same seed; return ``{param: Σ}`` for both runs, where
+    ``Σ = (θ₀ − θ₁) · m`` is the summed clipped (and noised) gradient of the step (q = 1, SGD, lr = 1)."""
+    out = []
+    for m in (n, n - 1) if neighbour else (n,):
+        ga_m = m if ga == "all" else ga
+        trainer = build(dp_args(tmp_path / f"n{m}", m, ga=ga_m, sigma=sigma, **kw), data_fn(m))
+        before = params(trainer.model)
+        train(trainer)
+        after = params(trainer.model)
+        out.append({k: (before[k] - after[k]) * m for k in after if k in before})
+    return out
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in a))
+
+
+def assert_neighbours_within_c(tmp_path, **kw):
+    sigma_d, sigma_d2 = summed_updates(tmp_path, **kw)
+    moved = distance(sigma_d, sigma_d2)
+    assert 0 < moved <= C * (1 + 1e-6), f"‖Σ_D − Σ_D′‖ = {moved:.3g} > C = {C}"
+    return sigma_d
+
+
+def assert_everything_noised(tmp_path, **kw):
+    """With σ = 1e4 every parameter that moved moved by noise: ‖Δ_p‖ ≈ σC/(qN)·√d_p (ratio far from 0)."""
+    (noised,) = summed_updates(tmp_path, sigma=HUGE_SIGMA, neighbour=False, **kw)  # noise std on Σ = Δ·m is σC
+    checked = 0
+    for name, s in noised.items():
+        if s.numel() < 16 or not bool(s.any()):
+            continue
+        ratio = float(s.norm()) / (HUGE_SIGMA * C * math.sqrt(s.numel()))
+        assert 0.3 < ratio < 3, f"{name} moved by {ratio:.3g}× the noise: trained without (or with other) noise"
+        checked += 1
+    assert checked > 0
+
+
+# ---------------------------------------------------------------------- usages that hold
+def test_plain_usage_holds(tmp_path):
+    assert_neighbours_within_c(tmp_path / "c")
+    assert_everything_noised(tmp_path / "noise")
+
+
+def build_model_init(args, data):
+    return DPTrainer(model_init=bert, args=args, train_dataset=data)
+
+
+def test_model_init_holds(tmp_path, caplog):
+    """Trainer.train() builds a new model with model_init: the engine is rebuilt for it (call_model_init), not
+    only caught later by the per-step trainable-set check."""
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        assert_neighbours_within_c(tmp_path / "c", build=build_model_init)
+    assert "trainable parameters changed" not in caplog.text
+    assert_everything_noised(tmp_path / "noise", build=build_model_init)
+
+
+def test_model_init_twice_starts_a_fresh_accountant(tmp_path):
+    trainer = build_model_init(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    trainer.train()
+    first = trainer.model
+    trainer.train()
+    assert trainer.model is not first and trainer.accountant.steps == 1
+
+
+def build_unfreeze_after_construction(args, data):
+    model = bert()
+    model.bert.embeddings.requires_grad_(False)
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(True)  # the user fixes it later
+    return trainer
+
+
+def test_parameter_unfrozen_after_construction_holds(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        sums = assert_neighbours_within_c(tmp_path / "c", build=build_unfreeze_after_construction)
+    assert "engine was rebuilt" in caplog.text
+    assert bool(sums["bert.embeddings.word_embeddings.weight"].any())  # it did train, clipped
+    assert_everything_noised(tmp_path / "noise", build=build_unfreeze_after_construction)
+
+
+def build_module_replaced(args, data):
+    model = bert()
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    torch.manual_seed(1)
+    model.classifier = torch.nn.Linear(16, 3).double()
+    return trainer
+
+
+def test_module_replaced_after_construction_holds(tmp_path):
+    assert_neighbours_within_c(tmp_path / "c", build=build_module_replaced)
+    assert_everything_noised(tmp_path / "noise", build=build_module_replaced)
+
+
+class UnfreezeAtStep(TrainerCallback):
+    """Gradual unfreezing: a layer frozen once the optimizer is built, made trainable again at the start of step 2."""
+
+    def __init__(self, trainer, step: int = 1):
+        self.trainer, self.step = trainer, step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.trainer.model.bert.embeddings.word_embeddings.weight.requires_grad_(True)
+
+
+def build_gradual_unfreezing(args, data, clipping="flat"):
+    model = bert()
+    args.clipping = clipping
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    trainer.add_callback(UnfreezeAtStep(trainer))
+    return trainer
+
+
+def test_callback_unfreezing_mid_run_holds_for_flat_clipping(tmp_path):
+    """Step 1 has lr = 0 (warm-up), so step 2 starts from the same θ on D and D′ and its update is one release."""
+    sums = assert_neighbours_within_c(tmp_path / "c", build=build_gradual_unfreezing, max_steps=2,
+                                      lr_scheduler_type="constant_with_warmup", warmup_steps=1)
+    assert bool(sums["bert.embeddings.word_embeddings.weight"].any())
+    assert_everything_noised(tmp_path / "noise", build=build_gradual_unfreezing, max_steps=2,
+                             lr_scheduler_type="constant_with_warmup", warmup_steps=1)
+
+
+def test_callback_unfreezing_mid_run_is_refused_for_group_wise_clipping(tmp_path):
+    trainer = build_gradual_unfreezing(dp_args(tmp_path, 4, max_steps=2), bert_data(4), clipping="per_layer")
+    with pytest.raises(RuntimeError, match="changed during training"):
+        trainer.train()
+
+
+def test_gradient_accumulation_holds(tmp_path):
+    assert_neighbours_within_c(tmp_path / "c", ga="all")  # one example per chunk, m chunks per step
+    assert_everything_noised(tmp_path / "noise", ga="all")
+
+
+def build_lora(args, data):
+    from peft import LoraConfig
+
+    return DPTrainer(model=bert(), args=args, train_dataset=data,
+                     peft_config=LoraConfig(r=2, target_modules=["query", "value"], lora_dropout=0.0))
+
+
+def test_peft_lora_holds(tmp_path):
+    sums = assert_neighbours_within_c(tmp_path / "c", build=build_lora)
+    moved = [k for k, v in sums.items() if bool(v.any())]
+    assert moved and all("lora_" in k or "classifier" in k for k in moved)
+    assert_everything_noised(tmp_path / "noise", build=build_lora)
+
+
+def build_lora_model_init(args, data):
+    from peft import LoraConfig
+
+    return DPTrainer(model_init=bert, args=args, train_dataset=data,
+                     peft_config=LoraConfig(r=2, target_modules=["query", "value"], lora_dropout=0.0))
+
+
+def test_peft_lora_with_model_init_holds(tmp_path):
+    assert_neighbours_within_c(tmp_path / "c", build=build_lora_model_init)
+
+
+def test_resume_from_checkpoint_holds(tmp_path):
+    """Step 1 (lr = 0) is saved; a new trainer resumes from it and runs step 2: one release, ε over both steps."""
+    schedule = dict(lr_scheduler_type="constant_with_warmup", warmup_steps=1)
+
+    def resume(trainer):
+        m, out = len(trainer.train_dataset), trainer.args.output_dir
+        first = DPTrainer(model=bert(), args=dp_args(out, m, save_strategy="steps", save_steps=1, **schedule),
+                          train_dataset=trainer.train_dataset)
+        first.train()
+        trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
+        assert trainer.accountant.steps == 2 == trainer.state.global_step
+
+    assert_neighbours_within_c(tmp_path, train=resume, max_steps=2, **schedule)
+
+
+class ReadsTheModel(TrainerCallback):
+    """Touches the model without training it: an evaluation-style forward at every step end (post-processing)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[3, 4, 5]]))
+
+
+def test_callback_that_reads_the_model_holds(tmp_path):
+    def build(args, data):
+        trainer = default_build(args, data)
+        trainer.add_callback(ReadsTheModel(trainer))
+        return trainer
+
+    assert_neighbours_within_c(tmp_path, build=build)
+
+
+def regression_data(m: int, nan_at: int | None = 2) -> Dataset:
+    data = cls_dataset(N, 2).to_dict()
+    data["labels"] = [float(i) - 1.5 for i in range(N)]
+    if nan_at is not None:
+        data["labels"][nan_at] = float("nan")
+    return Dataset.from_dict(data).select(range(m))
+
+
+def regression_model() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                     max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     num_labels=1, pad_token_id=0)
+    return BertForSequenceClassification(cfg).double()
+
+
+def test_nan_example_gets_factor_zero_and_the_update_equals_the_finite_oracle(tmp_path, caplog):
+    """A NaN regression label: σ = 0, q = 1: the update is the oracle over the finite examples (the model's own loss
+    on a batch of one); it is counted, warned about and logged; the logged loss is finite. (The first-step
+    self-check is off: it compares against autograd on the same batch, which the NaN example poisons.)"""
+    data = regression_data(N)
+    model = regression_model()
+    oracle = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for i in range(N):
+        if i == 2:
+            continue
+        row = data[i]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=torch.tensor([row["input_ids"]]), attention_mask=torch.tensor([row["attention_mask"]]),
+              labels=torch.tensor([row["labels"]], dtype=torch.float64)).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        for n in oracle:
+            oracle[n] += min(1.0, C / (norm + 1e-6)) * grads[n]
+    model.zero_grad(set_to_none=True)
+
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, N, dp_self_check=False, logging_strategy="steps",
+                                                  logging_steps=1), train_dataset=data)
+    before = params(model)
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        trainer.train()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close((before[n] - p.detach()) * N, oracle[n], rtol=1e-7, atol=1e-12, msg=n)
+    assert trainer.nonfinite_examples == 1 and "non-finite" in caplog.text
+    logged = [h for h in trainer.state.log_history if "nonfinite_examples" in h]
+    assert logged and logged[0]["nonfinite_examples"] == 1
+    assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
+
+
+def test_nan_example_neighbours_and_noise(tmp_path):
+    kw = dict(build=lambda args, data: DPTrainer(model=regression_model(), args=args, train_dataset=data),
+              data_fn=regression_data, dp_self_check=False)
+    assert_neighbours_within_c(tmp_path / "c", **kw)  # D′ drops a finite example; the NaN one is in both
+    (noised,) = summed_updates(tmp_path / "noise", sigma=1.0, neighbour=False, **kw)
+    assert all(bool(torch.isfinite(v).all()) for v in noised.values())
+
+
+def test_nan_example_under_group_wise_clipping_is_finite(tmp_path):
+    trainer = DPTrainer(model=regression_model(), args=dp_args(tmp_path, N, sigma=1.0, clipping="per_layer",
+                                                               dp_self_check=False), train_dataset=regression_data(N))
+    trainer.train()
+    assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
+
+
+def test_train_twice_continues_the_accountant(tmp_path):
+    trainer = default_build(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    trainer.train()
+    eps_one = trainer.privacy_spent()["epsilon"]
+    with pytest.warns(UserWarning, match="accounting continues"):
+        trainer.train()
+    assert trainer.accountant.steps == 2
+    assert trainer.privacy_spent()["epsilon"] > eps_one
+
+
+def test_train_twice_with_target_epsilon_refuses_when_nothing_is_left(tmp_path):
+    args = dp_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+    trainer.train()
+    spent = trainer.privacy_spent()["epsilon"]
+    assert spent <= 8.0
+    trainer.args.target_epsilon = 0.9 * spent  # the second run asks for a budget the first already used up
+    before = params(trainer.model)
+    with pytest.warns(UserWarning, match="accounting continues"), pytest.raises(ValueError, match="already spent"):
+        trainer.train()
+    after = params(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.accountant.steps == 2
+
+
+def test_train_twice_with_target_epsilon_budget_left(tmp_path):
+    args = dp_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=1)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+    trainer.train()
+    sigma_one = trainer.noise_multiplier
+    with pytest.warns(UserWarning, match="accounting continues"):
+        trainer.train()
+    assert trainer.accountant.steps == 2 and trainer.noise_multiplier > sigma_one
+    assert trainer.privacy_spent()["epsilon"] <= 8.0
+
+
+# ---------------------------------------------------------------------- usages that are refused
+def flattening_build(args, data):
+    from transformers import DataCollatorWithFlattening
+
+    torch.manual_seed(0)
+    return DPTrainer(model=tiny_gpt2().double(), args=args, train_dataset=data,
+                     data_collator=DataCollatorWithFlattening())
+
+
+def test_padding_free_packing_is_refused_before_training(tmp_path):
+    trainer = flattening_build(dp_args(tmp_path, 4), lm_dataset(4).remove_columns("attention_mask"))
+    with pytest.raises(ValueError, match="Packing is not supported by DPTrainer"):
+        trainer.get_train_dataloader()  # the collator is probed on two rows when the loader is built
+    before = params(trainer.model)
+    with pytest.raises(ValueError, match="Packing is not supported by DPTrainer"):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and all(torch.equal(before[k], p) for k, p in params(trainer.model).items())
+
+
+def test_collator_that_drops_a_row_is_refused(tmp_path):
+    from transformers import default_data_collator
+
+    def drop_last(features):
+        return default_data_collator(features[:-1] if len(features) > 1 else features)
+
+    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4), data_collator=drop_last)
+    with pytest.raises(ValueError, match="one row per example"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_batch_row_check_is_an_overridable_method(tmp_path):
+    trainer = default_build(dp_args(tmp_path, 4), bert_data(4))
+    trainer._check_batch_rows(2, {"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+    with pytest.raises(ValueError, match="Packing"):
+        trainer._check_batch_rows(2, {"input_ids": torch.zeros(1, 6),
+                                      "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2]])})
+    with pytest.raises(ValueError, match="Packing"):
+        trainer._check_batch_rows(1, {"input_ids": torch.zeros(1, 3), "cu_seq_lens_q": torch.tensor([0, 3])})
+
+
+def test_subclass_train_dataloader_is_refused(tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    class MyLoader(DPTrainer):
+        def get_train_dataloader(self):
+            return DataLoader(self.train_dataset, batch_size=2, shuffle=True, collate_fn=default_data_collator)
+
+    trainer = MyLoader(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4))
+    with pytest.raises(ValueError, match="replaces Poisson sampling"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_subclass_that_returns_the_dp_loader_is_accepted(tmp_path):
+    class Wraps(DPTrainer):
+        def get_train_dataloader(self):
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().get_train_dataloader()
+
+    trainer = Wraps(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(4))
+    trainer.train()
+    assert trainer.calls == 1 and trainer.accountant.steps == 1
+
+
+def test_subclass_compute_loss_is_refused(tmp_path):
+    class MyLoss(DPTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
+
+    with pytest.raises(ValueError, match="per_example_loss"):
+        MyLoss(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4))
+
+
+class PlainBackward(DPTrainer):
+    """A subclass whose training_step does what the plain Trainer does: backward of the batch loss."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs = self._prepare_inputs(inputs)
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.detach()
+
+
+class ExtraBackward(DPTrainer):
+    """A subclass that adds an (unclipped) auxiliary loss after the DP step."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = super().training_step(model, dict(inputs), num_items_in_batch)
+        inputs = self._prepare_inputs(inputs)
+        model(**inputs).loss.backward()
+        return out
+
+
+@pytest.mark.parametrize("cls, match", [(PlainBackward, "did not write"), (ExtraBackward, "changed in place")])
+def test_subclass_training_step_with_plain_backward_is_refused(tmp_path, cls, match):
+    trainer = cls(model=bert(), args=dp_args(tmp_path, 4, dp_self_check=False), train_dataset=bert_data(4))
+    before = params(trainer.model)
+    with pytest.raises(RuntimeError, match=match):
+        trainer.train()
+    assert all(torch.equal(before[k], p) for k, p in params(trainer.model).items())  # nothing was applied
+
+
+class BackwardAtStepBegin(TrainerCallback):
+    """Runs a plain backward on private examples before the step: its raw gradient must not reach the optimizer."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        data = self.trainer.train_dataset
+        batch = {k: torch.tensor(data[:2][k]) for k in ("input_ids", "attention_mask", "labels")}
+        model(**batch).loss.backward()
+
+
+def test_callback_that_runs_a_backward_before_the_step_holds(tmp_path, caplog):
+    """A raw gradient left in ``.grad`` before the step is discarded at the step's first chunk (and the DP step
+    writes, never accumulates, the released gradient)."""
+
+    def build(args, data):
+        trainer = default_build(args, data)
+        trainer.add_callback(BackwardAtStepBegin(trainer))
+        return trainer
+
+    with caplog.at_level("WARNING", logger="hf_dp.trainer"):
+        assert_neighbours_within_c(tmp_path / "c", build=build)
+    assert "discarded" in caplog.text
+    assert_everything_noised(tmp_path / "noise", build=build)
+
+
+def test_post_processing_callback_holds(tmp_path):
+    """hf_dp's CrossModelFlattening adds a data-independent term to the released gradient (after the check, which
+    does not refuse it). λ is tiny because Σ = Δ·m scales that term by m, which differs between D and D′."""
+    from hf_dp.callbacks import CrossModelFlattening
+
+    reference = {n: p.detach() + 0.1 for n, p in bert().named_parameters()}
+
+    def build(args, data):
+        return DPTrainer(model=bert(), args=args, train_dataset=data,
+                         callbacks=[CrossModelFlattening(reference, source="public", weight=1e-9)])
+
+    assert_neighbours_within_c(tmp_path, build=build)
+
+
+def test_unfreezing_inside_a_step_is_refused(tmp_path):
+    class UnfreezeBetweenChunks(TrainerCallback):
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            self.trainer.model.bert.embeddings.word_embeddings.weight.requires_grad_(True)
+
+    model = bert()
+    model.bert.embeddings.word_embeddings.requires_grad_(False)
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, ga=2), train_dataset=bert_data(4))
+    trainer.add_callback(UnfreezeBetweenChunks(trainer))
+    with pytest.raises(RuntimeError, match="middle of a DP step"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(noise_multiplier=float("nan")), "noise_multiplier must be a finite"),
+        (dict(noise_multiplier=float("inf")), "noise_multiplier must be a finite"),
+        (dict(noise_multiplier=None, target_epsilon=float("inf")), "target_epsilon must be a finite"),
+        (dict(noise_multiplier=None, target_epsilon=float("nan")), "target_epsilon must be a finite"),
+        (dict(per_sample_max_grad_norm=float("inf")), "per_sample_max_grad_norm must be a finite"),
+        (dict(per_sample_max_grad_norm=1e30, noise_multiplier=1e9), "overflows float32"),
+        (dict(clipping="per_layer", group_max_grad_norms=[float("inf")]), "group_max_grad_norms must all be finite"),
+        (dict(clipping="adaptive_per_layer", quantile_lr=float("inf")), "quantile_lr must be a finite"),
+        (dict(clipping="adaptive_per_layer", quantile_noise_multiplier=float("inf")),
+         "quantile_noise_multiplier must be a finite"),
+        (dict(fp16=True), "bf16=True"),
+    ],
+)
+def test_arguments_that_cannot_be_private_are_refused(tmp_path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dp_args(tmp_path, 4, **{"noise_multiplier": 1.0, **kwargs})
+
+
+def test_delta_not_below_one_over_n_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not below 1/N"):
+        DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0, target_delta=0.5), train_dataset=bert_data(4))
+    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0, target_delta=0.22),
+                        train_dataset=bert_data(4))
+    trainer.train_dataset = bert_data(5)  # N changed after construction: δ = 0.22 < 1/4 but not < 1/5
+    with pytest.raises(ValueError, match="not below 1/N"):
+        trainer.train()
+
+
+def test_empty_training_set_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(0))
+
+
+def test_hyperparameter_search_is_noted(tmp_path):
+    trainer = build_model_init(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    assert "hyperparameter" not in trainer.dp_guarantee
+    trainer.call_model_init(trial={"learning_rate": 0.5})  # what hyperparameter_search's train(trial=...) calls
+    assert "hyperparameter search" in trainer.dp_guarantee
