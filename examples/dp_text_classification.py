@@ -197,7 +197,7 @@ class ScriptArguments:
         default=None, metadata={"help": "Local .csv/.json/.jsonl training file with text and label columns."}
     )
     test_file: str | None = field(
-        default=None, metadata={"help": "Local test file (same format); without it 10 % of train_file is held out."}
+        default=None, metadata={"help": "Local test file (same format); without it 10 %% of train_file is held out."}
     )
     text_column: str = field(default="text", metadata={"help": "Text column of --dataset_name / --train_file."})
     label_column: str = field(default="label", metadata={"help": "Label column (integers or class names)."})
