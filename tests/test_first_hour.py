@@ -8,6 +8,7 @@ noised update is not logged; every example's ``--help`` works.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import torch
 from helpers import cls_dataset, tiny_bert
 
 from hf_dp import DPTrainer, DPTrainingArguments
-from hf_dp.trainer import NOISE_TO_SIGNAL_WARNING
+from hf_dp.trainer import DP_STATE_NAME, NOISE_TO_SIGNAL_WARNING
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -108,7 +109,9 @@ def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
     assert plan["noise_to_signal"] == pytest.approx(1.0 * math.sqrt(d) / 16)
     assert not plan["learning_unlikely"] and plan["advice"] is None
 
-    full = DPTrainer(model=tiny_bert(num_labels=2), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=1),
+    full = DPTrainer(model=tiny_bert(num_labels=2), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=1,
+                                                                   per_device_train_batch_size=2,
+                                                                   gradient_accumulation_steps=1),
                      train_dataset=data)
     plan = full.privacy_plan()
     assert plan["noise_to_signal"] > NOISE_TO_SIGNAL_WARNING and plan["learning_unlikely"]
@@ -119,6 +122,28 @@ def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
         full.train()
 
 
+def test_accountant_used_is_recorded_where_prv_accountant_fails(tmp_path):
+    """σ = 0.62, q = 0.128, 16 steps: prv-accountant 0.2 fails numerically; ε comes from the PLD accountant, and the
+    banner, the final log, privacy_spent() and dp_state.json say so."""
+    torch.manual_seed(0)
+    data = cls_dataset(125, num_labels=2)
+    args = make_args(tmp_path, noise_multiplier=0.62, max_steps=16, target_delta=1 / 2000**1.1, logging_steps=8,
+                     disable_tqdm=True)
+    trainer = DPTrainer(model=frozen_bert_head_only(), args=args, train_dataset=data)
+    assert trainer.sample_rate == 0.128
+    pld = "pld (prv-accountant failed numerically)"
+    assert trainer.privacy_plan()["accountant_used"] == pld
+    trainer.train()
+    assert trainer.state.log_history[0]["dp_accountant"] == pld
+    assert trainer.state.log_history[-1]["dp_accountant"] == pld
+    spent = trainer.privacy_spent()
+    assert spent["accountant_used"] == pld and spent["accountant"] == "prv"
+    trainer.save_model()
+    with open(Path(tmp_path) / DP_STATE_NAME) as f:
+        state = json.load(f)
+    assert state["accountant_used"] == pld and state["epsilon"] == pytest.approx(spent["epsilon"], abs=1e-9)
+
+
 def test_max_grad_norm_warns_and_points_to_per_sample_max_grad_norm(tmp_path):
     with pytest.warns(UserWarning, match="per_sample_max_grad_norm"):
         make_args(tmp_path, noise_multiplier=1.0, max_grad_norm=1.0)
@@ -127,9 +152,37 @@ def test_max_grad_norm_warns_and_points_to_per_sample_max_grad_norm(tmp_path):
         make_args(tmp_path, noise_multiplier=1.0)  # the default (0) does not warn
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
-def test_every_example_help_works(script):
-    result = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True,
-                            timeout=120, cwd=EXAMPLES.parent)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage" in result.stdout.lower() or script in ("cli.py",), result.stdout[:500]
+_HELP_DRIVER = r"""
+import contextlib, io, json, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            runpy.run_path(path, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    except BaseException as e:
+        code = repr(e)
+    out[path] = [code, buf.getvalue()[:3000]]
+print("@@" + json.dumps(out))
+"""
+SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def help_outputs() -> dict:
+    """``SCRIPT --help`` of every example, run in one subprocess (one import of torch/transformers for all)."""
+    result = subprocess.run([sys.executable, "-c", _HELP_DRIVER, *(str(EXAMPLES / s) for s in SCRIPTS)],
+                            capture_output=True, text=True, timeout=600, cwd=EXAMPLES.parent)
+    assert "@@" in result.stdout, result.stderr[-3000:]
+    return {Path(k).name: v for k, v in json.loads(result.stdout.split("@@", 1)[1]).items()}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_example_help_works(script, help_outputs):
+    code, text = help_outputs[script]
+    assert code == 0, text
+    assert "usage:" in text.lower(), text[:1000]
