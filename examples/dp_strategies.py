@@ -23,14 +23,14 @@ more from few examples (Li et al. 2022 §5.2; Yu et al. 2022, "Differentially Pr
 
 Ready-to-run commands::
 
-    python examples/dp_strategies.py                                  # the defaults (~15 min on 2 idle cores)
+    python examples/dp_strategies.py                                  # the defaults (~5 min on 2 idle cores)
     python examples/dp_strategies.py --strategies head,lora           # a subset
     python examples/dp_strategies.py --target_epsilon 3               # another budget
     # Any other option goes to every run of examples/dp_text_classification.py (later options win):
     python examples/dp_strategies.py --max_train_samples 4000 --max_seq_length 64
 
-Defaults (modest, for a shared CPU machine): 1,000 training reviews, 300 test reviews, 32 tokens, ε = 8, expected
-batch 128 (q = 0.128), C = 1, 2 epochs (16 steps), a constant learning rate per strategy (``STRATEGIES``), no
+Defaults (modest, for a shared CPU machine): 500 training reviews, 200 test reviews, 24 tokens, ε = 8, expected
+batch 64 (q = 0.128), C = 1, 2 epochs (16 steps), a constant learning rate per strategy (``STRATEGIES``), no
 first-step self-check (the tests cover it). Larger settings: pass the main example's options, e.g.
 ``--max_train_samples 4000 --max_seq_length 64 --gradient_accumulation_steps 4``.
 The recorded output is in examples/README.md.
@@ -64,8 +64,8 @@ example's tuned default; the others follow Li et al. 2022 §3 (DP learning rates
 smaller for more parameters) and were not tuned."""
 
 DEFAULTS: list[str] = [
-    "--max_train_samples", "1000", "--max_eval_samples", "300", "--max_seq_length", "32",
-    "--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "2",
+    "--max_train_samples", "500", "--max_eval_samples", "200", "--max_seq_length", "24",
+    "--per_device_train_batch_size", "64", "--gradient_accumulation_steps", "1",
     "--per_sample_max_grad_norm", "1.0", "--num_train_epochs", "2", "--logging_steps", "4",
     "--dp_self_check", "false", "--save_final_model", "false", "--disable_tqdm", "true",
 ]

