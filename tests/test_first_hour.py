@@ -73,8 +73,8 @@ def test_banner_on_console_and_delta_next_to_every_epsilon(tmp_path, capsys):
 def test_privacy_plan_before_training_is_what_train_uses(tmp_path):
     torch.manual_seed(0)
     data = cls_dataset(60, num_labels=2)
-    # Epoch-based: ceil(60 / 16) = 4 steps per epoch, 1.5 epochs -> 6 steps (Trainer's own rounding).
-    args = make_args(tmp_path, target_epsilon=4.0, num_train_epochs=1.5, per_device_train_batch_size=4,
+    # Epoch-based: ceil(60 / 16) = 4 steps per epoch, 1.3 epochs -> ceil(5.2) = 6 steps (the Trainer's rounding).
+    args = make_args(tmp_path, target_epsilon=4.0, num_train_epochs=1.3, per_device_train_batch_size=4,
                      gradient_accumulation_steps=4)
     trainer = DPTrainer(model=frozen_bert_head_only(), args=args, train_dataset=data)
     plan = trainer.privacy_plan()
