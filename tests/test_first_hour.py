@@ -145,6 +145,15 @@ def test_accountant_used_is_recorded_where_prv_accountant_fails(tmp_path):
     assert state["accountant_used"] == pld and state["epsilon"] == pytest.approx(spent["epsilon"], abs=1e-9)
 
 
+def test_accountant_eps_error_reaches_the_accountant(tmp_path):
+    data = cls_dataset(64, num_labels=2)
+    args = make_args(tmp_path, noise_multiplier=1.0, max_steps=2, accountant_eps_error=0.05)
+    trainer = DPTrainer(model=frozen_bert_head_only(), args=args, train_dataset=data)
+    assert trainer.accountant.eps_error == 0.05 and trainer.privacy_plan()["accountant_eps_error"] == 0.05
+    with pytest.raises(ValueError, match="accountant_eps_error"):
+        make_args(tmp_path, noise_multiplier=1.0, accountant_eps_error=0.0)
+
+
 def test_max_grad_norm_warns_and_points_to_per_sample_max_grad_norm(tmp_path):
     with pytest.warns(UserWarning, match="per_sample_max_grad_norm"):
         make_args(tmp_path, noise_multiplier=1.0, max_grad_norm=1.0)
