@@ -82,6 +82,16 @@ class DPTrainingArguments(TrainingArguments):
             Seed of the Poisson sampler and the noise. By default a secret seed is drawn from the OS, as the guarantee
             requires; a fixed seed makes runs reproducible but voids the guarantee against anyone who knows it.
 
+        secure_mode (`bool`, defaults to `False`):
+            Draw each step's noise from a generator seeded with fresh OS entropy (never stored) and combine four
+            Gaussian draws per coordinate against floating-point attacks (Holohan & Braghin 2021 §5.1, as Opacus'
+            `secure_mode`); about four times the cost of drawing the noise. See `hf_dp.noise.NoiseGenerator` for the
+            threat model. Refused together with `dp_seed`.
+        eval_data_is_public (`bool`, defaults to `False`):
+            Declares that the evaluation data is public or held out, not private training data. Only then do the
+            evaluation results go into the model card (`model-index`) and into the `trainer_state.json` pushed to
+            the Hub; the card says that the evaluation data is not covered by the guarantee.
+
         dp_self_check (`bool`, defaults to `True`):
             At the first micro-batch, verify on the real model and data that the hooks see every parameter's gradient
             (compared with autograd) and that per-example norms equal single-example runs; fail loudly otherwise.
@@ -179,6 +189,16 @@ class DPTrainingArguments(TrainingArguments):
         default=0.01,
         metadata={"help": "Precision of the PRV accountant: its reported upper bound is ~ this above the estimate."},
     )
+    secure_mode: bool = field(
+        default=False,
+        metadata={"help": "Noise from fresh OS entropy at every step, with the floating-point-attack mitigation "
+                          "(4 Gaussian draws per coordinate, as Opacus' secure_mode). Incompatible with dp_seed."},
+    )
+    eval_data_is_public: bool = field(
+        default=False,
+        metadata={"help": "Declare the evaluation data public or held out (not private training data): evaluation "
+                          "results then go into the model card's model-index and the pushed trainer_state.json."},
+    )
 
     def __post_init__(self):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _has_accelerator():
@@ -272,4 +292,10 @@ class DPTrainingArguments(TrainingArguments):
                 "data, that selection is not covered by the DP guarantee.",
                 NotPrivateWarning,
                 stacklevel=2,
+            )
+        # Secure noise (noise.py, NoiseGenerator): fresh OS entropy at every step, so no seed can be given.
+        if self.secure_mode and self.dp_seed is not None:
+            raise ValueError(
+                "secure_mode=True seeds every step's noise from fresh OS entropy; it cannot be combined with "
+                f"dp_seed={self.dp_seed}. Drop dp_seed (or secure_mode, for a reproducible, non-secure run)."
             )

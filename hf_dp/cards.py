@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard import RepoCard
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -73,6 +73,9 @@ BLOCK_END = "<!-- hf_dp:end -->"
 
 _OWNED_KEYS = ("differential_privacy", "synthetic_data", "audit")
 """Metadata that hf_dp writes and replaces on every save (never carried over from an older card)."""
+_RENDERED_KEYS = ("model-index", "model_name")
+"""Metadata an hf_dp card re-renders from the run (never carried over from an older hf_dp card: stale evaluation
+results, e.g. of a run that declared its evaluation data public, must not survive into this one's card)."""
 
 CARD_TAGS: tuple[str, ...] = ("differential-privacy", "hf_dp")
 """Tags on every hf_dp card, besides ``dp-sgd`` or ``dp-adam``."""
@@ -274,18 +277,35 @@ def _group_clipping(trainer: Any) -> tuple[Any, dict[str, Any] | None]:
     return thresholds, adaptive
 
 
-def _epsilons(trainer: Any, delta: float) -> tuple[float, float | None, float]:
-    """(reported ε, PRV upper bound or None if PRV cannot compute it, RDP ε)."""
+def _epsilons(trainer: Any, delta: float) -> tuple[float, float | None, float, str]:
+    """(reported ε, PRV upper bound or None if PRV cannot compute it, RDP ε, accountant that produced the reported ε).
+
+    The reported ε and its accountant are the trainer's (``privacy_spent()``, whose ``accountant_used`` names the
+    accountant that actually produced the number, e.g. ``"pld (prv-accountant failed numerically)"``). Without that
+    key: the configured accountant, or RDP when the PRV computation fails (labelled as such).
+    """
     acc = trainer.accountant
     eps_rdp = float(acc.get_epsilon(delta, accountant="rdp"))
     try:
         eps_prv: float | None = float(acc.get_epsilon_bounds(delta)[2])
-    except ValueError as err:  # PRV failed numerically: get_epsilon("prv") would fall back to RDP
-        logger.warning("hf_dp: PRV accounting failed (%s); the card reports the RDP bound only.", err)
+    except ValueError as err:  # PRV failed numerically
+        logger.warning("hf_dp: PRV accounting failed (%s); the card reports which accountant produced ε.", err)
         eps_prv = None
-    configured = getattr(trainer.args, "accountant", "prv")
-    reported = eps_rdp if configured == "rdp" or eps_prv is None else eps_prv
-    return reported, eps_prv, eps_rdp
+    spent = None
+    privacy_spent = getattr(trainer, "privacy_spent", None)
+    if callable(privacy_spent):
+        try:
+            spent = privacy_spent(delta)
+        except Exception as err:  # noqa: BLE001 - the card falls back to its own computation, said below
+            logger.warning("hf_dp: privacy_spent() failed (%s); the card computes ε from the accountant.", err)
+    if isinstance(spent, Mapping) and spent.get("accountant_used"):
+        return float(spent["epsilon"]), eps_prv, eps_rdp, str(spent["accountant_used"])
+    configured = str(getattr(trainer.args, "accountant", "prv"))
+    if configured == "rdp":
+        return eps_rdp, eps_prv, eps_rdp, "rdp"
+    if eps_prv is None:
+        return eps_rdp, eps_prv, eps_rdp, "rdp (prv-accountant failed numerically)"
+    return eps_prv, eps_prv, eps_rdp, configured
 
 
 def _aggregate_mechanisms(history: Sequence[Any]) -> list[dict[str, Any]]:
@@ -332,7 +352,7 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
         raise ValueError("No DP step has been recorded yet: train before writing privacy metadata.")
     args = trainer.args
     delta = float(trainer.target_delta)
-    eps, eps_prv, eps_rdp = _epsilons(trainer, delta)
+    eps, eps_prv, eps_rdp, accountant_used = _epsilons(trainer, delta)
     sigma = trainer.noise_multiplier
     C = float(args.per_sample_max_grad_norm)
     mechanisms = _aggregate_mechanisms(acc.history)
@@ -359,6 +379,7 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
         "delta": float(delta),
         "target_epsilon": _plain(args.target_epsilon),
         "accountant": str(getattr(args, "accountant", "prv")),
+        "accountant_used": accountant_used,
         "accountant_library": "prv-accountant",
         "prv_accountant_version": str(acc.state_dict().get("prv_accountant_version") or _version("prv-accountant")),
         "eps_error": float(acc.eps_error),
@@ -397,6 +418,11 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
     rec["mechanisms"] = mechanisms
     rec["optimizer"] = optimizer
     rec["dp_seed"] = "secret (drawn from the OS)" if args.dp_seed is None else "fixed (known seed: voids the guarantee)"
+    if getattr(args, "secure_mode", False):
+        rec["noise_source"] = ("secure mode: a fresh 64-bit OS seed per step, 4 Gaussian draws per coordinate "
+                               "(Holohan & Braghin 2021, §5.1, as Opacus' secure_mode)")
+    else:
+        rec["noise_source"] = "torch generator; per-step seeds derived from the run's seed"
     rec["budget_exhausted"] = bool(getattr(trainer, "budget_exhausted", False))
     rec["dp_guarantee"] = str(trainer.dp_guarantee)
     rec["hf_dp_version"] = _hf_dp_version()
@@ -475,6 +501,26 @@ def _unit_words(dp: Mapping[str, Any]) -> tuple[str, str, str]:
             "as a group of that many examples (see below).")
 
 
+def _accountant_phrase(dp: Mapping[str, Any]) -> str:
+    """Names the accountant that produced the reported ε (``accountant_used``; the configured one for older records),
+    and says so when it is not the configured one."""
+    configured = str(dp.get("accountant", "prv"))
+    used = str(dp.get("accountant_used") or configured)
+    if used.startswith("prv"):
+        phrase = f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
+    elif used.startswith("pld"):
+        phrase = ("PLD accountant (privacy loss distributions with a pessimistic discretisation, Google's "
+                  f"dp-accounting {_version('dp-accounting') or ''}".rstrip() + "; an upper bound)")
+    elif used.startswith("rdp"):
+        phrase = "RDP accountant (Mironov 2017; a looser upper bound)"
+    else:
+        phrase = f"{used} accountant"
+    if not used.startswith(configured):
+        phrase += (f", because the configured {configured.upper()} accountant failed numerically for this mechanism "
+                   f"(`accountant_used: {used}`)")
+    return phrase
+
+
 def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
     phrase, noun, long = _unit_words(dp)
     eps = dp.get("epsilon")
@@ -499,9 +545,9 @@ def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
         "unit_noun": noun,
         "unit_long": long,
         "sampling_phrase": sampling_phrase,
-        "accountant_phrase": (
-            f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
-            if accountant == "prv" else "RDP accountant (Mironov 2017)"),
+        "accountant_phrase": _accountant_phrase(dp),
+        "accountant_label": str(dp.get("accountant_used") or accountant).split(" (")[0].upper(),
+        "accountant_fell_back": not str(dp.get("accountant_used") or accountant).startswith(accountant),
         "trained_phrase": _trained_phrase(dp.get("trained_parameters") or {}),
         "clipping_phrase": _clipping_phrase(dp),
         "guarantee_notes": _guarantee_notes(dp),
@@ -626,6 +672,61 @@ def _merge_tags(*groups: Sequence[str] | str | None) -> list[str]:
     return out
 
 
+_TASK_PIPELINE = {"causal_lm": "text-generation", "seq2seq_lm": "text2text-generation", "masked_lm": "fill-mask",
+                  "sequence_classification": "text-classification", "token_classification": "token-classification"}
+_NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time", "epoch", "step")
+
+
+def _eval_results(trainer: Any, task: str, dataset_label: str | None, dataset_id: str | None,
+                  eval_dataset_name: str | None = None, eval_dataset_type: str | None = None,
+                  eval_dataset_split: str | None = None) -> list[EvalResult]:
+    """``EvalResult``s of the latest evaluation in ``trainer.state.log_history`` (``eval_*`` metrics, without
+    runtimes), for the card's ``model-index``; only called when the evaluation data is declared public."""
+    state = getattr(trainer, "state", None)
+    latest = None
+    for record in getattr(state, "log_history", None) or []:
+        if any(str(k).startswith("eval_") for k in record):
+            latest = record
+    if latest is None:
+        return []
+    name = eval_dataset_name or (f"{dataset_label}, evaluation split" if dataset_label else "evaluation set")
+    kind = eval_dataset_type or dataset_id or name
+    out = []
+    for key, value in latest.items():
+        metric = str(key)[len("eval_"):]
+        if not str(key).startswith("eval_") or metric.endswith(_NOT_METRICS) or not _is_number(value):
+            continue
+        out.append(EvalResult(task_type=task, dataset_type=kind, dataset_name=name, dataset_split=eval_dataset_split,
+                              metric_type=metric, metric_name=metric, metric_value=_round(float(value))))
+    return out
+
+
+def _audit_lines(audit: Mapping[str, Any]) -> list[str]:
+    """Plain-words lines for the card body about the empirical audits in the ``audit`` metadata."""
+    lines = []
+    mia = audit.get("membership_inference") if audit else None
+    if isinstance(mia, Mapping):
+        attacks = mia.get("attacks") or {}
+        parts = []
+        for name, m in attacks.items():
+            text = f"{name} attack AUC {_fmt(m.get('auc'), 3)}"
+            if m.get("epsilon_lower_bound") is not None:
+                text += f", empirical ε lower bound {_fmt(m.get('epsilon_lower_bound'), 3)}"
+            parts.append(text)
+        lines.append(
+            f"**Membership inference** ({mia.get('num_members')} training examples vs {mia.get('num_nonmembers')} "
+            f"held-out examples, at step {mia.get('step')}): {'; '.join(parts) or 'no attack result'}. These "
+            "results are computed from private training examples (their losses under the model): they are "
+            "statistics of the private data, **not covered by the guarantee**, which is why it is marked not strict.")
+    canary = audit.get("canary_exposure") if audit else None
+    if isinstance(canary, Mapping):
+        reps = canary.get("by_repetitions") or {}
+        shown = ", ".join(f"{_fmt((v or {}).get('mean'), 3)} bits for canaries repeated {r}×" for r, v in reps.items())
+        lines.append(f"**Canary exposure** (Carlini et al. 2019; maximum possible {_fmt(canary.get('max_exposure'), 3)}"
+                     f" bits): {shown or 'n/a'}. The canaries are synthetic secrets inserted by the data holder.")
+    return lines
+
+
 def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset_name: str | None = None,
                       tags: Sequence[str] | str | None = None, **kwargs: Any) -> ModelCard:
     """Renders the full hf_dp model card of ``trainer`` (template ``dp_model_card.md``), without writing it.
@@ -638,6 +739,10 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         **kwargs: ``ModelCardData`` fields (``license``, ``language``, ``base_model``, ``pipeline_tag``, ...) and the
             names ``Trainer.create_model_card`` uses: ``finetuned_from`` (→ ``base_model``), ``dataset`` (→
             ``datasets``), ``tasks`` (→ ``pipeline_tag``), ``dataset_tags``/``dataset_args`` (ignored).
+            Evaluation results go into ``model-index`` only when ``args.eval_data_is_public`` (the latest ``eval_*``
+            metrics of ``trainer.state.log_history``, or ``eval_results=[EvalResult, ...]`` if given), named by
+            ``eval_dataset_name``, ``eval_dataset_type`` (a Hub id; default: the training ``datasets`` id) and
+            ``eval_dataset_split``; without the flag they are left out (results on private data are not covered).
     """
     dp = privacy_metadata(trainer)
     model = _unwrap(trainer)
@@ -657,7 +762,8 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         extra["pipeline_tag"] = tasks if isinstance(tasks, str) else tasks[0]
     extra.pop("dataset_tags", None)
     extra.pop("dataset_args", None)
-    extra.pop("eval_results", None)  # results on (possibly private) evaluation data are not put on the card
+    given_results = extra.pop("eval_results", None)
+    eval_names = {k: extra.pop(k, None) for k in ("eval_dataset_name", "eval_dataset_type", "eval_dataset_split")}
     is_peft = "peft" in dp["trained_parameters"]
     all_tags = _merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags,
                            getattr(model, "model_tags", None))
@@ -666,7 +772,24 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
     dataset_label = ", ".join(datasets) if datasets else None
     if datasets and not all(_HUB_ID.match(d) for d in datasets):
         datasets = None  # the YAML `datasets` field takes Hub ids; a free-form name goes to the body only
+    eval_results = None
+    if getattr(trainer.args, "eval_data_is_public", False):  # declared public or held out: model-index
+        task = extra.get("pipeline_tag") or _TASK_PIPELINE.get(getattr(trainer, "task", None)) or "other"
+        eval_results = given_results or _eval_results(trainer, task, dataset_label, datasets[0] if datasets else None,
+                                                      **eval_names)
+        if eval_results:
+            dp["evaluation_results"] = ("in model-index: evaluation data declared public or held out "
+                                        "(eval_data_is_public=True), not covered by the guarantee")
+    elif given_results:
+        logger.warning("hf_dp: eval_results are left out of the card: the evaluation data is not declared public "
+                       "(DPTrainingArguments(eval_data_is_public=True)); results on private data are not covered.")
+    from .audit import audit_report  # the audit package imports nothing from cards; imported here to stay light
+
+    audit = _plain(audit_report(trainer)) if hasattr(trainer, "callback_handler") else {}
+    if audit:  # empirical audits (issue 8): membership inference is computed on private members, not covered
+        extra["audit"] = audit
     card_data = ModelCardData(
+        eval_results=eval_results or None,
         base_model=(hub_ids if len(hub_ids) > 1 else base_model),
         datasets=datasets,
         library_name="peft" if is_peft else "transformers",
@@ -686,6 +809,9 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         is_peft=is_peft,
         load_best_model_at_end=bool(getattr(trainer.args, "load_best_model_at_end", False)),
         reproduce_code=reproduce_epsilon_code(dp),
+        eval_results=[(r.metric_type, _fmt(r.metric_value, 4)) for r in eval_results or []],
+        eval_dataset=(eval_results[0].dataset_name if eval_results else None),
+        audit_lines=_audit_lines(audit),
         hyperparameters=_hyperparameters(trainer),
         versions=_versions(is_peft),
     )
@@ -738,7 +864,8 @@ def _carry_over(existing: RepoCard, ours: RepoCard) -> RepoCard:
     old = existing.data.to_dict()
     changed = False
     for key, value in old.items():
-        if key not in _OWNED_KEYS and data.get(key) in (None, "", []) and value not in (None, "", []):
+        if key not in (*_OWNED_KEYS, *_RENDERED_KEYS) and data.get(key) in (None, "", []) and \
+                value not in (None, "", []):
             data[key] = value
             changed = True
     tags = _merge_tags(data.get("tags"), old.get("tags"))
@@ -831,11 +958,6 @@ def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None =
     if model_name is None:
         model_name = out.name or None
     card = render_model_card(trainer, model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
-    from .audit import audit_report  # the audit package imports nothing from cards; imported here to stay light
-
-    report = audit_report(trainer) if hasattr(trainer, "callback_handler") else {}
-    if report:  # empirical audits (issue 8): computed on private data, so labelled as not covered by the guarantee
-        card.data.audit = _plain(report)
     explicit = [k for k in ("license", "language", "base_model", "pipeline_tag") if kwargs.get(k)]
     if kwargs.get("finetuned_from"):
         explicit.append("base_model")
@@ -922,6 +1044,8 @@ def _record_problems(dp: Any) -> list[str]:
         bad("steps", "must be >= 0")
     if dp["accountant"] not in _ACCOUNTANTS:
         bad("accountant", f"must be one of {_ACCOUNTANTS}")
+    if "accountant_used" in dp and not isinstance(dp["accountant_used"], str):
+        bad("accountant_used", "must be a string (the accountant that produced `epsilon`)")
     if dp["sampling"] not in _SAMPLING:
         bad("sampling", f"must be one of {_SAMPLING}")
     if dp["privacy_unit"] not in _UNITS:

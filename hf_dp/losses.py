@@ -5,11 +5,20 @@ micro-batch) depends on the other examples. Clipping the gradient of such a loss
 contribution. Here each example's loss is the mean over *its own* non-ignored tokens (Li et al. 2022, §2: the
 per-example objective of DP-SGD), computed from the model's logits.
 
+Each default equals **the model's own loss on a batch of one** (``model(**one_example, labels=...).loss``: what the
+plain ``Trainer``, PEFT or trl train for that example), head by head: the causal shift (and, under prompt learning,
+PEFT's -100 labels for the virtual tokens), the seq2seq decoder inputs the model builds from ``labels``,
+``config.problem_type`` for classification heads. The tests check each against exactly that (``tests/helpers.py``).
+
 A per-example loss function has the signature ``fn(outputs, labels) -> Tensor[B]``.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +32,11 @@ __all__ = [
     "causal_lm_loss",
     "token_loss",
     "sequence_classification_loss",
+    "cross_entropy_classification_loss",
+    "question_answering_loss",
     "default_per_example_loss",
+    "decoder_input_ids_from_labels",
+    "is_seq2seq_lm",
 ]
 
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -45,16 +58,29 @@ def _mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return per_token.sum(1) / counts.clamp(min=1)
 
 
+def _logits(outputs: Any) -> torch.Tensor:
+    return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+
+
 def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The logits of the labelled positions: prompt-learning adapters (PEFT prompt tuning) prepend virtual tokens,
-    whose logits come first and have no labels (PEFT itself pads their labels with -100)."""
-    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    """The logits of the labelled positions, for unshifted token losses: prompt-learning adapters (PEFT prompt
+    tuning, P-tuning) prepend virtual tokens, whose logits come first and have no labels."""
+    logits = _logits(outputs)
     return logits[:, logits.shape[1] - labels.shape[1]:] if logits.shape[1] > labels.shape[1] else logits
 
 
 def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally)."""
-    logits = _token_logits(outputs, labels)
+    """Next-token loss: logits at ``t`` predict ``labels[t + 1]`` (the shift HF causal LMs apply internally).
+
+    Under prompt learning (PEFT prompt tuning / P-tuning) the logits also cover the ``n`` virtual tokens prepended to
+    the input. PEFT pads the labels with ``n`` times -100 on the left before the model's shift
+    (``PeftModelForCausalLM.forward``), so the last virtual token's logits predict the first real token: that target
+    is part of the objective PEFT and the plain ``Trainer`` train, and it is kept here.
+    """
+    logits = _logits(outputs)
+    virtual = logits.shape[1] - labels.shape[1]
+    if virtual > 0:
+        labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
     # Shift the labels, not the logits (as HF's ForCausalLMLoss does): slicing (B, T, V) logits would copy them.
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return _mean_token_loss(logits, shifted)
@@ -65,28 +91,66 @@ def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     return _mean_token_loss(_token_logits(outputs, labels), labels)
 
 
-def sequence_classification_loss(problem_type: str | None = None, num_labels: int | None = None) -> PerExampleLoss:
-    """Per-example loss of HF ``*ForSequenceClassification`` heads, following ``config.problem_type``."""
+def _problem_type(config: Any, problem_type: str | None, num_labels: int | None, labels: torch.Tensor) -> str:
+    """``config.problem_type`` as HF's ``ForSequenceClassificationLoss`` resolves it (read at call time)."""
+    if config is not None:
+        problem_type, num_labels = getattr(config, "problem_type", None), getattr(config, "num_labels", None)
+    if problem_type is not None:
+        return problem_type
+    if num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def sequence_classification_loss(problem_type: str | None = None, num_labels: int | None = None,
+                                 config: Any = None) -> PerExampleLoss:
+    """Per-example loss of HF classification heads that follow ``config.problem_type`` (``*ForSequenceClassification``,
+    ``*ForImageClassification``, ``*ForVideoClassification``, AST): HF's ``ForSequenceClassificationLoss`` on a batch
+    of one. Regression: squared error (mean over the labels if ``num_labels > 1``); single-label: cross-entropy;
+    multi-label: binary cross-entropy averaged over the labels. With ``config``, its ``problem_type`` and
+    ``num_labels`` are read at each call (HF sets ``problem_type`` on its first loss)."""
 
     def loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-        kind = problem_type
-        if kind is None:
-            if num_labels == 1:
-                kind = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                kind = "single_label_classification"
-            else:
-                kind = "multi_label_classification"
+        logits = _upcast(_logits(outputs))
+        kind = _problem_type(config, problem_type, num_labels, labels)
         if kind == "regression":
-            err = (_upcast(logits).squeeze(-1) - labels.to(_upcast(logits).dtype).squeeze(-1)) ** 2
+            err = (logits.squeeze(-1) - labels.to(logits.dtype).squeeze(-1)) ** 2
             return err.reshape(err.shape[0], -1).mean(1)
         if kind == "single_label_classification":
-            return F.cross_entropy(_upcast(logits).view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
-        bce = F.binary_cross_entropy_with_logits(_upcast(logits), labels.to(_upcast(logits).dtype), reduction="none")
-        return bce.reshape(bce.shape[0], -1).mean(1)
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+        if kind == "multi_label_classification":
+            bce = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+            return bce.reshape(bce.shape[0], -1).mean(1)
+        raise ValueError(f"Invalid config.problem_type {kind!r} (transformers raises on it too).")
 
     return loss
+
+
+def cross_entropy_classification_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Per-example cross-entropy over classes, whatever ``config.problem_type`` says: the loss of the speech
+    classification heads (Wav2Vec2/HuBERT/WavLM/... ``ForSequenceClassification``, ``WhisperForAudioClassification``),
+    whose ``forward`` applies ``CrossEntropyLoss`` unconditionally."""
+    logits = _upcast(_logits(outputs))
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), reduction="none")
+
+
+def question_answering_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Per-example extractive-QA loss, HF's ``ForQuestionAnsweringLoss`` on a batch of one: the mean of the
+    start- and end-position cross-entropies. ``labels`` is ``(B, 2)``: ``[start_position, end_position]`` per example.
+    Positions outside the sequence are clamped to ``T`` and ignored, as HF does (such a term contributes 0 here; HF's
+    mean over no term would be NaN)."""
+    start_logits, end_logits = (_upcast(outputs[k] if isinstance(outputs, dict) else getattr(outputs, k))
+                                for k in ("start_logits", "end_logits"))
+    if labels.dim() != 2 or labels.shape[1] != 2:
+        raise ValueError(f"question_answering_loss needs labels of shape (batch, 2) = [start, end], got "
+                         f"{tuple(labels.shape)}.")
+    ignored = start_logits.shape[1]
+    positions = labels.clamp(0, ignored)
+    start = F.cross_entropy(start_logits, positions[:, 0], ignore_index=ignored, reduction="none")
+    end = F.cross_entropy(end_logits, positions[:, 1], ignore_index=ignored, reduction="none")
+    return (start + end) / 2
 
 
 def _class_names(mapping: Any) -> set[str]:
@@ -101,32 +165,210 @@ def _base_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
-    """Choose the per-example loss for a model by its head, as transformers' auto classes know it.
+def _decoder_shift(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The model's own function from ``labels`` to decoder inputs, or ``None`` (see
+    :func:`decoder_input_ids_from_labels`)."""
+    base = _base_model(model)
+    prepare = getattr(base, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return lambda labels: prepare(labels=labels)
+    shift = getattr(base, "_shift_right", None)
+    if callable(shift):
+        return shift
+    shift = getattr(sys.modules.get(type(base).__module__), "shift_tokens_right", None)
+    config = getattr(base, "config", None)
+    if callable(shift) and config is not None:
+        params = list(inspect.signature(shift).parameters)
+        if params[1:] == ["pad_token_id", "decoder_start_token_id"]:
+            return lambda labels: shift(labels, config.pad_token_id, config.decoder_start_token_id)
+        if params[1:] == ["pad_token_id"]:
+            return lambda labels: shift(labels, config.pad_token_id)
+    return None
 
-    Returns ``(loss_fn, task)`` with ``task`` in ``{"causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification",
-    "token_classification"}``. Raises ``ValueError`` for other heads: pass ``per_example_loss=`` to ``DPTrainer``.
+
+def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> torch.Tensor | None:
+    """The decoder inputs an encoder-decoder model's own forward builds from ``labels`` (teacher forcing).
+
+    Mirrors the model exactly, by the model's own code: ``prepare_decoder_input_ids_from_labels`` where the model
+    has it (BART, mBART, T5, Marian, Pegasus, ...), else its ``_shift_right`` (T5 family), else the
+    ``shift_tokens_right(labels, pad_token_id, decoder_start_token_id)`` of the model's own module, which is what
+    M2M100 / NLLB / Blenderbot(Small) / Whisper call in ``forward``. ``None`` if none exists: the caller then passes
+    ``labels=`` and lets the model build them (the model then also computes its batch loss, which is discarded).
+    """
+    shift = _decoder_shift(model)
+    return None if shift is None else shift(labels)
+
+
+def _names(*kinds: str) -> set[str]:
+    names: set[str] = set()
+    for kind in kinds:
+        names |= _class_names(getattr(auto, f"MODEL_FOR_{kind}_MAPPING_NAMES", {}))
+    return names
+
+
+def _transformers_forward(cls: type) -> Callable | None:
+    """The ``forward`` of the nearest class in ``cls``'s MRO defined by transformers (a user subclass that wraps
+    ``super().forward`` keeps its head's loss)."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("transformers.") and "forward" in vars(klass):
+            return vars(klass)["forward"]
+    return None
+
+
+def _forward_code(cls: type, own: bool = False) -> str | None:
+    """The code of a head's ``forward`` without docstring and comments (``ast.unparse``): of ``cls`` itself if
+    ``own``, else of the nearest transformers class in its MRO. ``None`` if the source is unavailable."""
+    fn = cls.forward if own else (_transformers_forward(cls) or cls.forward)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):  # pragma: no cover
+        return None
+    body = tree.body[0].body if tree.body and hasattr(tree.body[0], "body") else []
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body.pop(0)  # the docstring
+    return ast.unparse(tree)
+
+
+def _follows_problem_type(cls: type) -> bool:
+    """Whether a classification head's ``forward`` picks its loss by ``config.problem_type`` (directly or through
+    ``self.loss_function``) rather than applying cross-entropy unconditionally."""
+    code = _forward_code(cls)
+    return code is None or "problem_type" in code or "loss_function" in code
+
+
+def _causal_loss_kind(base: nn.Module) -> str | None:
+    """How a causal-LM head's own loss reads ``labels``: ``"shifted"`` (``self.loss_function`` is HF's
+    ForCausalLMLoss: ``logits[t]`` predicts ``labels[t + 1]``), ``"unshifted"`` (a plain cross-entropy of
+    ``logits.view(-1, V)`` against ``labels.view(-1)``: BartForCausalLM, TrOCR, WhisperForCausalLM, ... document
+    that their labels are *not* shifted inside the model), or ``None`` (anything else: codebooks, n-gram streams,
+    label smoothing, no loss)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    code = _forward_code(type(base))
+    if code is None:
+        return None
+    if "self.loss_function(" in code:
+        return "shifted" if getattr(base, "loss_function", None) is ForCausalLMLoss else None
+    if "labels.view(-1)" in code and "logits.view(-1" in code and not any(
+            w in code for w in ("shift", "codebook", "label_smoothing")):
+        return "unshifted"
+    return None
+
+
+def is_seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder LM trained by teacher forcing on ``labels`` (BART, T5, Marian, M2M100, Whisper,
+    VisionEncoderDecoder, ...)."""
+    base = _base_model(model)
+    cls = type(base).__name__
+    if not getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return False
+    return cls in _names("SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ", "VISION_2_SEQ", "IMAGE_TEXT_TO_TEXT") or (
+        cls.endswith("ForConditionalGeneration"))
+
+
+def _uses_causal_loss_function(base: nn.Module) -> bool:
+    """Whether the model's own forward computes its loss with ``self.loss_function`` and that is HF's
+    ForCausalLMLoss (a subclass with a forward of its own is judged by that forward)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    code = _forward_code(type(base), own=True)
+    return code is not None and "self.loss_function(" in code and getattr(base, "loss_function", None) is (
+        ForCausalLMLoss)
+
+
+def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
+    """Choose the per-example loss for a model by its head, as transformers' auto classes know it: the model's own
+    loss on a batch of one (what the plain ``Trainer`` trains for that example).
+
+    Returns ``(loss_fn, task)`` with ``task`` in ``{"causal_lm", "causal_lm_unshifted", "masked_lm", "seq2seq_lm",
+    "sequence_classification", "token_classification", "image_classification", "video_classification",
+    "audio_classification"}``. Raises
+    ``ValueError`` for other heads, saying what to pass as ``per_example_loss=``.
     """
     base = _base_model(model)
     cls = type(base).__name__
     config = getattr(base, "config", None)
-    if cls in _class_names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) or cls.endswith(("LMHeadModel", "ForCausalLM")):
-        return causal_lm_loss, "causal_lm"
-    seq2seq = _class_names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
-    if cls in seq2seq or cls.endswith("ForConditionalGeneration"):
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{cls} has config.output_router_logits=True: its own loss adds the mixture-of-experts load-balancing "
+            "loss, a statistic of the whole batch's routing, which no per-example loss can reproduce and which would "
+            "mix examples. Set `model.config.output_router_logits = False` (the per-example token loss is trained), "
+            "or pass `per_example_loss=fn` with a loss of your own that depends on each example only."
+        )
+    if (getattr(config, "z_loss_coefficient", 0) or 0) > 0:
+        raise ValueError(
+            f"{cls} has config.z_loss_coefficient > 0: its own loss adds a z-loss averaged over every token of the "
+            "batch, which hf_dp's default per-example loss does not include. Set `model.config.z_loss_coefficient "
+            "= 0.0` or pass `per_example_loss=fn` that adds each example's own z-loss, shape (batch,)."
+        )
+    if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
+        kind = _causal_loss_kind(base)
+        if kind == "shifted":
+            return causal_lm_loss, "causal_lm"
+        if kind == "unshifted":  # labels already shifted by the user, as the model's docstring asks
+            return token_loss, "causal_lm_unshifted"
+        raise ValueError(
+            f"{cls}'s own loss is not HF's (shifted) causal-LM cross-entropy nor a plain token cross-entropy, so "
+            "hf_dp has no default per-example loss for it. Pass `per_example_loss=fn` to DPTrainer, where "
+            "`fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it for a "
+            "batch of one."
+        )
+    if is_seq2seq_lm(base) and _decoder_shift(base) is not None:
+        # (An encoder-decoder with no teacher-forcing shift of its own, e.g. Dia's multi-codebook audio decoder,
+        # trains some other loss: refused below.)
         return token_loss, "seq2seq_lm"
-    if cls in _class_names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) or cls.endswith("ForMaskedLM"):
-        return token_loss, "masked_lm"
-    if cls in _class_names(auto.MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES) or cls.endswith("ForTokenClassification"):
-        return token_loss, "token_classification"
-    if cls in _class_names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES) or cls.endswith(
-        "ForSequenceClassification"
+    if (cls in _names("IMAGE_TEXT_TO_TEXT", "VISION_2_SEQ") or cls.endswith("ForConditionalGeneration")) and (
+        _uses_causal_loss_function(base)
     ):
-        return (
-            sequence_classification_loss(getattr(config, "problem_type", None), getattr(config, "num_labels", None)),
-            "sequence_classification",
+        # Decoder-only multimodal LMs (Llava, PaliGemma, Qwen-VL, ...) whose forward calls self.loss_function,
+        # which is ForCausalLMLoss (the shifted next-token loss). Others (BLIP's label smoothing, ...) are refused.
+        return causal_lm_loss, "causal_lm"
+    if cls in _names("MASKED_LM") or cls.endswith("ForMaskedLM"):
+        return token_loss, "masked_lm"
+    if cls in _names("TOKEN_CLASSIFICATION") or cls.endswith("ForTokenClassification"):
+        return token_loss, "token_classification"
+    for kind, suffix in (("IMAGE", "ForImageClassification"), ("VIDEO", "ForVideoClassification"),
+                         ("AUDIO", "ForAudioClassification")):
+        if cls in _names(f"{kind}_CLASSIFICATION") or cls.endswith(suffix):
+            if "labels" not in _parameters(type(base).forward):
+                raise ValueError(
+                    f"{cls} computes no training loss (its forward takes no `labels`; e.g. the distillation heads "
+                    "'...WithTeacher' are for inference). Fine-tune the plain classification class instead, or pass "
+                    "`per_example_loss=fn` to DPTrainer, fn(outputs, labels) -> one loss per example, shape (batch,)."
+                )
+            if _follows_problem_type(type(base)):
+                return sequence_classification_loss(config=config), f"{kind.lower()}_classification"
+            return cross_entropy_classification_loss, f"{kind.lower()}_classification"
+    if cls in _names("SEQUENCE_CLASSIFICATION") or cls.endswith("ForSequenceClassification"):
+        return sequence_classification_loss(config=config), "sequence_classification"
+    if cls in _names("MULTIPLE_CHOICE") or cls.endswith("ForMultipleChoice"):
+        raise ValueError(
+            f"{cls} folds the choices into the batch dimension (batch x num_choices rows reach every layer), so "
+            "the layers' per-row gradients are not per example and hf_dp cannot clip them per example; a custom "
+            "per_example_loss does not change this. Put all choices of an example in one sequence instead (a causal "
+            "LM scoring the answer, or a *ForSequenceClassification head over the concatenated choices)."
+        )
+    if cls in _names("QUESTION_ANSWERING") or cls.endswith("ForQuestionAnswering"):
+        raise ValueError(
+            f"{cls} takes its targets as two columns (start_positions, end_positions), and DPTrainer needs one "
+            "`labels` tensor per batch. Give each example `labels = [start_position, end_position]`, e.g. "
+            "`train = train.map(lambda ex: {'labels': [ex['start_positions'], ex['end_positions']]}, "
+            "remove_columns=['start_positions', 'end_positions'])`, keep that column with "
+            "`DPTrainingArguments(..., label_names=['labels'])`, and pass "
+            "`per_example_loss=hf_dp.losses.question_answering_loss` (HF's start/end loss, per example)."
         )
     raise ValueError(
         f"hf_dp has no default per-example loss for {cls}. Pass `per_example_loss=fn` to DPTrainer, where "
-        "fn(outputs, labels) returns one loss per example (shape [batch]) that depends on that example only."
+        "`fn(outputs, labels)` takes the model's output on a batch (without `labels`) and the batch's `labels`, and "
+        "returns a tensor of shape (batch,): each example's own loss, depending on that example only (a mean over "
+        "the batch would not bound one example's contribution). hf_dp.losses has causal_lm_loss, token_loss, "
+        "sequence_classification_loss(config=model.config), cross_entropy_classification_loss and "
+        "question_answering_loss."
     )
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # pragma: no cover
+        return set()

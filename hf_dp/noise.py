@@ -9,6 +9,9 @@ exactly once whatever the world size, and every rank ends with the same gradient
 Under FSDP (``clipping/fsdp.py``) the gradient is sharded: :func:`add_noise_to_shards` adds each rank's noise to the
 coordinates it owns only, from a per-rank stream (:meth:`NoiseGenerator.for_shard`), so again every coordinate is
 noised exactly once.
+
+Secure mode (``DPTrainingArguments(secure_mode=True)``, the counterpart of Opacus' ``secure_mode``) changes where the
+noise comes from, on both paths (:class:`SecureGenerator`, :func:`gaussian_noise`).
 """
 
 from __future__ import annotations
@@ -22,38 +25,92 @@ import torch.distributed as dist
 
 from .sampling import derive_seed
 
-__all__ = ["privatize", "add_noise_to_shards", "NoiseGenerator", "group_noise_stds", "NOISE_ALLOCATIONS"]
+__all__ = ["privatize", "add_noise_to_shards", "gaussian_noise", "NoiseGenerator", "SecureGenerator",
+           "group_noise_stds", "NOISE_ALLOCATIONS"]
 
 NOISE_ALLOCATIONS = ("global", "equal_budget", "weighted")
 
 _NOISE_STREAM = 0x6E6F697365  # separates the noise stream from the sampler's stream under one dp_seed
 
 
+class SecureGenerator(torch.Generator):
+    """A step's generator in secure mode: seeded from fresh OS entropy, and read by :func:`gaussian_noise` with the
+    floating-point-attack mitigation (the type is the marker; no attribute is set on a plain ``torch.Generator``)."""
+
+    secure_mode = True
+
+
 class NoiseGenerator:
     """Per-step Gaussian generators derived from one seed (a secret one unless ``seed`` is given).
 
-    Deriving the step's generator from ``(seed, step)`` keeps a run with a fixed seed reproducible across
-    checkpoint/resume; with the default secret seed every run draws fresh noise.
+    Default: deriving the step's generator from ``(seed, step)`` keeps a run with a fixed seed reproducible across
+    checkpoint/resume; with the default secret seed (63 bits from :mod:`secrets`) every run draws fresh noise.
+
+    ``secure_mode=True`` (Opacus' ``secure_mode``, without ``torchcsprng``):
+
+    * **Fresh OS entropy per step**: every step's (and, under FSDP, every shard's) generator is seeded with 64 fresh
+      bits from :func:`secrets.randbits` (the OS CSPRNG, ``os.urandom``) and the seed is never stored. The default
+      mode's risk is the run seed: whoever learns it (a memory dump, a debugger, a log or pickle of the trainer)
+      can regenerate every step's noise and subtract it from the released updates. In secure mode a leaked step
+      seed exposes that step only, and nothing on disk or in the trainer can regenerate the noise.
+    * **Floating-point attack mitigation**: a float sample of ``N(0, σ²)`` is not a real Gaussian; the set of
+      floats a sampler can output around each value leaks which value was noised (Mironov 2012 for the Laplace
+      mechanism; Jin et al. 2022, arXiv:2112.05307, for Gaussian samplers such as PyTorch's). :func:`gaussian_noise`
+      returns ``(z_1 + z_2 + z_3 + z_4) / 2`` with ``z_j ~ N(0, σ²)`` after discarding one draw, exactly as Opacus'
+      ``_generate_noise`` (``opacus/optimizers/optimizer.py``): the 2n-sample combination of Holohan & Braghin 2021
+      (arXiv:2107.10138, §5.1) with n = 2, raising the attack's cost from about 2^53 to 2^159 guesses.
+
+    Threat model: an adversary who sees the released parameters (and possibly each update, e.g. from checkpoints)
+    and may know the code, but cannot read the training process's memory while it runs. Not covered: the
+    generator itself is torch's (Mersenne Twister on CPU, Philox on CUDA), not a cryptographic stream; timing side
+    channels; the Poisson sampler, which keeps its per-run secret seed (``seed``, shared by the ranks). Cost: four
+    Gaussian draws instead of one per coordinate (plus the sums), on the noise step only (``benchmarks/RESULTS.md``).
     """
 
-    def __init__(self, seed: int | None = None):
+    def __init__(self, seed: int | None = None, secure_mode: bool = False):
+        # In secure mode ``seed`` (the run's shared secret) only seeds the Poisson sampler (``self.seed``), never noise.
+        self.secure_mode = bool(secure_mode)
         self.is_secret = seed is None
         self.seed = secrets.randbits(63) if seed is None else int(seed)
 
-    def for_step(self, step: int, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, *key: int) -> torch.Generator:
+        if self.secure_mode:
+            gen = SecureGenerator(device=device)
+            gen.manual_seed(secrets.randbits(64))  # fresh OS entropy, never stored
+            return gen
         gen = torch.Generator(device=device)
-        gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step))
+        gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, *key))
         return gen
+
+    def for_step(self, step: int, device: torch.device) -> torch.Generator:
+        return self._generator(device, step)
 
     def for_shard(self, step: int, rank: int, device: torch.device, stream: int = 0) -> torch.Generator:
         """The step's generator for the coordinates ``rank`` owns under FSDP (``clipping/fsdp.py``).
 
         Each rank noises only its own shard, so every rank needs an independent stream: derived from
-        ``(seed, step, rank, stream)``, never equal to :meth:`for_step`'s.
+        ``(seed, step, rank, stream)``, never equal to :meth:`for_step`'s (in secure mode: fresh OS entropy).
         """
-        gen = torch.Generator(device=device)
-        gen.manual_seed(derive_seed(self.seed, _NOISE_STREAM, step, rank, stream))
-        return gen
+        return self._generator(device, step, rank, stream)
+
+
+@torch.no_grad()
+def gaussian_noise(shape: torch.Size | tuple[int, ...], std: float, generator: torch.Generator | None,
+                   device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``N(0, std²)`` samples of ``shape`` in ``dtype``, from ``generator``.
+
+    With a :class:`SecureGenerator` (secure mode) the sample is Opacus' floating-point-attack-resistant one: one draw
+    discarded, then ``(z_1 + z_2 + z_3 + z_4) / 2`` with ``z_j ~ N(0, std²)`` drawn in at least float32 (Holohan &
+    Braghin 2021, §5.1, n = 2); its variance is ``4 std² / 4 = std²``.
+    """
+    if not isinstance(generator, SecureGenerator):
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype).mul_(std)
+    draw_dtype = torch.promote_types(dtype, torch.float32)
+    torch.normal(0.0, std, size=(1, 1), generator=generator, device=device, dtype=draw_dtype)  # discarded (Opacus)
+    total = torch.zeros(shape, device=device, dtype=draw_dtype)
+    for _ in range(4):
+        total.add_(torch.normal(0.0, std, size=tuple(shape), generator=generator, device=device, dtype=draw_dtype))
+    return total.div_(2).to(dtype)
 
 
 def group_noise_stds(thresholds: list[float], dims: list[int], allocation: str, noise_multiplier: float
@@ -98,7 +155,7 @@ def privatize(
         noise_std: standard deviation ``σ S`` of the noise on the global sum (one value, or one per parameter for
             group-wise allocations).
         expected_batch_size: ``q N`` over all ranks.
-        generator: the step's generator (used on rank 0 only).
+        generator: the step's generator (used on rank 0 only; a :class:`SecureGenerator` in secure mode).
 
     Returns:
         ``{name: gradient}``, identical on every rank. Without several processes these are the tensors of
@@ -113,7 +170,11 @@ def privatize(
             for n, std in zip(names, stds):
                 if std > 0:  # in place, one parameter at a time: no model-sized temporaries (benchmarks/RESULTS.md)
                     g = grads[n]
-                    g.add_(torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype), alpha=float(std))
+                    if isinstance(generator, SecureGenerator):  # secure mode: the 4-draw combination
+                        g.add_(gaussian_noise(g.shape, float(std), generator, g.device, g.dtype))
+                    else:
+                        g.add_(torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype),
+                               alpha=float(std))
         if not _is_distributed():
             for g in grads.values():
                 g.div_(expected_batch_size)
@@ -136,7 +197,8 @@ def add_noise_to_shards(shards: list[torch.Tensor], std: float,
 
     ``std`` is the std on the *divided* gradient, ``σ S / (q N)``. ``generator_for(device, k)`` gives this rank's
     generator for the ``k``-th device met (one stream per device, :meth:`NoiseGenerator.for_shard`). Noise is drawn in
-    at least float32 and added in that precision; shards are visited in the given order (name order).
+    at least float32 and added in that precision; shards are visited in the given order (name order). In secure mode
+    (:class:`SecureGenerator`, fresh entropy per rank and step) each shard's noise is :func:`gaussian_noise`'s.
     """
     gens: dict[torch.device, torch.Generator] = {}
     for local in shards:
@@ -145,7 +207,11 @@ def add_noise_to_shards(shards: list[torch.Tensor], std: float,
         if local.device not in gens:
             gens[local.device] = generator_for(local.device, len(gens))
         dtype = torch.promote_types(local.dtype, torch.float32)
-        z = torch.randn(local.shape, generator=gens[local.device], device=local.device, dtype=dtype)
+        gen = gens[local.device]
+        if isinstance(gen, SecureGenerator):  # secure mode: the 4-draw combination, unit std (scaled below)
+            z = gaussian_noise(local.shape, 1.0, gen, local.device, dtype)
+        else:
+            z = torch.randn(local.shape, generator=gen, device=local.device, dtype=dtype)
         if dtype == local.dtype:
             local.add_(z, alpha=std)
         else:

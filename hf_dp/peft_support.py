@@ -1,12 +1,14 @@
-"""PEFT adapters under DP: LoRA, prefix tuning and prompt tuning with exact per-example gradients.
+"""PEFT adapters under DP: LoRA, prefix tuning, prompt tuning and P-tuning with exact per-example gradients.
 
 * **LoRA** (``lora_A`` / ``lora_B`` are ``nn.Linear``, also around GPT-2 ``Conv1D`` with ``fan_in_fan_out``) and
   **prefix tuning** (``PrefixEncoder``: an ``nn.Embedding`` looked up with batch-expanded prompt tokens, optionally
   followed by a ``Linear``-``Tanh``-``Linear`` projection) need nothing special: their layers have rules.
-* **Prompt tuning**: PEFT's ``get_prompt`` runs the prompt encoder once, on ``prompt_tokens[:1]``, and repeats the
-  result over the batch (peft#2043), so the gradient reaching the encoder is already summed over examples and could
-  not be clipped per example. :func:`per_example_prompts` makes the model look the prompt up for every example
-  (the pre-#2043 behaviour), which gives identical outputs and exact per-example gradients.
+* **Prompt tuning and P-tuning**: PEFT's ``get_prompt`` runs the prompt encoder once, on ``prompt_tokens[:1]``, and
+  repeats the result over the batch (peft#2043), so the gradient reaching the encoder is already summed over
+  examples and could not be clipped per example. :func:`per_example_prompts` makes the model encode the prompt for
+  every example (the pre-#2043 behaviour), which gives identical outputs and exact per-example gradients. P-tuning's
+  MLP reparameterisation is ``Linear``/``ReLU`` layers (exact); its LSTM one has no layer rule of its own (``nn.LSTM``
+  is left to the clipping engine, which refuses it unless a generic exact rule covers it).
 
 Li et al. 2022 §5.2 compare these adapters with full fine-tuning under DP; Yu et al. 2024 use DP LoRA.
 """
@@ -45,14 +47,18 @@ def _active_config(model: nn.Module) -> Any:
 
 
 def per_example_prompts(model: nn.Module) -> None:
-    """For a prompt-tuning ``PeftModel``: look the virtual-token embeddings up once per example (in place).
+    """For a prompt-tuning or P-tuning ``PeftModel``: encode the virtual tokens once per example (in place).
 
-    Only the prompt-tuning branch of ``get_prompt`` changes; the prompts' values are identical, and the embedding
-    now sees a ``(B, n_virtual)`` index tensor, so its per-example gradients are exact. No-op for other adapters.
+    PEFT's ``get_prompt`` encodes ``prompt_tokens[:1]`` and repeats the result ``batch_size`` times (peft#2043), so
+    the gradient reaching the prompt encoder is summed over examples. Here the encoder sees the ``(B, n)`` index
+    tensor instead: the prompts' values are identical, and every layer of the encoder (the embedding, and P-tuning's
+    MLP head) sees each example's copy, so per-example gradients are exact. This also keeps the engine's expansion of
+    batch-broadcast ids from meeting PEFT's own repeat (which made ``B²`` prompts and crashed P-tuning).
+    No-op for other adapters and in inference mode (generation and evaluation use PEFT's own path).
     """
     from peft import PeftType
 
-    if not is_peft_model(model) or _active_config(model).peft_type != PeftType.PROMPT_TUNING:
+    if not is_peft_model(model) or _active_config(model).peft_type not in (PeftType.PROMPT_TUNING, PeftType.P_TUNING):
         return
     if getattr(model, "_hf_dp_per_example_prompts", False):
         return
@@ -60,12 +66,12 @@ def per_example_prompts(model: nn.Module) -> None:
 
     def get_prompt(self, batch_size: int, task_ids: Any = None, *args: Any, **kwargs: Any):
         config = _active_config(self)
-        if config.inference_mode:
+        if config.inference_mode or config.peft_type not in (PeftType.PROMPT_TUNING, PeftType.P_TUNING):
             return original(batch_size, task_ids, *args, **kwargs)
         encoder = self.prompt_encoder[self.active_adapter]
+        # All num_virtual_tokens * num_transformer_submodules tokens, as PEFT's own path encodes them.
         tokens = self.prompt_tokens[self.active_adapter].unsqueeze(0).expand(batch_size, -1)
-        tokens = tokens[:, : config.num_virtual_tokens].to(encoder.embedding.weight.device)
-        return encoder(tokens)
+        return encoder(tokens.to(encoder.embedding.weight.device))
 
     model.get_prompt = types.MethodType(get_prompt, model)
     model._hf_dp_per_example_prompts = True

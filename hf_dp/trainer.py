@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import warnings
 from typing import Any
 
@@ -35,9 +36,10 @@ from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
-from .losses import PerExampleLoss, default_per_example_loss
+from .losses import PerExampleLoss, decoder_input_ids_from_labels, default_per_example_loss, is_seq2seq_lm
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
+from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
@@ -369,7 +371,7 @@ class DPTrainer(Trainer):
         except ImportError:  # pragma: no cover
             pass
         seed = self._shared_seed()
-        self._noise = NoiseGenerator(seed)
+        self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
         common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
         if self.user_level:
@@ -478,10 +480,20 @@ class DPTrainer(Trainer):
         self._self_checked = True
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
+        """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
+        decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
+        so the model is not asked for its batch loss; a model with no such function gets ``labels=`` and builds them
+        itself (its batch loss is then computed, unused)."""
         inputs = dict(inputs)
-        if self.task == "seq2seq_lm" and "decoder_input_ids" not in inputs:
-            base = getattr(model, "get_base_model", lambda: model)()
-            inputs["decoder_input_ids"] = base.prepare_decoder_input_ids_from_labels(labels=labels)
+        seq2seq = getattr(self, "_seq2seq_lm", None)
+        if seq2seq is None:
+            seq2seq = self._seq2seq_lm = is_seq2seq_lm(model)
+        if seq2seq and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
+            decoder_input_ids = decoder_input_ids_from_labels(model, labels)
+            if decoder_input_ids is None:
+                inputs["labels"] = labels
+            else:
+                inputs["decoder_input_ids"] = decoder_input_ids
         return inputs
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -642,6 +654,7 @@ class DPTrainer(Trainer):
             notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
         if self.args.load_best_model_at_end:
             notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+        notes.extend(release_notes(self))  # uploads that cannot be redacted (release.py)
         for cb in self.callback_handler.callbacks:
             extra = getattr(cb, "dp_guarantee_notes", None)
             if callable(extra):
@@ -792,11 +805,11 @@ class DPTrainer(Trainer):
         """Adds ``epsilon`` (spent so far) and ``delta`` to every training log, next to the loss; at the end of
         training (the Trainer's ``train_runtime`` log) also the steps taken and the accountant that computed ε.
 
-        A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is renamed
-        ``noised_update_norm``; ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
+        A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is dropped;
+        ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
         """
         if "grad_norm" in logs:
-            logs = {("noised_update_norm" if k == "grad_norm" else k): v for k, v in logs.items()}
+            logs = {k: v for k, v in logs.items() if k != "grad_norm"}
         if self.accountant.steps > 0 and self.train_dataset is not None:
             logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4),
                     "delta": self.target_delta}
@@ -864,6 +877,8 @@ class DPTrainer(Trainer):
             "dp_guarantee": self.dp_guarantee,
             "noise_allocation": self.noise_allocation if self.group_clipper is not None else None,
             "group_clipping": self.group_clipper.state_dict() if self.group_clipper is not None else None,
+            "secure_mode": self.args.secure_mode,  # noise.py: fresh OS entropy per step, 4-draw Gaussian
+            "eval_data_is_public": self.args.eval_data_is_public,  # release.py / cards.py: eval results published
         }
 
     def _accountant_used(self) -> str | None:
@@ -900,32 +915,40 @@ class DPTrainer(Trainer):
                           license=license, finetuned_from=finetuned_from, tasks=tasks, dataset=dataset, **kwargs)
 
     def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer._push_from_checkpoint``, with the checkpoint's privacy card and ``dp_state.json`` in the upload.
+        """``Trainer._push_from_checkpoint``, uploading the checkpoint's privacy card and redacted training records.
 
         With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the
         Trainer copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into
-        ``output_dir``, re-saves the tokenizer and training arguments there, and uploads ``output_dir``. The card
-        (``README.md``) and ``dp_state.json`` would stay behind, so the Hub would show weights without (or with a
-        stale) privacy guarantee. Before that upload, this copies the checkpoint's ``dp_state.json`` and writes the
-        card of the checkpoint's ε into ``output_dir``: re-rendered there (keeping metadata set on an existing
-        README, merging into one hf_dp did not write) when the accountant is at the checkpoint's step, as it is
-        when ``_save_checkpoint`` calls this; otherwise the checkpoint's own card is copied. The conditions under
-        which the Trainer skips the push are mirrored, so ``output_dir`` never gets a card newer than its weights.
-        """
-        import shutil
+        ``output_dir``, re-saves the tokenizer and training arguments there, and uploads ``output_dir``; with
+        ``"checkpoint"``/``"all_checkpoints"`` it also uploads the checkpoint folder (``trainer_state.json``
+        included). Here:
 
+        * the card (``README.md``) and ``dp_state.json`` of the checkpoint go into ``output_dir`` too, so the Hub
+          never shows weights without (or with a stale) privacy guarantee: the card is re-rendered there (keeping
+          metadata set on an existing README, merging into one hf_dp did not write) when the accountant is at the
+          checkpoint's step, as it is when ``_save_checkpoint`` calls this; otherwise the checkpoint's own card is
+          copied. The conditions under which the Trainer skips the push are mirrored, so ``output_dir`` never gets
+          a card newer than its weights;
+        * the Trainer is handed a copy of the checkpoint (``output_dir/_hf_dp_push/checkpoint-N``, hard links) whose
+          ``trainer_state.json`` carries no training loss, ``grad_norm``, ``total_flos``, ``num_input_tokens_seen``
+          nor (unless ``eval_data_is_public``) evaluation metrics (``hf_dp/release.py``); the local checkpoint, which
+          ``resume_from_checkpoint`` reads, keeps everything. ``trainer_state.json``/``*results.json`` in
+          ``output_dir`` are redacted the same way (originals kept in ``output_dir/_hf_dp_private/``).
+        """
         from transformers.trainer_utils import HubStrategy
 
-        checkpoint_folder = str(args[0] if args else kwargs["checkpoint_folder"])
-        will_push = (
-            self.is_world_process_zero()
-            and self.args.hub_strategy != HubStrategy.END
-            and (self.args.hub_always_push or self.push_in_progress is None or self.push_in_progress.is_done())
-        )
+        checkpoint_folder = str(args[0] if args else kwargs.pop("checkpoint_folder"))
+        args = args[1:]
+        pushing = getattr(self, "push_in_progress", None)  # set by init_hf_repo on the main process only
+        idle = pushing is None or pushing.is_done()
+        will_push = (self.is_world_process_zero() and self.args.hub_strategy != HubStrategy.END
+                     and (self.args.hub_always_push or idle))
+        if not will_push:
+            return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
+        output_dir = self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
         state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
-        if will_push and os.path.isfile(state_path):
-            output_dir = self.args.output_dir
-            os.makedirs(output_dir, exist_ok=True)
+        if os.path.isfile(state_path):
             with open(state_path) as f:
                 checkpoint_steps = sum(int(r["steps"]) for r in json.load(f)["accountant"]["history"])
             card_path = os.path.join(checkpoint_folder, "README.md")
@@ -941,7 +964,24 @@ class DPTrainer(Trainer):
                     "Hub without their privacy card."
                 )
             shutil.copy(state_path, os.path.join(output_dir, DP_STATE_NAME))
-        return super()._push_from_checkpoint(*args, **kwargs)
+        public = self.args.eval_data_is_public
+        redact_output_dir(output_dir, public)
+        staged = stage_checkpoint(checkpoint_folder, output_dir, public, clean=idle)
+        return super()._push_from_checkpoint(str(staged), *args, **kwargs)
+
+    def push_to_hub(self, *args: Any, **kwargs: Any):
+        """``Trainer.push_to_hub`` with redacted training records: ``trainer_state.json`` and ``*results.json`` in
+        ``output_dir`` (written by ``save_state()`` / ``save_metrics()``) are uploaded without the training loss,
+        flos, token counts, audit results and (unless ``eval_data_is_public``) evaluation metrics; the originals
+        stay in ``output_dir/_hf_dp_private/`` (``hf_dp/release.py``). ``kwargs`` go to :meth:`create_model_card`
+        as with ``Trainer``."""
+        if self.is_world_process_zero() and os.path.isdir(self.args.output_dir):
+            redact_output_dir(self.args.output_dir, self.args.eval_data_is_public)
+        result = super().push_to_hub(*args, **kwargs)
+        pushing = getattr(self, "push_in_progress", None)
+        if self.is_world_process_zero() and (pushing is None or pushing.is_done()):
+            shutil.rmtree(os.path.join(self.args.output_dir, STAGING_DIR), ignore_errors=True)
+        return result
 
     def _load_dp_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, DP_STATE_NAME)

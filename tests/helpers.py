@@ -6,6 +6,7 @@ examples), takes the model's own HF loss for that example, and clips by the rule
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -138,23 +139,55 @@ def cls_dataset(n: int, num_labels: int, seq_len: int = 8, seed: int = 0, pad_id
     return Dataset.from_dict(rows)
 
 
-def single_example_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The loss of a batch of ONE example, in the model's dtype (HF's own LM loss upcasts to float32 only).
+@contextlib.contextmanager
+def _loss_keeps_float64():
+    """While a model's own HF loss function runs, ``logits.float()`` leaves float64 tensors in float64.
 
-    Causal LM: mean next-token cross-entropy over the labelled tokens; classification: cross-entropy.
+    transformers' loss functions (``loss_utils.ForCausalLMLoss`` ...) upcast logits with ``.float()``, which would
+    *downcast* a float64 oracle to float32. Only the loss function's call is affected (``loss_function`` of every
+    ``PreTrainedModel``), not the model's forward: the loss is still the model's own code, just not rounded.
     """
-    labels = batch.pop("labels")
-    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
-    shift = name.endswith(("LMHeadModel", "ForCausalLM"))
-    if type(model).__name__.endswith("ForConditionalGeneration"):
-        batch["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
-    logits = model(**batch).logits
-    if logits.dim() == 3:  # token-level: causal LM (shifted), masked LM, token classification, seq2seq
-        logits = logits[:, logits.shape[1] - labels.shape[1]:]  # drop virtual-token positions (prompt tuning)
-        logits, labels = (logits[0, :-1], labels[0, 1:]) if shift else (logits[0], labels[0])
-        keep = labels != -100
-        return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
-    return torch.nn.functional.cross_entropy(logits, labels)
+    from transformers import PreTrainedModel
+
+    prop = PreTrainedModel.__dict__["loss_function"]
+    plain_float = torch.Tensor.float
+
+    def keep64(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 and not args and not kwargs else plain_float(self, *args, **kwargs)
+
+    def wrapped_getter(model):
+        fn = prop.fget(model)
+
+        def loss_fn(*args, **kwargs):
+            torch.Tensor.float = keep64
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.Tensor.float = plain_float
+
+        return loss_fn
+
+    PreTrainedModel.loss_function = property(wrapped_getter, prop.fset)
+    try:
+        yield
+    finally:
+        PreTrainedModel.loss_function = prop
+        torch.Tensor.float = plain_float
+
+
+def single_example_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The model's own loss on a batch of ONE example: ``model(**batch).loss`` with ``labels`` in ``batch``.
+
+    This is what the plain ``Trainer`` (or PEFT, for a ``PeftModel``) optimises for that example: the model builds
+    its decoder inputs from ``labels`` (seq2seq), pads the labels of virtual tokens (prompt learning), shifts
+    (causal LM) and picks its loss by ``config.problem_type`` (classification). Nothing here re-implements hf_dp's
+    losses. In float64, HF's ``.float()`` upcast inside the loss is kept from rounding to float32.
+    """
+    assert next(iter(batch.values())).shape[0] == 1, "a batch of one"
+    with _loss_keeps_float64():
+        out = model(**batch)
+    assert out.loss is not None, f"{type(model).__name__} returned no loss for {sorted(batch)}"
+    return out.loss
 
 
 def per_example_grads(model: torch.nn.Module, dataset: Dataset, indices: list[int]) -> list[dict[str, torch.Tensor]]:

@@ -85,6 +85,7 @@ def test_card_metadata_round_trips_and_matches_the_accountant(trained):
     assert dp["mechanisms"] == [{"noise_multiplier": 1.0, "sampling_rate": 0.125, "steps": 2}]
     assert dp["optimizer"].startswith("DP-Adam") and dp["dp_guarantee"] == "strict"
     assert dp["dp_seed"].startswith("secret")
+    assert dp["noise_source"].startswith("torch generator") and dp["accountant_used"] == "prv"
     assert data["tags"][:3] == ["differential-privacy", "dp-adam", "hf_dp"]
     assert data["datasets"] == ["my-org/private-notes"] and data["license"] == "apache-2.0"
     # YAML round trip: what huggingface_hub renders parses back to the same metadata
@@ -403,3 +404,109 @@ def test_checkpoint_strategy_pushes_keep_a_readme_the_user_wrote(tmp_path):
         card = ModelCard(push["readme"])
         assert card.data.license == "mit" and "Notes by the data holder." in card.text
         assert card.text.count(BLOCK_BEGIN) == 1
+
+
+# ------------------------------------------------------------------------- issue 12 hole 11, issue 15 item 7
+def test_membership_inference_on_members_makes_the_guarantee_not_strict_and_is_in_the_body(tmp_path):
+    from hf_dp.audit import MembershipInferenceCallback
+
+    trainer = make_trainer(tmp_path / "mia", n=16, max_steps=1, dp_self_check=False)
+    mia = MembershipInferenceCallback(members=lm_dataset(16).select(range(8)), nonmembers=lm_dataset(8, seed=3),
+                                      reference=None, run_on_evaluate=False).attach(trainer)
+    assert mia.dp_guarantee_notes() == [] and trainer.dp_guarantee == "strict"  # nothing computed yet
+    trainer.train()
+    assert trainer.dp_guarantee.startswith("not strict") and "membership-inference" in trainer.dp_guarantee
+    card = create_model_card(trainer)
+    dp = card.data.get("differential_privacy")
+    assert dp["dp_guarantee"] == trainer.dp_guarantee and card.data.get("audit")["membership_inference"]
+    assert "Warning: the guarantee is not strict" in card.text and "### Empirical privacy audits" in card.text
+    assert "**Membership inference** (8 training examples vs 8 held-out examples" in card.text
+    assert "loss attack AUC" in card.text and "not covered by the guarantee" in card.text
+    validate_card(tmp_path / "mia")
+
+
+def _card_with_failing_prv(trainer, out, monkeypatch, spent_extra):
+    def fail(*a, **k):
+        raise ValueError("Discrete mean differs from continuous mean significantly")
+
+    monkeypatch.setattr(trainer.accountant, "get_epsilon_bounds", fail)
+    real = type(trainer).privacy_spent
+    monkeypatch.setattr(trainer, "privacy_spent", lambda delta=None: {**real(trainer, delta), **spent_extra})
+    create_model_card(trainer, output_dir=out)
+    return ModelCard.load(out / "README.md")
+
+
+def test_card_names_the_accountant_that_produced_epsilon(trained, tmp_path, monkeypatch):
+    trainer, out = trained
+    card = ModelCard.load(out / "README.md")
+    assert card.data.get("differential_privacy")["accountant_used"] == "prv"
+    assert "computed with the PRV accountant (Gopi et al. 2021" in card.text
+    assert "| ε (reported, PRV accountant) |" in card.text and "failed numerically" not in card.text
+    with monkeypatch.context() as m:  # the trainer reports a PLD ε (issue 15's fallback): the card says so
+        card = _card_with_failing_prv(trainer, tmp_path / "pld", m, {
+            "epsilon": 0.5, "accountant_used": "pld (prv-accountant failed numerically)"})
+        dp = card.data.get("differential_privacy")
+        assert dp["accountant_used"] == "pld (prv-accountant failed numerically)" and dp["epsilon"] == 0.5
+        assert dp["epsilon_prv"] is None and dp["accountant"] == "prv"
+        assert "computed with the PLD accountant (privacy loss distributions" in card.text
+        assert "because the configured PRV accountant failed numerically" in card.text
+        assert "| ε (reported, PLD accountant) | ε = 0.5 |" in card.text
+        assert "computed with the PRV accountant" not in card.text
+        validate_card(card)
+    with monkeypatch.context() as m:  # a trainer without `accountant_used`: the RDP fallback is labelled
+        card = _card_with_failing_prv(trainer, tmp_path / "rdp", m, {})
+        dp = card.data.get("differential_privacy")
+        assert dp["accountant_used"] == "rdp (prv-accountant failed numerically)"
+        assert dp["epsilon"] == pytest.approx(dp["epsilon_rdp"])
+        assert "computed with the RDP accountant (Mironov 2017" in card.text
+        assert "computed with the PRV accountant" not in card.text and "| ε (reported, RDP accountant) |" in card.text
+
+
+def _evaluated_trainer(out, public):
+    trainer = make_trainer(out, n=16, max_steps=1, dp_self_check=False, eval_data_is_public=public)
+    trainer.eval_dataset = lm_dataset(8, seed=2)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics
+    return trainer, metrics
+
+
+def test_public_evaluation_results_go_into_model_index(tmp_path):
+    out = tmp_path / "public"
+    trainer, metrics = _evaluated_trainer(out, public=True)
+    create_model_card(trainer, dataset_name="my-org/private-notes", eval_dataset_name="my-org/public-eval",
+                      eval_dataset_split="test")
+    card = ModelCard.load(out / "README.md")
+    (result,) = card.data.eval_results
+    assert result.metric_type == "loss" and result.metric_value == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert result.dataset_name == "my-org/public-eval" and result.dataset_split == "test"
+    assert result.task_type == "text-generation" and result.dataset_type == "my-org/private-notes"
+    assert "model-index" in (out / "README.md").read_text() and card.data.model_name == "public"
+    assert card.text.startswith("\n<!-- hf_dp:card") and "\n# public\n" in card.text  # title despite the gotcha
+    assert "## Evaluation results" in card.text and "- loss: " in card.text
+    assert "**The evaluation data** (my-org/public-eval)" in card.text
+    dp = privacy_report(out)
+    assert "not covered" in dp["evaluation_results"] and dp["dp_guarantee"] == "strict"
+    validate_card(out)
+
+
+def test_evaluation_results_stay_out_of_the_card_without_the_flag(tmp_path):
+    out = tmp_path / "private"
+    trainer, metrics = _evaluated_trainer(out, public=False)
+    from huggingface_hub import EvalResult
+
+    given = [EvalResult(task_type="text-generation", dataset_type="x", dataset_name="x", metric_type="loss",
+                        metric_value=metrics["eval_loss"])]
+    create_model_card(trainer, eval_results=given)
+    text = (out / "README.md").read_text()
+    card = ModelCard.load(out / "README.md")
+    assert card.data.eval_results is None and "model-index" not in text and "Evaluation results" not in text
+    assert "evaluation_results" not in privacy_report(out)
+    assert f"{metrics['eval_loss']:.4f}" not in text
+    trainer.args.eval_data_is_public = True  # a card with model-index in output_dir, then a run without the flag
+    create_model_card(trainer)
+    assert "model-index" in (out / "README.md").read_text()
+    trainer.args.eval_data_is_public = False
+    create_model_card(trainer)
+    assert "model-index" not in (out / "README.md").read_text()  # not carried over from the older card
+    assert ModelCard.load(out / "README.md").data.model_name == "private"

@@ -132,3 +132,102 @@ def test_empty_batches_are_noise_only_steps(tmp_path):
     trainer.train()
     assert trainer.accountant.steps == 12
     assert all(not torch.equal(before[k], p) for k, p in model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------ secure mode (hole 13)
+def _opacus_secure_reference(shape, std, seed):
+    """Opacus 1.6 ``_generate_noise(secure_mode=True)`` written out: one draw discarded, then (z1+z2+z3+z4)/2."""
+    g = torch.Generator().manual_seed(seed)
+    torch.normal(mean=0, std=std, size=(1, 1), generator=g)
+    total = torch.zeros(shape)
+    for _ in range(4):
+        total += torch.normal(mean=0, std=std, size=shape, generator=g)
+    return total / 2
+
+
+def test_secure_noise_is_opacus_combination_with_the_right_std():
+    from hf_dp.noise import SecureGenerator, gaussian_noise
+
+    gen = SecureGenerator()
+    gen.manual_seed(1234)
+    z = gaussian_noise((200_000,), 1.5, gen, torch.device("cpu"), torch.float32)
+    assert torch.equal(z, _opacus_secure_reference((200_000,), 1.5, 1234))
+    # sample std of 2e5 Gaussians: relative SE 1/sqrt(4e5) ~ 0.16 %; 1 % is > 6 SE. Kurtosis SE sqrt(24/2e5) ~ 0.011.
+    assert abs(float(z.std()) / 1.5 - 1) < 0.01 and abs(float(z.mean())) < 6 * 1.5 / np.sqrt(2e5)
+    u = (z / z.std()).double()
+    assert abs(float((u**4).mean()) - 3) < 0.08
+
+
+def test_secure_mode_draws_fresh_entropy_every_step_and_shard():
+    from hf_dp.noise import NoiseGenerator, SecureGenerator
+
+    cpu = torch.device("cpu")
+    plain = NoiseGenerator(seed=5)
+    same = [torch.randn(8, generator=plain.for_step(0, cpu)) for _ in range(2)]
+    assert torch.equal(*same)
+    secure = NoiseGenerator(seed=5, secure_mode=True)
+    gens = [secure.for_step(0, cpu), secure.for_step(0, cpu), secure.for_shard(0, 0, cpu), secure.for_shard(0, 0, cpu)]
+    assert all(isinstance(g, SecureGenerator) for g in gens)
+    draws = [torch.randn(8, generator=g) for g in gens]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
+
+
+def test_secure_mode_fsdp_shards_use_the_combination(monkeypatch):
+    import hf_dp.noise as noise
+
+    calls = []
+    real = noise.gaussian_noise
+    monkeypatch.setattr(noise, "gaussian_noise", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    secure = noise.NoiseGenerator(secure_mode=True)
+    shards = [torch.zeros(60_000), torch.zeros(0), torch.zeros(40_000, dtype=torch.float64)]
+    noise.add_noise_to_shards(shards, 0.3, lambda device, k: secure.for_shard(3, 1, device, k))
+    assert len(calls) == 2 and all(isinstance(g, noise.SecureGenerator) for g in calls)
+    z = torch.cat([shards[0].double(), shards[2]])
+    assert abs(float(z.std()) / 0.3 - 1) < 0.02  # relative SE 1/sqrt(2e5) ~ 0.22 %
+
+
+def test_secure_mode_refuses_a_dp_seed(tmp_path):
+    with pytest.raises(ValueError, match="secure_mode=True .* cannot be combined with dp_seed=3"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, secure_mode=True, dp_seed=3, use_cpu=True)
+
+
+def _q1_update(tmp_path, sigma, seed, secure, max_norm=0.5):
+    """One SGD step (lr 1) with q = 1 (every example in the batch), so runs differ only by their noise."""
+    torch.manual_seed(0)
+    model = tiny_gpt2().double()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        args = DPTrainingArguments(
+            output_dir=str(tmp_path), noise_multiplier=sigma, per_sample_max_grad_norm=max_norm,
+            per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1, learning_rate=1.0,
+            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
+            save_strategy="no", dp_seed=seed, secure_mode=secure, disable_tqdm=True, dp_self_check=False,
+        )
+    trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(8))
+    trainer.train()
+    return torch.cat([(before[k] - p.detach()).reshape(-1) for k, p in model.named_parameters()]), trainer
+
+
+def test_secure_mode_in_training_has_the_right_std_and_is_fresh(tmp_path, monkeypatch):
+    import hf_dp.noise as noise
+
+    gens = []
+    real = noise.gaussian_noise
+    monkeypatch.setattr(noise, "gaussian_noise", lambda *a, **k: gens.append(a[2]) or real(*a, **k))
+    sigma, c = 1.7, 0.5
+    clean, _ = _q1_update(tmp_path / "clean", 0.0, seed=5, secure=False, max_norm=c)
+    assert gens == []
+    a, trainer = _q1_update(tmp_path / "a", sigma, seed=None, secure=True, max_norm=c)
+    assert gens and all(isinstance(g, noise.SecureGenerator) for g in gens)  # every parameter's noise, secure
+    assert trainer._noise.secure_mode and trainer.args.secure_mode
+    from hf_dp.cards import privacy_metadata
+
+    assert privacy_metadata(trainer)["noise_source"].startswith("secure mode") and trainer._dp_state()["secure_mode"]
+    b, _ = _q1_update(tmp_path / "b", sigma, seed=None, secure=True, max_norm=c)
+    za, zb = (a - clean).numpy(), (b - clean).numpy()
+    expected = sigma * c / trainer.expected_batch_size
+    assert za.size > 5000 and trainer.sample_rate == 1.0
+    for z in (za, zb):
+        assert abs(z.std() / expected - 1) < 0.05
+    assert not np.allclose(za, zb)  # fresh noise per run
