@@ -62,3 +62,10 @@ def parse_args(parser: HfArgumentParser, argv: Sequence[str] | None = None) -> t
             raise ValueError(f"Unknown arguments in {config_path}: {unknown}")
         parser.set_defaults(**config)
     return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print("examples/cli.py is the argument parsing the example scripts import; run one of them instead.")

@@ -662,10 +662,13 @@ def load_chatterbot(categories: Sequence[str] | None = None) -> datasets.Dataset
     return datasets.Dataset.from_dict(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Fetch everything into the cache and print a one-line summary per data set."""
+    import argparse
     import time
 
+    argparse.ArgumentParser(description="Fetch the example data sets into the cache ($HF_DP_DATA_CACHE) and print a "
+                                        "summary of each.").parse_args(argv)
     t0 = time.perf_counter()
     ff = load_fine_foods()
     for split, ds in ff.items():

@@ -518,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(_format_table(results))
         print(f"majority-class test accuracy: {majority:.4f}; infilling before training (random MLM transform): "
               f"{zero_shot:.4f}")
-        print(f"privacy: ({dp['epsilon']:.3f}, {dp['delta']:.3g})-DP per review, {dp['accountant']} accountant, "
+        accountant = dp.get("accountant_used") or dp["accountant"]
+        print(f"privacy: ({dp['epsilon']:.3f}, {dp['delta']:.3g})-DP per review, {accountant} accountant, "
               f"guarantee: {dp['dp_guarantee']}")
         print(f"total wall time: {time.perf_counter() - start:.1f} s")
         print("=" * 100)

@@ -197,7 +197,7 @@ class ScriptArguments:
         default=None, metadata={"help": "Local .csv/.json/.jsonl training file with text and label columns."}
     )
     test_file: str | None = field(
-        default=None, metadata={"help": "Local test file (same format); without it 10 % of train_file is held out."}
+        default=None, metadata={"help": "Local test file (same format); without it 10 %% of train_file is held out."}
     )
     text_column: str = field(default="text", metadata={"help": "Text column of --dataset_name / --train_file."})
     label_column: str = field(default="label", metadata={"help": "Label column (integers or class names)."})
@@ -672,7 +672,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"lr={training_args.learning_rate})")
         print(_format_table(runs))
         print(f"majority-class test accuracy: {majority:.4f}")
-        print(f"privacy: ({dp['epsilon']:.3f}, {dp['delta']:.3g})-DP at the example level, {dp['accountant']} "
+        accountant = dp.get("accountant_used") or dp["accountant"]  # the one that computed ε (pld where prv fails)
+        print(f"privacy: ({dp['epsilon']:.3f}, {dp['delta']:.3g})-DP at the example level, {accountant} "
               f"accountant, {'Poisson' if dp['poisson_sampling'] else 'shuffled (heuristic ε)'} sampling"
               + (" (stopped early: budget exhausted)" if dp["budget_exhausted"] else ""))
         if "time_ratio_dp_over_non_private" in results:

@@ -203,8 +203,14 @@ def load_gpt2_tokenizer(vocab_size: int = FULL_VOCAB, cache: str | Path | None =
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build (and cache) the GPT-2 tokenizer from openai-whisper's "
+                                                 "gpt2.tiktoken, optionally truncated to the first VOCAB_SIZE tokens.")
+    parser.add_argument("vocab_sizes", nargs="*", type=int, metavar="VOCAB_SIZE",
+                        help=f"Vocabulary sizes to build (default: {FULL_VOCAB}, the full GPT-2 vocabulary).")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    for size in [int(a) for a in sys.argv[1:]] or [FULL_VOCAB]:
+    for size in parser.parse_args().vocab_sizes or [FULL_VOCAB]:
         tokenizer = load_gpt2_tokenizer(size)
         ids = tokenizer("Hello world")["input_ids"]
         print(f"{gpt2_tokenizer_dir(size)}: {type(tokenizer).__name__}, {len(tokenizer)} tokens, "

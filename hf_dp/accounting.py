@@ -1,4 +1,4 @@
-"""Privacy accounting for DP-SGD: Poisson-subsampled Gaussian steps, ε(δ) by PRV or RDP.
+"""Privacy accounting for DP-SGD: Poisson-subsampled Gaussian steps, ε(δ) by PRV (PLD where PRV fails) or RDP.
 
 Every optimiser step of DP-SGD is one run of the Poisson-subsampled Gaussian mechanism with noise multiplier σ and
 sampling rate q. :class:`PrivacyAccountant` records these steps and converts the composition into an (ε, δ)
@@ -21,17 +21,24 @@ Notes on ``prv_accountant`` 0.2.0 that this module works around:
 
 * The discretisation domain is sized from an RDP bound; for small σ (large ε) it can have 10^8+ points and exhaust
   memory. The number of points is capped (:data:`MAX_DOMAIN_POINTS`) by raising ``eps_error`` just enough, which
-  keeps the upper bound valid (only looser). For astronomically large ε (domain half-width above
-  :data:`MAX_DOMAIN_HALF_WIDTH`, where ``exp`` overflows) or when ``prv_accountant`` fails numerically (e.g. δ so
-  small that floating-point error dominates), :meth:`PrivacyAccountant.get_epsilon` falls back to the RDP upper
-  bound and emits a ``RuntimeWarning``.
+  keeps the upper bound valid (only looser).
+* ``prv_accountant`` fails numerically for small σ at large q (e.g. σ = 0.62, q = 0.128, 16 steps: "Discrete mean
+  differs from continuous mean significantly"), for astronomically large ε (domain half-width above
+  :data:`MAX_DOMAIN_HALF_WIDTH`, where ``exp`` overflows) and when δ is so small that floating-point error
+  dominates. ε is then computed with another tight accountant: the privacy loss distribution (PLD) of Google's
+  ``dp_accounting`` (Koskela, Jälkö & Honkela 2020, "Computing Tight Differential Privacy Guarantees Using FFT";
+  Doroshenko et al. 2022, "Connect the Dots: Tighter Discrete Approximations of Privacy Loss Distributions") with
+  its *pessimistic* discretisation, an upper bound on ε for the add-or-remove-one relation (the larger of the add
+  and the remove PLDs), at a grid of :func:`pld_discretization` (``eps_error / 10``). Only if that fails too (or
+  RDP already bounds ε above :data:`PLD_MAX_EPSILON`, where the PLD grid would be huge and ε meaningless) is the
+  looser RDP bound reported, with a ``RuntimeWarning``. :attr:`PrivacyAccountant.accountant_used` names the
+  accountant that produced the last number.
 * Results are cached in-process (LRU keyed by the aggregated mechanisms, δ/ε, accountant and error settings), so
   repeated logging of ε is cheap.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy as _copy
 import functools
 import math
@@ -42,6 +49,7 @@ from importlib import metadata
 from typing import Any
 
 import numpy as np
+from dp_accounting.pld import privacy_loss_distribution as _pld
 from prv_accountant import GaussianMechanism, PoissonSubsampledGaussianMechanism, PrivacyRandomVariable, PRVAccountant
 from prv_accountant.accountant import compute_safe_domain_size
 from prv_accountant.other_accountants import RDP
@@ -66,6 +74,15 @@ MAX_DOMAIN_HALF_WIDTH: float = 5000.0
 
 STATE_DICT_VERSION: int = 1
 
+PLD_MAX_EPSILON: float = 100.0
+"""Above this RDP bound on ε the PLD fallback is skipped (its grid would be huge) and the RDP bound is reported."""
+
+PRV = "prv"
+PLD_FALLBACK = "pld (prv-accountant failed numerically)"
+RDP_NAME = "rdp"
+RDP_FALLBACK = "rdp (prv-accountant and pld failed numerically)"
+
+_PLD_MAX_POINTS = 4e6  # cap on one step's PLD grid (~(20/σ + 1/σ²) / interval points)
 _COARSE_EPS_ERROR = 0.1  # eps_error used while bracketing in calibrate_noise_multiplier
 _COARSE_MAX_DOMAIN_POINTS = 2**18
 _SIGMA_MIN = 1e-2  # calibration search range for the noise multiplier
@@ -282,6 +299,78 @@ def _rdp_delta(mechs: _Mechanisms, epsilon: float) -> float:
     return float(min(1.0, np.exp(np.nanmin(log_delta))))
 
 
+# ------------------------------------------------------------------------------------------------ PLD computations
+def pld_discretization(eps_error: float) -> float:
+    """Value discretisation interval of the PLD fallback for a requested precision ``eps_error``.
+
+    ``eps_error / 10``, within [1e-5, 1e-2]: the pessimistic PLD is an upper bound at any interval; a finer one
+    only makes it tighter (at eps_error = 0.01, i.e. 1e-3, within 1e-3 of the 1e-4 result for 16-1000 steps).
+    """
+    return min(max(eps_error / 10, 1e-5), 1e-2)
+
+
+def _pld_of(mechs: _Mechanisms, interval: float):
+    for sigma, _, _ in mechs:
+        # One step's privacy loss spans ~(20/σ + 1/σ²) (the Gaussian truncated at mass e^-50): grid points / interval.
+        if (20 / sigma + 1 / sigma**2) / interval > _PLD_MAX_POINTS:
+            raise _PRVNumericalError(f"noise_multiplier={sigma:.3g} is too small for a PLD grid of {interval:g}.")
+    composed = None
+    for sigma, q, n in mechs:
+        one = _pld.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=interval,
+                                           pessimistic_estimate=True).self_compose(n)
+        composed = one if composed is None else composed.compose(one)
+    return composed
+
+
+@functools.lru_cache(maxsize=1024)
+def _pld_epsilon(mechs: _Mechanisms, delta: float, interval: float) -> float:
+    """Pessimistic-PLD upper bound on ε(δ) (``dp_accounting``, add-or-remove-one). Raises _PRVNumericalError."""
+    if _rdp_epsilon(mechs, delta) > PLD_MAX_EPSILON:
+        raise _PRVNumericalError(f"epsilon > {PLD_MAX_EPSILON:g} (RDP bound): the PLD is not computed.")
+    try:
+        with np.errstate(all="ignore"):
+            eps = float(_pld_of(mechs, interval).get_epsilon_for_delta(delta))
+    except _PRVNumericalError:
+        raise
+    except (ValueError, RuntimeError, ArithmeticError, AssertionError, MemoryError) as err:
+        raise _PRVNumericalError(f"dp_accounting PLD failed: {err}") from err
+    if not math.isfinite(eps):
+        raise _PRVNumericalError(f"dp_accounting PLD returned a non-finite epsilon {eps}.")
+    return max(0.0, eps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pld_delta(mechs: _Mechanisms, epsilon: float, interval: float) -> float:
+    """Pessimistic-PLD upper bound on δ(ε). Raises _PRVNumericalError."""
+    try:
+        with np.errstate(all="ignore"):
+            d = float(_pld_of(mechs, interval).get_delta_for_epsilon(epsilon))
+    except _PRVNumericalError:
+        raise
+    except (ValueError, RuntimeError, ArithmeticError, AssertionError, MemoryError) as err:
+        raise _PRVNumericalError(f"dp_accounting PLD failed: {err}") from err
+    if not math.isfinite(d):
+        raise _PRVNumericalError(f"dp_accounting PLD returned a non-finite delta {d}.")
+    return min(1.0, max(0.0, d))
+
+
+def _tight_epsilon(mechs: _Mechanisms, delta: float, eps_error: float, delta_error: float,
+                   prv: Any = None) -> tuple[float, str]:
+    """ε upper bound and the accountant that produced it: PRV (``prv()`` or the PRV upper bound), else the
+    pessimistic PLD, else RDP (with a RuntimeWarning)."""
+    try:
+        if prv is not None:
+            return prv(), PRV
+        return _prv_epsilon_bounds(mechs, delta, eps_error, delta_error)[2], PRV
+    except _PRVNumericalError as prv_err:
+        try:
+            return _pld_epsilon(mechs, delta, pld_discretization(eps_error)), PLD_FALLBACK
+        except _PRVNumericalError as pld_err:
+            warnings.warn(f"PRV accounting failed ({prv_err}) and so did the PLD accountant ({pld_err}); reporting "
+                          "the (looser) RDP upper bound instead.", RuntimeWarning, stacklevel=3)
+            return _rdp_epsilon(mechs, delta), RDP_FALLBACK
+
+
 # -------------------------------------------------------------------------------------------------- accountant
 class PrivacyAccountant:
     """History of Poisson-subsampled Gaussian steps (DP-SGD) and epsilon(delta) by PRV or RDP.
@@ -315,6 +404,10 @@ class PrivacyAccountant:
         self.eps_error: float = _check_eps_error(eps_error)
         self.delta_error: float | None = None if delta_error is None else _check_delta(delta_error, "delta_error")
         self.history: list[MechanismRecord] = []
+        self.accountant_used: str | None = None
+        """The accountant that produced the last :meth:`get_epsilon` / :meth:`get_delta` result: ``"prv"``,
+        ``"pld (prv-accountant failed numerically)"``, ``"rdp"`` or ``"rdp (prv-accountant and pld failed
+        numerically)"`` (None before the first query)."""
 
     def __repr__(self) -> str:
         return (f"PrivacyAccountant(accountant={self.accountant!r}, eps_error={self.eps_error}, "
@@ -365,7 +458,9 @@ class PrivacyAccountant:
             accountant: ``"prv"`` (upper bound of the PRV accountant) or ``"rdp"``; ``None``: the default.
 
         Returns:
-            ε (0.0 for an empty history, ``math.inf`` if any step had σ = 0).
+            ε (0.0 for an empty history, ``math.inf`` if any step had σ = 0). With ``"prv"``, where
+            ``prv_accountant`` fails numerically, ε is the pessimistic PLD upper bound of ``dp_accounting`` (RDP only
+            if that fails too, with a ``RuntimeWarning``); :attr:`accountant_used` says which.
 
         Raises:
             ValueError: For an invalid δ or accountant.
@@ -374,26 +469,31 @@ class PrivacyAccountant:
         delta = _check_delta(delta)
         mechs = self._mechanisms()
         if not mechs:
+            self.accountant_used = acc
             return 0.0
         if any(sigma == 0 for sigma, _, _ in mechs):
+            self.accountant_used = acc
             return math.inf
         if acc == "rdp":
+            self.accountant_used = RDP_NAME
             return _rdp_epsilon(mechs, delta)
-        try:
-            planned = self.planned_steps
-            if len(mechs) == 1 and planned is not None and mechs[0][2] <= planned:
-                # One PRV discretisation sized for the whole planned run answers every intermediate step: the
-                # composition for n <= planned steps keeps the same error guarantee (Gopi et al. 2021), at a
-                # fraction of the cost of a new discretisation per logging step.
-                sigma, q, n = mechs[0]
-                with contextlib.suppress(_PRVNumericalError):
-                    return _planned_prv_epsilon(sigma, q, planned, n, delta, self.eps_error,
-                                                self._delta_error_for(delta))
-            return _prv_epsilon_bounds(mechs, delta, self.eps_error, self._delta_error_for(delta))[2]
-        except _PRVNumericalError as err:
-            warnings.warn(f"PRV accounting failed ({err}); reporting the (looser) RDP upper bound instead.",
-                          RuntimeWarning, stacklevel=2)
-            return _rdp_epsilon(mechs, delta)
+        delta_error = self._delta_error_for(delta)
+        planned_prv = None
+        planned = self.planned_steps
+        if len(mechs) == 1 and planned is not None and mechs[0][2] <= planned:
+            # One PRV discretisation sized for the whole planned run answers every intermediate step: the
+            # composition for n <= planned steps keeps the same error guarantee (Gopi et al. 2021), at a
+            # fraction of the cost of a new discretisation per logging step.
+            sigma, q, n = mechs[0]
+
+            def planned_prv() -> float:
+                try:
+                    return _planned_prv_epsilon(sigma, q, planned, n, delta, self.eps_error, delta_error)
+                except _PRVNumericalError:
+                    return _prv_epsilon_bounds(mechs, delta, self.eps_error, delta_error)[2]
+
+        eps, self.accountant_used = _tight_epsilon(mechs, delta, self.eps_error, delta_error, planned_prv)
+        return eps
 
     def get_epsilon_bounds(self, delta: float) -> tuple[float, float, float]:
         """PRV (lower bound, estimate, upper bound) of ε at ``delta``; the bounds are ~``eps_error`` apart.
@@ -421,7 +521,7 @@ class PrivacyAccountant:
             raise ValueError(f"PRV accounting failed: {err}") from err
 
     def get_delta(self, epsilon: float) -> float:
-        """PRV upper bound on δ at ``epsilon`` (falls back to the RDP bound if the PRV computation fails).
+        """PRV upper bound on δ at ``epsilon`` (the PLD bound if the PRV computation fails, RDP if both fail).
 
         Args:
             epsilon: ε >= 0.
@@ -442,11 +542,17 @@ class PrivacyAccountant:
             return 1.0
         delta_error = self.delta_error if self.delta_error is not None else _GET_DELTA_DEFAULT_DELTA_ERROR
         try:
+            self.accountant_used = PRV
             return _prv_delta_bounds(mechs, eps, self.eps_error, delta_error)[2]
         except _PRVNumericalError as err:
-            warnings.warn(f"PRV accounting failed ({err}); reporting the (looser) RDP upper bound instead.",
-                          RuntimeWarning, stacklevel=2)
-            return _rdp_delta(mechs, eps)
+            try:
+                self.accountant_used = PLD_FALLBACK
+                return _pld_delta(mechs, eps, pld_discretization(self.eps_error))
+            except _PRVNumericalError as pld_err:
+                warnings.warn(f"PRV accounting failed ({err}) and so did the PLD accountant ({pld_err}); reporting "
+                              "the (looser) RDP upper bound instead.", RuntimeWarning, stacklevel=2)
+                self.accountant_used = RDP_FALLBACK
+                return _rdp_delta(mechs, eps)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -490,6 +596,7 @@ class PrivacyAccountant:
         new = PrivacyAccountant(self.accountant, self.eps_error, self.delta_error)
         new.history = [_copy.copy(r) for r in self.history]
         new.planned_steps = self.planned_steps
+        new.accountant_used = self.accountant_used
         return new
 
 
@@ -502,7 +609,8 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
 
     The steps are composed after the optional existing ``history`` (e.g. when resuming). The returned σ is
     verified with the requested accountant and ``eps_error`` (for PRV: the upper bound, as reported by
-    :meth:`PrivacyAccountant.get_epsilon`), so it never overshoots the target, and ``σ * (1 - tolerance)`` was
+    :meth:`PrivacyAccountant.get_epsilon`, i.e. the pessimistic PLD bound where ``prv_accountant`` fails
+    numerically), so it never overshoots the target, and ``σ * (1 - tolerance)`` was
     verified to miss it. The search first brackets σ in log-space (doubling/halving) and locates the root with
     Brent's method on log σ (bisection safeguarded by secant steps) using a cheap coarse PRV (``eps_error >= 0.1``,
     aiming its estimate at ``target - eps_error``); it then bisects in log-space with the exact setting, usually
@@ -548,7 +656,8 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
                          "(epsilon is already infinite).")
     if acc == "prv" and target <= eps_error:
         raise ValueError(f"target_epsilon={target} is unreachable with the PRV upper bound at eps_error={eps_error} "
-                         "(the bound includes +eps_error); use a smaller eps_error.")
+                         "(the bound includes +eps_error); use a smaller eps_error "
+                         "(DPTrainingArguments.accountant_eps_error).")
 
     # The discretised estimate is far more accurate than the bounds' width, so the bracketing can use a coarse mesh.
     coarse_eps_error = max(eps_error, _COARSE_EPS_ERROR, 0.02 * target)
@@ -557,22 +666,23 @@ def calibrate_noise_multiplier(target_epsilon: float, target_delta: float, sampl
         mechs = _aggregate([*past, (sigma, q, n_steps)])
         if acc == "rdp":
             return _rdp_epsilon(mechs, delta)
+        if fine:
+            return _tight_epsilon(mechs, delta, eps_error, delta_error)[0]
         try:
-            if fine:
-                return _prv_epsilon_bounds(mechs, delta, eps_error, delta_error)[2]
             return _prv_epsilon_bounds(mechs, delta, coarse_eps_error, delta_error, _COARSE_MAX_DOMAIN_POINTS)[1]
         except _PRVNumericalError:
-            return _rdp_epsilon(mechs, delta)  # only for astronomically large epsilon: a valid upper bound
+            # prv_accountant fails for small σ at large q: the (pessimistic) PLD on a coarse grid, else RDP.
+            try:
+                return _pld_epsilon(mechs, delta, pld_discretization(coarse_eps_error))
+            except _PRVNumericalError:
+                return _rdp_epsilon(mechs, delta)
 
     def history_epsilon() -> float:
         mechs = _aggregate(past)
         if not mechs:
             return 0.0
         if acc == "prv":
-            try:
-                return _prv_epsilon_bounds(mechs, delta, eps_error, delta_error)[2]
-            except _PRVNumericalError:
-                pass
+            return _tight_epsilon(mechs, delta, eps_error, delta_error)[0]
         return _rdp_epsilon(mechs, delta)
 
     def unreachable() -> ValueError:

@@ -74,7 +74,12 @@ class DPTrainingArguments(TrainingArguments):
             Poisson sampling (each example in each step's batch independently with probability q), as the accountant
             assumes. `False` uses fixed-size shuffled batches, whose ε is then only heuristic (logged and recorded).
         accountant (`str`, defaults to `"prv"`):
-            `"prv"` (privacy random variables, Gopi et al. 2021; the upper bound is reported) or `"rdp"`.
+            `"prv"` (privacy random variables, Gopi et al. 2021; the upper bound is reported) or `"rdp"`. Where
+            prv-accountant fails numerically (small σ at large q), ε comes from the pessimistic PLD of `dp-accounting`
+            (a tight upper bound); the logs, `privacy_spent()` and `dp_state.json` name it (`accountant_used`).
+        accountant_eps_error (`float`, defaults to 0.01):
+            Precision of the PRV accountant (its upper bound is ~ this above its estimate; the PLD fallback uses a
+            grid of a tenth of it).
         dp_seed (`int`, *optional*):
             Seed of the Poisson sampler and the noise. By default a secret seed is drawn from the OS, as the guarantee
             requires; a fixed seed makes runs reproducible but voids the guarantee against anyone who knows it.
@@ -186,7 +191,12 @@ class DPTrainingArguments(TrainingArguments):
     )
     max_grad_norm: float = field(
         default=0.0,
-        metadata={"help": "Global clipping of the already-privatized gradient (post-processing). Off by default."},
+        metadata={"help": "Global clipping of the already-privatized gradient (post-processing). Off by default. "
+                          "NOT the per-example clipping norm C: that is --per_sample_max_grad_norm."},
+    )
+    accountant_eps_error: float = field(
+        default=0.01,
+        metadata={"help": "Precision of the PRV accountant: its reported upper bound is ~ this above the estimate."},
     )
     secure_mode: bool = field(
         default=False,
@@ -288,6 +298,17 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"max_examples_per_user must be >= 1, got {self.max_examples_per_user}.")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0, got {self.max_grad_norm}.")
+        if self.max_grad_norm > 0:
+            warnings.warn(
+                f"max_grad_norm={self.max_grad_norm} clips the already-noised update (the Trainer's global clipping; "
+                "post-processing, it changes neither the noise nor ε). The per-example clipping norm C is "
+                f"per_sample_max_grad_norm (now {self.per_sample_max_grad_norm}); Opacus calls C `max_grad_norm`. "
+                "If you meant C, pass per_sample_max_grad_norm instead and leave max_grad_norm at 0.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if not (math.isfinite(self.accountant_eps_error) and self.accountant_eps_error > 0):
+            raise ValueError(f"accountant_eps_error must be a finite number > 0, got {self.accountant_eps_error}.")
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by hf_dp's per-example losses; set it to 0.")
         if getattr(self, "gradient_checkpointing", False) or getattr(self, "activation_checkpointing", False):

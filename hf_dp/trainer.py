@@ -57,6 +57,12 @@ __all__ = ["DPTrainer", "DP_STATE_NAME"]
 logger = logging.getLogger(__name__)
 
 DP_STATE_NAME = "dp_state.json"
+NOISE_TO_SIGNAL_WARNING = 1.0
+"""hf_dp warns that learning is unlikely when the noise-to-signal ratio of the whole run, σ·√d / (q·N·√T) (the
+expected noise norm of T averaged updates summed, ``√T·σ·C·√d/(q·N)``, over the largest possible sum of their signals,
+``T·C``), exceeds this: then even gradients that all point the same way in every step are buried in the noise.
+Li et al. 2022's full fine-tuning runs that learn well are at ≈ 0.4-0.6 (GPT-2 on E2E at ε = 3: σ ≈ 1.02, q = 0.024,
+411 steps, 124 M parameters; RoBERTa-base on SST-2 at ε = 3-8) (README, "Choosing hyperparameters")."""
 _EMPTY = "_hf_dp_empty_batch"
 _COUNTS = "_hf_dp_clip_counts"
 _UNIT = "_hf_dp_unit"
@@ -107,6 +113,18 @@ def _is_empty(inputs: dict) -> bool:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _advice(ratio: float, run_ratio: float, d: int, sigma: float, batch: int, steps: int) -> str:
+    """What :meth:`DPTrainer.privacy_plan` and the train-start banner say when learning is unlikely."""
+    return (
+        f"hf_dp: learning is unlikely: the noise on each averaged update has expected norm σ·C·√d/(q·N) = {ratio:.3g}"
+        f" × C ({d:,} trainable parameters, σ={sigma:.3g}, expected batch {batch}); over the run's {steps} steps it "
+        f"is {run_ratio:.3g} times the largest possible signal (above {NOISE_TO_SIGNAL_WARNING:g}). Train fewer "
+        "parameters (the head on frozen features, the top layers, or LoRA: peft_config=...), use a larger expected "
+        "batch (gradient_accumulation_steps), more data, or a larger ε. See the README, 'Choosing hyperparameters' "
+        "(Li et al. 2022 §3; examples/dp_strategies.py)."
+    )
 
 
 class _DPCallback(TrainerCallback):
@@ -229,7 +247,7 @@ class DPTrainer(Trainer):
             "equal_budget" if self.args.clipping == "per_device" else "global")
         self._fsdp: FSDPFlatClipping | None = None
         self._build_clipping()
-        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+        self.accountant = self._new_accountant()
         self.budget_exhausted = False
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
@@ -543,10 +561,11 @@ class DPTrainer(Trainer):
         engine = self.clipping_engine
         was_training = net.training
         try:
-            train_without_dropout(net)
-            engine.first_step_check(run_losses, b, rtol=rtol)
+            with train_without_dropout(net):
+                engine.first_step_check(run_losses, b, rtol=rtol)
+                if self.args.dp_self_check and b >= 2:
+                    engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
             if self.args.dp_self_check and b >= 2:
-                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
                 net.eval()
                 engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
         finally:
@@ -685,10 +704,7 @@ class DPTrainer(Trainer):
         if self.noise_multiplier is None:
             self._check_budget_left()
             try:
-                self.noise_multiplier = calibrate_noise_multiplier(
-                    self.args.target_epsilon, self.target_delta, self.sample_rate, max(remaining, 1),
-                    accountant=self.args.accountant, history=list(self.accountant.history),
-                )
+                self.noise_multiplier = self._calibrate_noise(remaining, self.accountant.history)
             except ValueError as err:
                 if not self.accountant.steps:
                     raise
@@ -708,6 +724,7 @@ class DPTrainer(Trainer):
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
+        self._log_privacy_plan(remaining)
 
     def _check_budget_left(self) -> None:
         """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
@@ -880,17 +897,134 @@ class DPTrainer(Trainer):
         notes = self.dp_guarantee_notes()
         return "strict" if not notes else "not strict: " + "; ".join(notes)
 
+    # ------------------------------------------------------------------ the plan (before train()) and its banner
+    def _new_accountant(self) -> PrivacyAccountant:
+        return PrivacyAccountant(accountant=self.args.accountant, eps_error=self.args.accountant_eps_error)
+
+    def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
+        """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
+        ``train()`` (at train start) and :meth:`privacy_plan` use."""
+        return calibrate_noise_multiplier(
+            self.args.target_epsilon, self.target_delta, self.sample_rate, max(steps, 1),
+            accountant=self.args.accountant, eps_error=self.args.accountant_eps_error, history=list(history),
+        )
+
+    def planned_max_steps(self) -> int:
+        """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
+        applied to the length of the DP loader (``steps_per_epoch × gradient_accumulation_steps`` chunks)."""
+
+        class _Sized:  # what set_initial_training_values reads of the loader: its length
+            def __len__(_self) -> int:
+                return self.steps_per_epoch * self.args.gradient_accumulation_steps
+
+        return int(self.set_initial_training_values(self.args, _Sized())[-1])
+
+    def privacy_plan(self, max_steps: int | None = None) -> dict[str, Any]:
+        """The privacy plan of a fresh ``train()``, without training: the numbers the run will use and log.
+
+        σ is calibrated exactly as ``train()`` will calibrate it (:meth:`_calibrate_noise` for
+        :meth:`planned_max_steps` steps), or taken from ``noise_multiplier`` (then ``epsilon`` is what the whole run
+        will spend). ``noise_to_signal`` is the expected norm of the noise on one averaged update, ``σ·C·√d / (q·N)``
+        for ``d`` trainable parameters, over the largest possible norm of the averaged clipped gradient, ``C`` (all
+        examples pointing the same way); ``noise_to_signal_over_run`` is the same for the sum of the run's ``T``
+        updates (noise grows as √T, signal at most as T): ``noise_to_signal / √T``. Above
+        :data:`NOISE_TO_SIGNAL_WARNING` learning is unlikely, and the plan says so (``learning_unlikely``,
+        ``advice``; ``train()`` warns) — see the README's "Choosing hyperparameters".
+
+        Args:
+            max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
+        """
+        steps = self.planned_max_steps() if max_steps is None else int(max_steps)
+        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else self._calibrate_noise(steps)
+        acc = self._new_accountant()
+        acc.step(sigma, self.sample_rate, steps)
+        epsilon = acc.get_epsilon(self.target_delta)
+        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        c = self.args.per_sample_max_grad_norm
+        ratio = sigma * c * math.sqrt(d) / (self.sample_rate * self.num_examples_private) / c
+        run_ratio = ratio / math.sqrt(max(steps, 1))
+        plan = {
+            "target_epsilon": self.args.target_epsilon,
+            "epsilon": epsilon,
+            "delta": self.target_delta,
+            "noise_multiplier": sigma,
+            "noise_multiplier_calibrated": self.args.noise_multiplier is None,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "num_examples": self.num_examples_private,
+            "steps": steps,
+            "epochs": steps / self.steps_per_epoch,
+            "per_sample_max_grad_norm": c,
+            "clipping": self.args.clipping,
+            "privacy_unit": self.args.privacy_unit,
+            "accountant": self.args.accountant,
+            "accountant_used": acc.accountant_used,
+            "accountant_eps_error": self.args.accountant_eps_error,
+            "poisson_sampling": self.args.poisson_sampling,
+            "trainable_parameters": d,
+            "noise_to_signal": ratio,
+            "noise_to_signal_over_run": run_ratio,
+            "learning_unlikely": run_ratio > NOISE_TO_SIGNAL_WARNING,
+            "advice": None,
+        }
+        if plan["learning_unlikely"]:
+            plan["advice"] = _advice(ratio, run_ratio, d, sigma, self.expected_batch_size, steps)
+        return plan
+
+    def _log_privacy_plan(self, remaining: int) -> None:
+        """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
+        TensorBoard/W&B), visible without any logging set-up; the advice of :meth:`privacy_plan` as a warning."""
+        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        steps = remaining if self._allowed_steps is None else min(remaining, self._allowed_steps)
+        acc = self.accountant.copy()
+        acc.planned_steps = None
+        acc.step(self.noise_multiplier, self.sample_rate, steps)
+        planned_epsilon = acc.get_epsilon(self.target_delta)
+        ratio = float(self.noise_multiplier) * math.sqrt(d) / (self.sample_rate * self.num_examples_private)
+        run_ratio = ratio / math.sqrt(max(steps, 1))
+        block = {
+            "dp_target_epsilon": self.args.target_epsilon if self.args.target_epsilon is not None else planned_epsilon,
+            "dp_planned_epsilon": round(planned_epsilon, 4),
+            "delta": self.target_delta,
+            "dp_noise_multiplier": round(float(self.noise_multiplier), 6),
+            "dp_sample_rate": self.sample_rate,
+            "dp_expected_batch_size": self.expected_batch_size,
+            "dp_steps": steps,
+            "dp_per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
+            "dp_clipping": self.args.clipping,
+            "dp_privacy_unit": self.args.privacy_unit,
+            "dp_accountant": acc.accountant_used,
+            "dp_trainable_parameters": d,
+            "dp_noise_to_signal": round(ratio, 4),
+            "dp_noise_to_signal_over_run": round(run_ratio, 4),
+        }
+        self.log(block)
+        if run_ratio > NOISE_TO_SIGNAL_WARNING:
+            msg = _advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
+
     def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
-        """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism."""
+        """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism.
+
+        ``accountant_used`` names the accountant that produced ``epsilon`` (``"pld (prv-accountant failed
+        numerically)"`` where prv-accountant fails). Before ``train()``, ``noise_multiplier`` is the σ the run will
+        use (calibrated as ``train()`` will, :meth:`privacy_plan`).
+        """
         delta = self.target_delta if delta is None else delta
         exact = self.accountant.copy()
         exact.planned_steps = None  # a discretisation sized for exactly the steps taken, as in the calibration
+        epsilon = exact.get_epsilon(delta)
+        sigma = self.noise_multiplier
+        if sigma is None and self.train_dataset is not None:
+            sigma = self._calibrate_noise(self.planned_max_steps())
         return {
-            "epsilon": exact.get_epsilon(delta),
+            "epsilon": epsilon,
             "delta": delta,
             "accountant": self.args.accountant,
+            "accountant_used": exact.accountant_used,
             "steps": self.accountant.steps,
-            "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier": sigma,
             "sample_rate": self.sample_rate,
             "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
             "poisson_sampling": self.args.poisson_sampling,
@@ -898,12 +1032,28 @@ class DPTrainer(Trainer):
         }
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        """Adds ``epsilon`` (spent so far) to every log, next to the loss."""
+        """Adds ``epsilon`` (spent so far) and ``delta`` to every training log, next to the loss; at the end of
+        training (the Trainer's ``train_runtime`` log) also the steps taken and the accountant that computed ε.
+
+        A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is dropped;
+        ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
+        """
+        if "grad_norm" in logs:
+            logs = {k: v for k, v in logs.items() if k != "grad_norm"}
         if self.accountant.steps > 0 and self.train_dataset is not None:
-            logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4)}
+            logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4),
+                    "delta": self.target_delta}
+            if "train_runtime" in logs:
+                logs.update(dp_steps=self.accountant.steps, dp_accountant=self.accountant.accountant_used)
             if self.group_clipper is not None:
                 logs.update(self._group_logs())
         super().log(logs, *args, **kwargs)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
+        """Not computed: after the DP step ``.grad`` holds the noised update, whose norm (≈ σ·C·√d / (q·N), mostly
+        noise) the Trainer would log as ``grad_norm`` next to the loss, where it reads like a clipping statistic.
+        The per-example clipping threshold is ``per_sample_max_grad_norm``."""
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
@@ -928,7 +1078,7 @@ class DPTrainer(Trainer):
         if resume_from_checkpoint:
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:
-            self.accountant = PrivacyAccountant(accountant=self.args.accountant)  # a new model is built in train()
+            self.accountant = self._new_accountant()  # a new model is built in train()
             self.noise_multiplier = self.args.noise_multiplier
         else:
             if self.accountant.steps:
@@ -975,12 +1125,21 @@ class DPTrainer(Trainer):
             "accountant_name": self.args.accountant,
             "epsilon": self.accountant.get_epsilon(self.target_delta) if self.accountant.steps else 0.0,
             "expected_batch_size": self.expected_batch_size,
+            "accountant_used": self._accountant_used(),
             "dp_guarantee": self.dp_guarantee,
             "noise_allocation": self.noise_allocation if self.group_clipper is not None else None,
             "group_clipping": self.group_clipper.state_dict() if self.group_clipper is not None else None,
             "secure_mode": self.args.secure_mode,  # noise.py: fresh OS entropy per step, 4-draw Gaussian
             "eval_data_is_public": self.args.eval_data_is_public,  # release.py / cards.py: eval results published
         }
+
+    def _accountant_used(self) -> str | None:
+        """The accountant that produced the recorded ε (``"prv"``, ``"pld (prv-accountant failed numerically)"``,
+        ``"rdp"``, ...)."""
+        if not self.accountant.steps:
+            return None
+        self.accountant.get_epsilon(self.target_delta)
+        return self.accountant.accountant_used
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
         """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
@@ -1085,7 +1244,7 @@ class DPTrainer(Trainer):
             )
         with open(path) as f:
             state = json.load(f)
-        self.accountant = PrivacyAccountant(accountant=self.args.accountant)
+        self.accountant = self._new_accountant()
         self.accountant.load_state_dict(state["accountant"])
         if self.group_clipper is not None and state.get("group_clipping"):
             self.group_clipper.load_state_dict(state["group_clipping"])  # thresholds continue where they were

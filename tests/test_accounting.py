@@ -407,3 +407,59 @@ def test_group_privacy_formula():
     for args in [(-1.0, 1e-5, 2), (1.0, 1.5, 2), (1.0, 1e-5, 0), (1.0, 1e-5, 2.5)]:
         with pytest.raises(ValueError):
             group_privacy(*args)
+
+
+# ------------------------------------------------------------------ where prv-accountant fails: the PLD accountant
+def _independent_pld_epsilon(records: list[tuple[float, float, int]], delta: float) -> float:
+    """ε of dp_accounting's PLD accountant used directly, on a finer grid (1e-4) than hf_dp's (1e-3)."""
+    from dp_accounting import GaussianDpEvent, PoissonSampledDpEvent, SelfComposedDpEvent
+    from dp_accounting.pld import PLDAccountant
+
+    acc = PLDAccountant(value_discretization_interval=1e-4)
+    for sigma, q, n in records:
+        acc.compose(SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), n))
+    return acc.get_epsilon(delta)
+
+
+def _prv_fails(sigma: float, q: float, steps: int, delta: float) -> bool:
+    try:
+        PRVAccountant(prvs=[PoissonSubsampledGaussianMechanism(q, sigma)], max_self_compositions=[steps],
+                      eps_error=0.01, delta_error=delta / 1000).compute_epsilon(delta, [steps])
+    except (ValueError, RuntimeError, ArithmeticError, AssertionError):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("records", [[(0.62, 0.128, 16)], [(0.5, 0.1, 30)], [(0.62, 0.128, 16), (0.9, 0.05, 40)]])
+def test_pld_where_prv_fails_is_an_upper_bound_not_rdp(records):
+    delta = 1 / 2000**1.1
+    assert _prv_fails(*records[0], delta)  # the regime of issue 15 (prv-accountant 0.2 raises)
+    acc = _accountant(records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RDP fallback warning
+        eps = acc.get_epsilon(delta)
+    assert acc.accountant_used == "pld (prv-accountant failed numerically)"
+    reference = _independent_pld_epsilon(records, delta)
+    assert reference <= eps <= reference + 0.01  # never below the finer independent PLD; as tight
+    assert eps < acc.get_epsilon(delta, "rdp") and acc.accountant_used == "rdp"
+    acc.planned_steps = acc.steps + 10  # the logging path (one discretisation for the planned run) also falls back
+    assert acc.get_epsilon(delta) == eps and acc.accountant_used.startswith("pld")
+    assert acc.get_delta(eps) <= delta * 1.001 and acc.accountant_used.startswith("pld")
+
+
+def test_calibration_in_the_failing_prv_regime_reaches_the_target():
+    """Issue 15: calibration used to stop at the smallest σ where PRV works (ε = 6.8 of 8 here)."""
+    delta, q, steps, target = 1 / 2000**1.1, 0.128, 16, 8.0
+    sigma = calibrate_noise_multiplier(target, delta, q, steps)
+    assert _prv_fails(sigma, q, steps, delta)
+    acc = _accountant([(sigma, q, steps)])
+    eps = acc.get_epsilon(delta)
+    assert acc.accountant_used.startswith("pld")
+    assert 0.975 * target <= eps <= target
+    assert _independent_pld_epsilon([(sigma, q, steps)], delta) <= eps
+    assert _accountant([(sigma * 0.99, q, steps)]).get_epsilon(delta) > target  # minimal within the tolerance
+
+
+def test_accountant_eps_error_is_named_in_the_error():
+    with pytest.raises(ValueError, match="accountant_eps_error"):
+        calibrate_noise_multiplier(0.005, DELTA, 0.01, 100)

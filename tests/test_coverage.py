@@ -515,3 +515,31 @@ def test_per_layer_clipping_with_broadcast_bias(tmp_path):
         target = expected[n] / 4 if n in expected else torch.zeros_like(p)
         torch.testing.assert_close(before[n] - p.detach(), target, rtol=1e-5, atol=1e-6 * scale,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_first_step_checks_turn_dropout_off_inside_attention(tmp_path):
+    """BERT's sdpa attention applies `self.dropout.p if self.training` itself: the first-step checks must run with
+    every dropout probability at 0 (not only nn.Dropout modules in eval mode), or hooks-vs-autograd compares two
+    different dropout draws and refuses an ordinary model (here: the classifier on a frozen encoder, dropout 0.1)."""
+    import warnings
+
+    from helpers import cls_dataset
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from hf_dp import DPTrainer, DPTrainingArguments
+
+    cfg = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                     max_position_embeddings=32, num_labels=2, pad_token_id=0, hidden_dropout_prob=0.3,
+                     attention_probs_dropout_prob=0.3)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = BertForSequenceClassification(cfg)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n.startswith("classifier"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_device_train_batch_size=4,
+                                       max_steps=1, use_cpu=True, report_to="none", save_strategy="no",
+                                       disable_tqdm=True, dp_seed=seed)
+            DPTrainer(model=model, args=args, train_dataset=cls_dataset(8, 2, seed=seed)).train()
+        assert model.bert.encoder.layer[0].attention.self.dropout.p == 0.3  # restored

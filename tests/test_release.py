@@ -18,7 +18,7 @@ from huggingface_hub.utils import filter_repo_objects
 from transformers import TrainerState
 
 from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
-from hf_dp.release import PRIVATE_DIR, STAGING_DIR, redact_trainer_state
+from hf_dp.release import PRIVATE_DIR, PUBLIC_KEYS, PUBLIC_PREFIXES, STAGING_DIR, redact_trainer_state
 
 PRIVATE_LOG_KEYS = ("loss", "train_loss", "grad_norm", "total_flos", "num_input_tokens_seen", "eval_loss",
                     "train_runtime")
@@ -85,7 +85,7 @@ def test_pushed_checkpoints_carry_no_training_loss(tmp_path, strategy, path_in_r
         local = json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())
         assert local["total_flos"] > 0 and any("loss" in r for r in local["log_history"])  # resume keeps it all
         assert pushed["log_history"] == [r for r in (
-            {k: v for k, v in r.items() if k in ("step", "epoch", "learning_rate", "epsilon")}
+            {k: v for k, v in r.items() if k in PUBLIC_KEYS or k.startswith(PUBLIC_PREFIXES)}
             for r in local["log_history"]) if set(r) - {"step", "epoch"}]
     state = TrainerState.load_from_json(str(out / STAGING_DIR / "checkpoint-2" / "trainer_state.json"))
     assert state.global_step == 2 and state.total_flos == 0

@@ -362,14 +362,12 @@ class FSDPFlatClipping:
         part 1); flattened (B·T) inputs are not supported under FSDP."""
         batch, labels = self._check_batch(batch, labels)
         b = labels.shape[0]
-        was_training = model.training
-        train_without_dropout(model)
         try:
             if b >= 2:
-                self.engine._probe_layout(lambda sl: self._forward_losses(
-                    model, self.trainer._slice_batch(batch, sl, b), labels[sl]), b)
+                with train_without_dropout(model):
+                    self.engine._probe_layout(lambda sl: self._forward_losses(
+                        model, self.trainer._slice_batch(batch, sl, b), labels[sl]), b)
         finally:
-            model.train(was_training)
             self.engine._probe = None
             self.engine.clear()
         self._layout_checked = True
@@ -392,19 +390,21 @@ class FSDPFlatClipping:
         problem = None
         try:
             for mode in ("train mode, dropout off", "eval mode"):
-                if mode == "eval mode":
-                    model.eval()
-                else:
-                    train_without_dropout(model)  # batch statistics run as in training; dropout off
-                batched = self._norms_only(model, batch, labels)
-                for i in range(2):
-                    j = min(i, b - 1)
-                    alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b),
-                                                   labels[j:j + 1])[0])
-                    finite = math.isfinite(alone) and math.isfinite(float(batched[j]))
-                    if problem is None and finite and abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12:
-                        problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch of {b} "
-                                   f"but {alone:.6g} alone ({mode})")
+                with contextlib.ExitStack() as stack:
+                    if mode == "eval mode":
+                        model.eval()
+                    else:  # batch statistics run as in training; dropout off
+                        stack.enter_context(train_without_dropout(model))
+                    batched = self._norms_only(model, batch, labels)
+                    for i in range(2):
+                        j = min(i, b - 1)
+                        alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b),
+                                                       labels[j:j + 1])[0])
+                        finite = math.isfinite(alone) and math.isfinite(float(batched[j]))
+                        off = abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12
+                        if problem is None and finite and off:
+                            problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch "
+                                       f"of {b} but {alone:.6g} alone ({mode})")
         finally:
             model.train(was_training)
         self._singles_checked = True
