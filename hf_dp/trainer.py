@@ -798,9 +798,9 @@ class DPTrainer(Trainer):
         if self._fsdp is not None:
             return  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it against the hooks
         released = self._grad_guard.has_released
-        # The Trainer rescales every gradient in place once before this point (clip_grad_norm_ with max_grad_norm,
-        # or with an infinite bound only to measure the norm): post-processing of the released gradient.
-        self._grad_guard.check(self.model, allowed_version_bumps=1)
+        # With max_grad_norm > 0 the Trainer rescales every gradient in place once before this point (clip_grad_norm_:
+        # post-processing of the released gradient). Its norm-only pass is off (_get_grad_norm), so otherwise none.
+        self._grad_guard.check(self.model, allowed_version_bumps=1 if self.args.max_grad_norm > 0 else 0)
         added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
         if released and (added or removed):
             raise RuntimeError(

@@ -453,13 +453,6 @@ def test_card_names_the_accountant_that_produced_epsilon(trained, tmp_path, monk
         assert "| ε (reported, PLD accountant) | ε = 0.5 |" in card.text
         assert "computed with the PRV accountant" not in card.text
         validate_card(card)
-    with monkeypatch.context() as m:  # a trainer without `accountant_used`: the RDP fallback is labelled
-        card = _card_with_failing_prv(trainer, tmp_path / "rdp", m, {})
-        dp = card.data.get("differential_privacy")
-        assert dp["accountant_used"] == "rdp (prv-accountant failed numerically)"
-        assert dp["epsilon"] == pytest.approx(dp["epsilon_rdp"])
-        assert "computed with the RDP accountant (Mironov 2017" in card.text
-        assert "computed with the PRV accountant" not in card.text and "| ε (reported, RDP accountant) |" in card.text
 
 
 def _evaluated_trainer(out, public):

@@ -113,6 +113,14 @@ def test_plain_usage_holds(tmp_path):
     assert_everything_noised(tmp_path / "noise")
 
 
+def test_trainer_max_grad_norm_post_processing_holds(tmp_path):
+    """A user who keeps the Trainer's own max_grad_norm (global clipping of the already-noised update: post-processing)
+    trains: the gradient check allows exactly that one in-place rescale."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_everything_noised(tmp_path / "noise", max_grad_norm=1e12)
+
+
 def build_model_init(args, data):
     return DPTrainer(model_init=bert, args=args, train_dataset=data)
 

@@ -149,26 +149,20 @@ DECODERS = {
     "phi": dec(tf.PhiConfig, tf.PhiForCausalLM, resid_pdrop=0.0, embd_pdrop=0.0),
     "falcon": dec(tf.FalconConfig, tf.FalconForCausalLM, num_kv_heads=1, new_decoder_architecture=False,
                   hidden_dropout=0.0, attention_dropout=0.0),  # FalconLinear: x @ W.T + b
-    # Learned positions with an offset, computed from the attention mask. fc1/fc2 see flattened (B·T, d) tokens:
-    # frozen until the engine maps example-major token rows back to examples.
-    "opt": lambda: freeze(dec(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=24, word_embed_proj_dim=16, dropout=0.0,
-                              attention_dropout=0.0)(), ".fc1.", ".fc2.", "layers.0.final_layer_norm"),
+    # Learned positions with an offset, computed from the attention mask; fc1/fc2 and the layer's final LayerNorm
+    # see flattened (B·T, d) tokens (proven example-major at the first step and regrouped per example).
+    "opt": dec(tf.OPTConfig, tf.OPTForCausalLM, ffn_dim=24, word_embed_proj_dim=16, dropout=0.0,
+               attention_dropout=0.0),
     "biogpt": dec(tf.BioGptConfig, tf.BioGptForCausalLM, scale_embedding=True, **SMALL),
-    # State space: depthwise causal Conv1d; A_log / D are parameters of the mixer itself (no layer rule): frozen.
-    "mamba": lambda: freeze(tf.MambaForCausalLM(tf.MambaConfig(
-        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3, time_step_rank=4,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0)), ".A_log", ".D"),
     # Mixture of experts (3-D expert parameters + a router on flattened tokens). "eager" experts: the grouped_mm
     # kernels take no float64; the rule does not depend on the implementation (it is checked against its output).
     "mixtral": dec(tf.MixtralConfig, tf.MixtralForCausalLM, num_local_experts=4, num_experts_per_tok=2,
                    experts_implementation="eager"),
     "olmoe": dec(tf.OlmoeConfig, tf.OlmoeForCausalLM, num_experts=4, num_experts_per_tok=2,
                  experts_implementation="eager"),
-    # The shared expert and its gate are Linear layers on flattened (B·T, d) tokens: frozen until the engine maps
-    # token rows of plain layers to examples (as OPT's fc1/fc2).
-    "qwen2_moe": lambda: freeze(dec(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=8, shared_expert_intermediate_size=8,
-                                    experts_implementation="eager")(), "shared_expert"),
+    # The shared expert and its gate are Linear layers on flattened (B·T, d) tokens (as OPT's fc1/fc2).
+    "qwen2_moe": dec(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=8, shared_expert_intermediate_size=8, experts_implementation="eager"),
     # Transposed expert storage with biases and a clamped, interleaved GLU. Attention sinks are a parameter used
     # directly in the attention function (no layer rule): frozen.
     "gpt_oss": lambda: freeze(dec(tf.GptOssConfig, tf.GptOssForCausalLM, head_dim=8, num_local_experts=4,
@@ -204,9 +198,9 @@ SEQ2SEQ = {
     "bart": bart_like(tf.BartConfig, tf.BartForConditionalGeneration),  # scaled + offset positions, tied
     "mbart": bart_like(tf.MBartConfig, tf.MBartForConditionalGeneration),
     "blenderbot_small": bart_like(tf.BlenderbotSmallConfig, tf.BlenderbotSmallForConditionalGeneration),  # (T,) ids
-    "t5": lambda: freeze(tf.T5ForConditionalGeneration(tf.T5Config(  # relative bias: engine work, frozen here
+    "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(  # relative bias: expanded per example where broadcast
         vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=2,
-        dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)), "relative_attention_bias"),
+        dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)),
 }
 
 
@@ -219,11 +213,11 @@ def image_cls(n: int = N, size: int = 8, labels: int = 3) -> list[dict[str, torc
 
 
 VISION = {
-    # Conv2d patch embedding. cls_token / position_embeddings are used directly in ViTEmbeddings.forward: no layer
-    # rule covers them (the engine's generic fallback will); frozen here.
-    "vit": lambda: freeze(tf.ViTForImageClassification(tf.ViTConfig(
+    # Conv2d patch embedding; cls_token / position_embeddings are used directly in ViTEmbeddings.forward: the
+    # generic torch.func fallback (clipping/fallback.py).
+    "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=24, num_labels=3, **SMALL)), "cls_token", "position_embeddings"),
+        intermediate_size=24, num_labels=3, **SMALL)),
     # Conv-only: patchify Conv2d, depthwise 7x7 Conv2d (groups = C), channels-first LayerNorm, strided downsampling.
     "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(
         num_channels=3, patch_size=2, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, layer_scale_init_value=0.0,
@@ -258,10 +252,7 @@ def float64_defaults(make):
 
 
 CASES = [(k, float64_defaults(f) if k == "xglm" else f, d) for k, f, d in CASES]
-NEEDS = {"mamba": "MambaMixer uses conv1d.weight and dt_proj.weight directly in its forward (no layer hook sees "
-                  "them; the engine's generic fallback is issue 13's engine work): refused today",
-         "blenderbot_small": "the trainer builds decoder inputs with prepare_decoder_input_ids_from_labels, which "
-                             "BlenderbotSmall lacks (issue 13, losses work)"}
+NEEDS: dict[str, str] = {}
 
 
 # Models that compute in float32 by design even when cast to float64: their oracle is float32-rounded there.
@@ -536,3 +527,16 @@ def test_fsdp_engine_refuses_rules_it_cannot_hook():
         FSDPClippingEngine(TinyLM(positions=False))
     with pytest.raises(UnsupportedLayerError, match=r"Under FSDP.*gate \(Router\), experts \(Experts\)"):
         FSDPClippingEngine(MoE())
+
+
+def test_mamba_direct_weight_uses_are_refused_without_self_check(tmp_path):
+    """MambaMixer reads ``conv1d.weight`` and ``dt_proj.weight`` directly in its forward (no layer hook sees those
+    uses): refused by the always-on hooks-vs-autograd check even with ``dp_self_check=False``, naming them."""
+    model = tf.MambaForCausalLM(tf.MambaConfig(
+        vocab_size=VOCAB, hidden_size=16, state_size=4, num_hidden_layers=1, expand=2, conv_kernel=3, time_step_rank=4,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    args = zoo_args(tmp_path, 1.0, "flat")
+    args.dp_self_check = False
+    trainer = DPTrainer(model=model.double(), args=args, train_dataset=decoder_data())
+    with pytest.raises(UnsupportedLayerError, match=r"conv1d\.weight|dt_proj\.weight"):
+        trainer.train()
