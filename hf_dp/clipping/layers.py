@@ -375,9 +375,9 @@ class _EmbeddingCalls(_WeightCalls):
 
     def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         ids, b = args[0], self.batch_size
-        if b is not None and b > 1:
-            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis
-            ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 else ids
+        if b is not None:
+            ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis (also for B = 1)
+            ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 and b > 1 else ids
         return self.attach(ids, func(ids, *args[1:], **kwargs))
 
 
