@@ -1,0 +1,186 @@
+"""DP-SFT with trl (``hf_dp/sft.py``): ``DPSFTTrainer`` / ``DPSFTConfig``.
+
+The oracle (float64, σ = 0): one step of SGD with lr = 1 moves the parameters by ``-(1/(qN)) Σ_i clip(∇L_i)`` over
+the step's Poisson sample, where ``L_i`` is **the model's own loss** (``model(input_ids, labels=...).loss``) on ONE
+row of the training set as trl prepared it (trl's tokenization and labels: completion-only for prompt/completion
+data, assistant-only for ``assistant_only_loss``). Packed and unpacked runs must both match it, and each other.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import example_norms, flat_clipped_sum, tiny_gpt2, tiny_llama
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+
+from hf_dp import DPSFTConfig, DPSFTTrainer, DPTrainingArguments, PoissonBatchSampler  # noqa: E402
+
+WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"] + (
+    "hello hi how are you fine thanks what is your name my bot good day the cat sat on mat a dog ran").split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
+    "<|end|>{% endgeneration %} {% else %}<|user|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def chat_tokenizer():
+    """A tiny word-level tokenizer with a chat template that marks assistant turns ({% generation %})."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                  additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _turns(*texts: str) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+
+PAIRS = [("hello how are you", "fine thanks"), ("what is your name", "my name is bot"),
+         ("hi", "good day the cat sat on a mat"), ("a dog ran", "the dog ran on the mat")]
+
+
+def dataset(kind: str) -> Dataset:
+    if kind == "text":
+        return Dataset.from_list([{"text": f"{p} {c}"} for p, c in PAIRS])
+    if kind == "messages":
+        rows = [{"messages": _turns(p, c)} for p, c in PAIRS]
+        rows[2] = {"messages": _turns("hi", "good day", "the cat", "sat on a mat")}  # two assistant turns
+        return Dataset.from_list(rows)
+    if kind == "prompt_completion":
+        return Dataset.from_list([{"prompt": p, "completion": " " + c} for p, c in PAIRS])
+    if kind == "conversational_prompt_completion":
+        return Dataset.from_list([{"prompt": _turns(p), "completion": [{"role": "assistant", "content": c}]}
+                                  for p, c in PAIRS])
+    raise ValueError(kind)
+
+
+def sft_args(tmp_path, per_device: int = 2, ga: int = 2, seed: int = 0, **kw) -> DPSFTConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPSFTConfig(**{
+            "output_dir": str(tmp_path), "noise_multiplier": 0.0, "per_sample_max_grad_norm": 1.0,
+            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ga, "max_steps": 1,
+            "learning_rate": 1.0, "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0,
+            "use_cpu": True, "report_to": "none", "save_strategy": "no", "dp_seed": seed, "disable_tqdm": True,
+            "max_length": 64, **kw,
+        })
+
+
+def make_trainer(model, data, args, **kw) -> DPSFTTrainer:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=chat_tokenizer(), **kw)
+
+
+def own_loss_grads(trainer: DPSFTTrainer, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Each row's gradient from the model's own loss on a batch of one, with trl's labels for that row."""
+    model = trainer.model
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = []
+    for i in indices:
+        row = trainer.train_dataset[i]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([row["labels"]]),
+              use_cache=False).loss.backward()
+        out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def dp_update(trainer: DPSFTTrainer, indices: list[int], expected_batch: int, quantile: float = 0.5):
+    """Train one step with C at a quantile of the oracle's norms; return (update, oracle update)."""
+    grads = own_loss_grads(trainer, indices)
+    norms = sorted(example_norms(grads))
+    trainer.args.per_sample_max_grad_norm = norms[int(quantile * (len(norms) - 1))]  # some clipped, some not
+    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
+    expected = {n: -g / expected_batch for n, g in clipped.items()}
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trainer.train()
+    assert trainer.accountant.steps == 1
+    return {n: p.detach() - before[n] for n, p in params.items()}, expected
+
+
+def assert_close(update, expected, rtol=1e-5, atol=1e-8):
+    for n in expected:
+        torch.testing.assert_close(update[n], expected[n], rtol=rtol, atol=atol, msg=n)
+
+
+# ---------------------------------------------------------------------- configuration
+def test_config_is_sftconfig_plus_dp_arguments(tmp_path):
+    from trl import SFTConfig
+
+    args = sft_args(tmp_path)
+    assert isinstance(args, SFTConfig) and isinstance(args, DPTrainingArguments)
+    assert args.gradient_checkpointing is False and args.max_grad_norm == 0.0  # DP defaults
+    assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True).logging_steps == 10  # trl's
+    assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True).learning_rate == 2e-5
+    assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, pad_to_multiple_of="none").pad_to_multiple_of \
+        is None  # trl's __post_init__ ran
+    with pytest.raises(ValueError, match="exactly one of"):  # hf_dp's __post_init__ ran
+        DPSFTConfig(output_dir=str(tmp_path))
+
+
+def test_gradient_checkpointing_refused(tmp_path):
+    with pytest.raises(ValueError, match="checkpointing"):
+        DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, gradient_checkpointing=True)
+
+
+def test_dataset_level_packing_strategies_refused(tmp_path):
+    with pytest.raises(ValueError, match="packing_strategy"):
+        DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, packing=True, packing_strategy="wrapped")
+
+
+# ---------------------------------------------------------------------- the oracle
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("kind", ["text", "messages", "prompt_completion", "conversational_prompt_completion"])
+def test_update_equals_per_row_oracle(tmp_path, kind, packing):
+    """q = 1 (per_device 2 × GA 2 = N = 4 rows), σ = 0: the update is the clipped sum over all rows / 4."""
+    torch.manual_seed(0)
+    extra = {"assistant_only_loss": True} if kind == "messages" else {}
+    trainer = make_trainer(tiny_llama().double(), dataset(kind), sft_args(tmp_path, packing=packing, **extra))
+    assert trainer.padding_free is packing
+    rows = trainer.train_dataset
+    assert len(rows) == 4 and trainer.sample_rate == 1.0
+    if kind != "text":  # trl masked the prompt (completion-only) or the user turns (assistant-only)
+        assert all(-100 in r for r in rows["labels"])
+    update, expected = dp_update(trainer, list(range(4)), expected_batch=4)
+    assert_close(update, expected)
+
+
+def test_packed_update_equals_unpacked_update_exactly(tmp_path):
+    """Same rows, same C, float64: packing changes nothing but speed."""
+    updates = []
+    for packing in (False, True):
+        torch.manual_seed(0)
+        trainer = make_trainer(tiny_llama().double(), dataset("messages"),
+                               sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05))
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train()
+        updates.append({n: p.detach() - before[n] for n, p in trainer.model.named_parameters()})
+    assert_close(updates[1], updates[0], rtol=1e-10, atol=1e-13)
+
+
+def test_packed_poisson_batch_split_into_micro_batches_gpt2(tmp_path):
+    """q < 1: a Poisson chunk of 3 rows with per_device_train_batch_size 2 is packed, then split into two packed
+    micro-batches (2 + 1 examples); GPT-2 (tied embeddings, learned positions fed the packed position_ids)."""
+    n, per_device = 4, 2
+    seed = next(s for s in range(100)
+                if len([i for c in PoissonBatchSampler(n, per_device / n, 1, 1, seed=s) for i in c]) == 3)
+    indices = [i for c in PoissonBatchSampler(n, per_device / n, 1, 1, seed=seed) for i in c]
+    torch.manual_seed(0)
+    trainer = make_trainer(tiny_gpt2().double(), dataset("prompt_completion"),
+                           sft_args(tmp_path, per_device=per_device, ga=1, seed=seed, packing=True))
+    update, expected = dp_update(trainer, indices, expected_batch=per_device)
+    assert_close(update, expected)
