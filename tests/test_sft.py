@@ -184,3 +184,176 @@ def test_packed_poisson_batch_split_into_micro_batches_gpt2(tmp_path):
                            sft_args(tmp_path, per_device=per_device, ga=1, seed=seed, packing=True))
     update, expected = dp_update(trainer, indices, expected_batch=per_device)
     assert_close(update, expected)
+
+
+def test_packed_per_layer_and_user_level_equal_unpacked(tmp_path):
+    """Per-layer clipping (clipped inside the backward pass) and user-level units (two users with two rows each)
+    give the same update packed and unpacked (float64, σ = 0, q = 1)."""
+    data = dataset("messages").add_column("user", ["ann", "bob", "ann", "bob"])
+    for extra in ({"clipping": "per_layer"},
+                  {"privacy_unit": "user", "user_id_column": "user", "per_device_train_batch_size": 1}):
+        updates = []
+        for packing in (False, True):
+            torch.manual_seed(0)
+            args = sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
+                            **{"per_device_train_batch_size": 2, **extra})
+            trainer = make_trainer(tiny_llama().double(), data, args)
+            assert trainer.sample_rate == 1.0
+            before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            trainer.train()
+            updates.append({n: p.detach() - before[n] for n, p in trainer.model.named_parameters()})
+        assert any(float(u.abs().max()) > 0 for u in updates[0].values())
+        assert_close(updates[1], updates[0], rtol=1e-10, atol=1e-13)
+
+
+def test_packed_lora_update_equals_per_row_oracle(tmp_path):
+    """LoRA through trl's ``peft_config=``: only the adapter is trained, exactly, packed."""
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights=False, task_type="CAUSAL_LM")
+    trainer = make_trainer(tiny_llama().double(), dataset("conversational_prompt_completion"),
+                           sft_args(tmp_path, packing=True), peft_config=lora)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    update, expected = dp_update(trainer, list(range(4)), expected_batch=4)
+    assert_close(update, expected)
+
+
+# ---------------------------------------------------------------------- packing keeps the unit
+def test_sample_rate_counts_rows_not_blocks(tmp_path):
+    """trl packs the dataset into blocks; DPSFTTrainer keeps the rows and packs each step's sample at collation."""
+    from trl import SFTConfig, SFTTrainer
+
+    data = Dataset.from_list([{"text": f"{p} {c}"} for p, c in PAIRS * 2])  # 8 rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = SFTTrainer(model=tiny_llama(), args=SFTConfig(output_dir=str(tmp_path / "trl"), packing=True,
+                                                               max_length=64, use_cpu=True, report_to="none"),
+                           train_dataset=data, processing_class=chat_tokenizer())
+    assert len(plain.train_dataset) < 8  # trl's dataset-level packing: blocks of several rows
+    trainer = make_trainer(tiny_llama(), data, sft_args(tmp_path, per_device=2, ga=1, packing=True))
+    assert len(trainer.train_dataset) == 8 and trainer.num_examples_private == 8
+    assert trainer.sample_rate == 2 / 8
+    batches = [b for b in trainer.get_train_dataloader() if "input_ids" in b]
+    assert batches
+    for batch in batches:  # one padding-free row; one segment (restart of position_ids) per sampled row
+        assert batch["input_ids"].shape[0] == 1
+        assert int((batch["position_ids"] == 0).sum()) == len(batch["cu_seq_lens_q"]) - 1
+
+
+def _tiny_opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, ffn_dim=24, num_attention_heads=2,
+                    max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0, pad_token_id=0, bos_token_id=0,
+                    eos_token_id=1)
+    model = OPTForCausalLM(cfg)
+    model.model.decoder.embed_positions.weight.requires_grad_(False)  # no per-example rule for OPT's positions
+    return model
+
+
+def test_model_that_cannot_isolate_packed_examples_is_refused(tmp_path):
+    """OPT derives positions from the attention mask and ignores position_ids: packed examples attend to each
+    other. Unpacked it trains; packed it is refused."""
+    make_trainer(_tiny_opt(), dataset("text"), sft_args(tmp_path / "a"))
+    with pytest.raises(ValueError, match="Packing refused"):
+        make_trainer(_tiny_opt(), dataset("text"), sft_args(tmp_path / "b", packing=True))
+
+
+def test_isolation_rechecked_at_train_start(tmp_path):
+    """The model may change after construction (here: its attention starts seeing across packed examples)."""
+    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    base = trainer.model
+    original = base.model.forward
+
+    def leaky_forward(*args, position_ids=None, **kwargs):  # positions ignored: one causal sequence
+        return original(*args, **kwargs)
+
+    base.model.forward = leaky_forward
+    with pytest.raises(ValueError, match="Packing refused"):
+        trainer.train()
+
+
+def test_prepacked_dataset_refused(tmp_path):
+    rows = Dataset.from_list([{"input_ids": [6, 7, 8, 9, 10], "labels": [6, 7, 8, 9, 10], "seq_lengths": [2, 3]}] * 4)
+    with pytest.raises(ValueError, match="already packed"):
+        make_trainer(tiny_llama(), rows, sft_args(tmp_path, packing=True))
+
+
+def test_prompt_tuning_with_packing_refused(tmp_path):
+    from peft import PromptTuningConfig
+
+    with pytest.raises(ValueError, match="packing=False"):
+        make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True),
+                     peft_config=PromptTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"))
+
+
+def test_collator_must_give_one_segment_per_row(tmp_path):
+    from hf_dp.sft import _OneExamplePerSegment
+
+    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    checked = _OneExamplePerSegment(trainer.data_collator)
+    assert checked([{"input_ids": [6, 7]}, {"input_ids": [8, 9, 10]}])["input_ids"].shape == (1, 5)
+    with pytest.raises(RuntimeError, match="exactly one segment"):
+        checked([{"input_ids": [6, 7]}, {"input_ids": []}])  # an empty row vanishes from the packed row
+
+
+def test_card_checkpoint_and_resume(tmp_path):
+    """trl's tags and the privacy record in the card of every checkpoint; resuming continues the accountant."""
+    from huggingface_hub import ModelCard
+
+    common = {"per_device": 1, "ga": 1, "packing": True, "noise_multiplier": 1.0, "max_steps": 2, "learning_rate": 1e-3,
+              "target_delta": 1e-2, "dp_self_check": False}
+    args = sft_args(tmp_path, save_strategy="steps", save_steps=1, **common)
+    trainer = make_trainer(tiny_llama(), dataset("messages"), args)
+    trainer.train()
+    card = ModelCard.load(tmp_path / "checkpoint-1" / "README.md")
+    assert {"trl", "sft", "differential-privacy"} <= set(card.data.tags)
+    dp = card.data.differential_privacy
+    assert dp["steps"] == 1 and dp["dataset_size"] == 4 and dp["sampling_rate"] == 0.25  # rows, not blocks
+    assert (tmp_path / "checkpoint-2" / "dp_state.json").is_file()
+    resumed = make_trainer(tiny_llama(), dataset("messages"), sft_args(tmp_path, **common))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert resumed.accountant.steps == 2
+
+
+def test_packed_self_check_catches_a_wrong_split(tmp_path, monkeypatch):
+    """The first packed micro-batch's per-example norms are compared with the same examples unpacked: a split of
+    the packed row that gives an example another's tokens is refused before any update."""
+    from hf_dp.clipping.engine import ClippingEngine
+    from hf_dp.clipping.layers import UnsupportedLayerError
+
+    correct = ClippingEngine._to_segments
+
+    def shifted(self, x):  # a wrong split: the last token of each example moved to the next one
+        (rows, length), tokens, example, slot, num, longest = self._segments
+        self._segments = ((rows, length), tokens, example.roll(1), slot.roll(1), num, longest)
+        try:
+            return correct(self, x)
+        finally:
+            self._segments = ((rows, length), tokens, example, slot, num, longest)
+
+    monkeypatch.setattr(ClippingEngine, "_to_segments", shifted)
+    trainer = make_trainer(tiny_llama().double(), dataset("text"), sft_args(tmp_path, packing=True))
+    with pytest.raises(UnsupportedLayerError, match="packed row"):
+        trainer.train()
+
+
+def test_segment_loss_never_predicts_across_examples():
+    """Even if a collator left the first label of an example in place, the last token of the previous example is
+    not trained to predict it: each packed example's loss is the model's own loss on that example alone."""
+    from hf_dp.sft import causal_lm_segment_loss, segment_ids
+
+    torch.manual_seed(0)
+    model = tiny_llama().double().eval()
+    rows = [[6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17]]
+    ids = torch.tensor([sum(rows, [])])
+    position_ids = torch.tensor([[i for r in rows for i in range(len(r))]])
+    out = model(input_ids=ids, position_ids=position_ids, use_cache=False)
+    losses = causal_lm_segment_loss(out, ids.clone(), segments=segment_ids(position_ids))  # starts not masked
+    alone = [model(input_ids=torch.tensor([r]), labels=torch.tensor([r]), use_cache=False).loss for r in rows]
+    torch.testing.assert_close(losses, torch.stack(alone).to(losses.dtype), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="restart at 0"):
+        segment_ids(torch.tensor([[0, 1, 2, 4, 0, 1]]))
