@@ -160,12 +160,15 @@ def test_update_equals_per_row_oracle(tmp_path, kind, packing):
 
 
 def test_packed_update_equals_unpacked_update_exactly(tmp_path):
-    """Same rows, same C, float64: packing changes nothing but speed."""
+    """Same rows, same C, float64: packing changes nothing but speed. With ``use_cache=True`` (the model's cache
+    would let packed examples attend to each other) DPSFTTrainer still runs the model without a cache."""
     updates = []
     for packing in (False, True):
         torch.manual_seed(0)
         trainer = make_trainer(tiny_llama().double(), dataset("messages"),
-                               sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05))
+                               sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
+                                        use_cache=True))
+        assert trainer.model.config.use_cache
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
         updates.append({n: p.detach() - before[n] for n, p in trainer.model.named_parameters()})
