@@ -240,6 +240,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
             if self.task != "causal_lm":
                 raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {self.task}.")
             self.per_example_loss = causal_lm_segment_loss
+        self._packing_collator = self.data_collator  # trl's padding-free collator (the isolation check's)
         if self.padding_free:
             self._check_packing_supported()
             self.check_packed_isolation()
@@ -405,7 +406,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         logits as B alone (positions restart per example, so the packed run trains what the unpacked run trains).
         """
         net = self.accelerator.unwrap_model(self.model)
-        collator = self.data_collator
+        collator = self._packing_collator
         vocab = net.get_input_embeddings().num_embeddings
         device = next(net.parameters()).device
         gen = torch.Generator().manual_seed(0)
