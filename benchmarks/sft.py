@@ -189,7 +189,8 @@ def main() -> None:
     if args.child is not None:
         print("RESULT " + json.dumps(child(args.child[0], args.child[1], args)))
         return
-    passthrough = [a for a in sys.argv[1:] if not a.startswith("--json")]
+    passthrough = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                   if k not in ("json", "child", "methods")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     results: dict[str, dict[str, Any]] = {}

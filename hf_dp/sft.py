@@ -253,6 +253,11 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
 
     def _check_packing_supported(self) -> None:
+        if self._fsdp is not None:
+            raise ValueError(
+                "Packing is not supported under FSDP (its two-pass ghost clipping has no per-segment split); use "
+                "packing=False and padding_free=False, or DDP."
+            )
         columns = getattr(self.train_dataset, "column_names", None) or []
         if "seq_lengths" in columns:
             raise ValueError(

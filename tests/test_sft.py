@@ -132,6 +132,20 @@ def test_config_is_sftconfig_plus_dp_arguments(tmp_path):
         DPSFTConfig(output_dir=str(tmp_path))
 
 
+def test_dp_training_arguments_upgraded_and_plain_sftconfig_refused(tmp_path):
+    """As SFTTrainer upgrades TrainingArguments to SFTConfig, DPSFTTrainer upgrades DPTrainingArguments."""
+    from trl import SFTConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_device_train_batch_size=2,
+                                   max_steps=1, use_cpu=True, report_to="none", per_sample_max_grad_norm=0.3)
+    trainer = make_trainer(tiny_llama(), dataset("text"), args)
+    assert isinstance(trainer.args, DPSFTConfig) and trainer.args.per_sample_max_grad_norm == 0.3
+    with pytest.raises(TypeError, match="DPSFTConfig"):
+        make_trainer(tiny_llama(), dataset("text"), SFTConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
 def test_gradient_checkpointing_refused(tmp_path):
     with pytest.raises(ValueError, match="checkpointing"):
         DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, gradient_checkpointing=True)
@@ -283,6 +297,13 @@ def test_prepacked_dataset_refused(tmp_path):
     rows = Dataset.from_list([{"input_ids": [6, 7, 8, 9, 10], "labels": [6, 7, 8, 9, 10], "seq_lengths": [2, 3]}] * 4)
     with pytest.raises(ValueError, match="already packed"):
         make_trainer(tiny_llama(), rows, sft_args(tmp_path, packing=True))
+
+
+def test_packing_under_fsdp_refused(tmp_path):
+    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    trainer._fsdp = object()  # what DPTrainer holds when accelerate runs FSDP2 (not available on CPU here)
+    with pytest.raises(ValueError, match="FSDP"):
+        trainer._check_packing_supported()
 
 
 def test_prompt_tuning_with_packing_refused(tmp_path):
