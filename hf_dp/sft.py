@@ -187,16 +187,20 @@ class _OneExamplePerSegment:
         return batch
 
 
-def _example_bounds(num: int, size: int, units: torch.Tensor | None) -> list[int]:
-    """Micro-batch boundaries over ``num`` examples: at most ``size`` each; a user's examples are never split."""
+def _example_bounds(starts: list[int], size: int, max_tokens: int | None, units: torch.Tensor | None) -> list[int]:
+    """Micro-batch boundaries over the examples of a packed row (token offsets ``starts``, one more than examples):
+    at most ``size`` examples and ``max_tokens`` tokens each (a longer single example or user stands alone); a
+    user's examples are never split."""
+    num = len(starts) - 1
     if units is None:
-        return list(range(0, num, size)) + [num]
-    changes = (units[1:] != units[:-1]).nonzero().flatten() + 1
-    edges = [0, *changes.tolist(), num]
+        edges = list(range(num + 1))
+    else:
+        edges = [0, *((units[1:] != units[:-1]).nonzero().flatten() + 1).tolist(), num]
     bounds = [0]
-    for start, end in zip(edges[:-1], edges[1:]):
-        if end - bounds[-1] > size and start > bounds[-1]:
-            bounds.append(start)
+    for a, b in zip(edges[:-1], edges[1:]):
+        too_many = b - bounds[-1] > size or (max_tokens is not None and starts[b] - starts[bounds[-1]] > max_tokens)
+        if a > bounds[-1] and too_many:
+            bounds.append(a)
     return bounds + [num]
 
 
@@ -317,15 +321,17 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         return {**super()._model_inputs(model, inputs, labels), "use_cache": False}
 
     def _micro_batches(self, inputs: dict, labels: torch.Tensor, units: torch.Tensor | None = None):
-        """A packed chunk split into packed micro-batches of at most ``per_device_train_batch_size`` examples."""
+        """A packed chunk split into packed micro-batches of at most ``per_device_train_batch_size`` examples and
+        ``max_length`` tokens (memory and attention cost only: the DP step is the same)."""
         segments = self._segment_ids(inputs)
         if segments is None:
             return super()._micro_batches(inputs, labels, units)
         length = segments.shape[1]
         starts = (inputs["position_ids"][0] == 0).nonzero().flatten().tolist() + [length]
-        num = len(starts) - 1
         size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
-        bounds = _example_bounds(num, size, units)
+        # At most max_length tokens per packed micro-batch as well: attention over a packed row costs O(T²) with
+        # sdpa's block-diagonal mask, so rows of about max_length tokens (as trl's packed blocks) keep it linear.
+        bounds = _example_bounds(starts, size, self.args.max_length, units)
         if len(bounds) == 2:
             return [(inputs, labels, units)]
         out = []

@@ -181,8 +181,12 @@ def test_packed_update_equals_unpacked_update_exactly(tmp_path):
         torch.manual_seed(0)
         trainer = make_trainer(tiny_llama().double(), dataset("messages"),
                                sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
-                                        use_cache=True))
+                                        use_cache=True, max_length=20))
         assert trainer.model.config.use_cache
+        if packing:  # rows of 10-17 tokens, <= 20 per packed micro-batch: each chunk of 2 rows is split in two
+            chunk = trainer.data_collator([{"input_ids": r} for r in trainer.train_dataset["input_ids"][:2]])
+            labels = chunk.pop("labels")
+            assert len(trainer._micro_batches(chunk, labels)) == 2
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
         updates.append({n: p.detach() - before[n] for n, p in trainer.model.named_parameters()})
