@@ -234,6 +234,13 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     """
 
     _name = "DP-SFT"
+    # trl's compute_loss (batch NLL through its fused LM head) serves evaluation only: training never calls it.
+    _dp_compute_loss_is_not_trained = True
+
+    def compute_loss(self, *args: Any, **kwargs: Any):
+        """trl's ``compute_loss``, used by evaluation only (a DP step uses each example's own loss, per packed
+        example with packing)."""
+        return super().compute_loss(*args, **kwargs)
 
     def __init__(self, model: Any, args: Any = None, *pargs: Any, peft_config: Any = None,
                  per_example_loss: Any = None, **kwargs: Any):
@@ -402,10 +409,10 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
 
     # ------------------------------------------------------------------ isolation of packed examples
-    def _dp_on_train_begin(self, state) -> None:
+    def _dp_on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         if self.padding_free:
             self.check_packed_isolation()  # the model may have changed since construction
-        super()._dp_on_train_begin(state)
+        super()._dp_on_train_begin(*args, **kwargs)
 
     @torch.no_grad()
     def check_packed_isolation(self) -> None:
