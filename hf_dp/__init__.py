@@ -17,6 +17,23 @@ from .trainer import DPTrainer
 
 __version__ = "0.1.0"
 
+_TRL_EXPORTS = ("DPSFTConfig", "DPSFTTrainer")
+
+
+def __getattr__(name: str):
+    """``DPSFTTrainer`` / ``DPSFTConfig`` (``hf_dp/sft.py``) need trl, an optional dependency (``pip install
+    hf_dp[trl]``): they are imported on first use, so ``import hf_dp`` works without trl."""
+    if name in _TRL_EXPORTS:
+        try:
+            from . import sft
+        except ImportError as err:
+            if getattr(err, "name", None) != "trl":
+                raise
+            raise ImportError(f"hf_dp.{name} needs trl: pip install 'hf_dp[trl]'.") from err
+        return getattr(sft, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CanaryExposureCallback",
     "MembershipInferenceCallback",
@@ -26,6 +43,8 @@ __all__ = [
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",
+    "DPSFTConfig",
+    "DPSFTTrainer",
     "DPTrainer",
     "DPTrainingArguments",
     "MechanismRecord",

@@ -582,6 +582,11 @@ class DPTrainer(Trainer):
         labels = batch.pop("labels")
         return batch, labels
 
+    def _segment_ids(self, inputs: dict) -> torch.Tensor | None:
+        """``(rows, T)``: the example each token of a padding-free packed micro-batch belongs to (``DPSFTTrainer``);
+        ``None`` when every row is one example."""
+        return None
+
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
         """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
         decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
@@ -622,15 +627,19 @@ class DPTrainer(Trainer):
             net = self.accelerator.unwrap_model(model)
             engine = self.clipping_engine
             for micro, micro_labels, micro_units in self._micro_batches(inputs, labels, units_all):
-                b = micro_labels.shape[0]
+                segments = self._segment_ids(micro)  # packed rows (DPSFTTrainer): each token's example; else None
+                rows = micro_labels.shape[0]
+                b = rows if segments is None else int(segments.max()) + 1
                 if not getattr(self, "_self_checked", False):  # always: coverage never depends on dp_self_check
                     self._self_check(net, micro, micro_labels)
                 units, weights = self._unit_layout(micro_units)
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
-                with self.compute_loss_context_manager(), engine.record(b, units=units, unit_weights=weights):
+                with self.compute_loss_context_manager(), engine.record(rows, units=units, unit_weights=weights,
+                                                                        segments=segments):
                     outputs = net(**self._model_inputs(net, micro, micro_labels))
-                    losses = self.per_example_loss(outputs, micro_labels)
+                    losses = self.per_example_loss(outputs, micro_labels,
+                                                   **({} if segments is None else {"segments": segments}))
                     del outputs  # the logits are freed during the backward pass, not kept to the end of the step
                     if losses.shape != (b,):
                         raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")

@@ -307,6 +307,7 @@ class ClippingEngine:
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
         self._units: torch.Tensor | None = None
+        self._segments: tuple | None = None
         self._unit_weights: torch.Tensor | None = None
         self._groups: list[list[str]] | None = None
         self._handler: GroupHandler | None = None
@@ -331,7 +332,7 @@ class ClippingEngine:
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
     def record(self, batch_size: int, freeze: bool = True, units: torch.Tensor | None = None,
-               unit_weights: torch.Tensor | None = None) -> Iterator[None]:
+               unit_weights: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> Iterator[None]:
         """Capture the per-example factors of one micro-batch of ``batch_size`` examples.
 
         Run the forward *and* the backward of ``Σ_i L_i`` inside this context. Parameters are frozen inside it
@@ -345,10 +346,15 @@ class ClippingEngine:
                 unit's gradient ``G_u = Σ_{i∈u} w_i G_i`` (ghost norms over the unit's concatenated tokens, cross terms
                 between its examples included), and factors given to :meth:`accumulate_clipped` are per unit.
             unit_weights: ``(B,)`` weights ``w_i`` (1 for a user's sum, ``1/n_u`` for their mean).
+            segments: ``(B, T)`` for padding-free packed rows: the example ``0..S-1`` each token belongs to (``-1``
+                for padding). The ``B`` rows then hold ``S`` examples, and every captured use is split into
+                per-example blocks (:meth:`_segment_use`), so norms and factors are per example, ``(S,)``;
+                ``units`` and ``unit_weights`` are then ``(S,)`` too. ``batch_size`` stays the number of rows.
         """
         self.clear()
         self._batch_size = batch_size
         self._calls = {}
+        self._set_segments(segments)
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
@@ -645,6 +651,8 @@ class ClippingEngine:
                              "parameters or use LoRA on the other layers")
                 raise UnsupportedLayerError(
                     f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}.")
+        if self._segments is not None:  # padding-free packed rows: one block per example
+            uses = [self._segment_use(u) for u in uses]
         touched = set()
         for u in uses:
             name_u = self._names[id(u.param)]
@@ -883,6 +891,52 @@ class ClippingEngine:
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
         return self._uses
+
+    # ------------------------------------------------------------------ packed rows
+    def _set_segments(self, segments: torch.Tensor | None) -> None:
+        """Index maps from the tokens of packed rows to per-example blocks (the layout of :meth:`_set_units`)."""
+        self._segments = None
+        if segments is None:
+            return
+        flat = segments.reshape(-1)
+        tokens = (flat >= 0).nonzero().flatten()
+        example = flat[tokens]
+        counts = torch.bincount(example)
+        if bool((counts == 0).any()):
+            raise ValueError("segments must number the examples of a micro-batch 0..S-1 without gaps.")
+        order = torch.argsort(example, stable=True)  # tokens of an example keep their order
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(example)
+        slot[order] = torch.arange(len(example), device=example.device) - starts[example[order]]
+        self._segments = (tuple(segments.shape), tokens, example, slot, len(counts), int(counts.max()))
+
+    def _to_segments(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, k·T, ...)`` packed rows → ``(S, k·T_max, ...)``: each example's positions, in order, zero-padded.
+
+        ``k > 1`` when a layer sees several positions per token, token-major (e.g. a norm over the heads of
+        ``(B, T, H, d)``, viewed as ``(B, T·H, d)``).
+        """
+        (rows, length), tokens, example, slot, num, longest = self._segments
+        k = x.shape[1] // length
+        per_token = x.reshape(rows * length, k, *x.shape[2:])
+        out = x.new_zeros(num, longest, k, *x.shape[2:])
+        out[example, slot] = per_token[tokens]
+        return out.reshape(num, longest * k, *x.shape[2:])
+
+    def _segment_use(self, u: Use) -> Use:
+        """One use of packed rows as per-example uses: ``G_i = Σ_{t∈i} L_tᵀ R_t = L_iᵀ R_i`` over example ``i``'s
+        tokens only (the padded positions have ``R = 0``, so they add nothing to norms or sums)."""
+        rows, length = self._segments[0]
+        positions = {tuple(u.right.shape[:2])} | ({tuple(u.left.shape[:2])} if u.left is not None else set())
+        if len(positions) != 1 or u.right.shape[0] != rows or u.right.shape[1] % length:
+            raise UnsupportedLayerError(
+                f"{u.module_name} sees {tuple(u.right.shape[:2])} (rows, positions) in packed rows of "
+                f"{(rows, length)} tokens: its positions are not the packed tokens (e.g. virtual tokens of prompt or "
+                "prefix tuning, shared by all examples of the row), so its gradient cannot be split per packed "
+                "example. Train without packing (packing=False, padding_free=False)."
+            )
+        left = None if u.left is None else self._to_segments(u.left)
+        return Use(u.param, left, self._to_segments(u.right), u.left_dim, u.module_name)
 
     # ------------------------------------------------------------------ norms and sums
     def _set_units(self, units: torch.Tensor | None, weights: torch.Tensor | None) -> None:
