@@ -100,6 +100,31 @@ def test_fsdp2_flat_clipping_exact_and_identical(fsdp_run):
 
 
 @pytest.mark.slow
+def test_fsdp2_nonfinite_example_gets_factor_zero_without_poisoning_pass_two(fsdp_run):
+    """One example's loss is NaN: it gets clipping factor 0, and pass 2 (a plain backward, where 0·NaN = NaN) runs on
+    the finite examples only, on every rank: the update is finite and equals the oracle over the other examples."""
+    _, params, infos = fsdp_run
+    nan = [p["nan"][0] for p in params]
+    for k in nan[0]:
+        assert torch.isfinite(nan[0][k]).all() and torch.equal(nan[0][k], nan[1][k]), k
+    assert all(i["nan_stats"].get("nonfinite_redo", 0) >= 1 for i in infos)  # every rank re-ran its forward
+    assert sum(i["nan_nonfinite"] for i in infos) >= 1
+    torch.manual_seed(0)
+    model = tiny_gpt2().double()
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    data = lm_dataset(16, seed=3)
+    first = data[0]["input_ids"][0]
+    keep = [i for i in range(len(data)) if data[i]["input_ids"][0] != first]
+    grads = per_example_grads(model, data, keep)
+    expected = flat_clipped_sum(grads, 0.5)
+    moved = False
+    for k, v in expected.items():
+        torch.testing.assert_close(init[k] - nan[0][k], v / 16, rtol=1e-9, atol=1e-12, msg=k)
+        moved = moved or bool(v.abs().max() > 0)
+    assert moved
+
+
+@pytest.mark.slow
 def test_fsdp2_noise_added_once_per_coordinate(fsdp_run):
     _, params, infos = fsdp_run
     noisy = [p["noisy"][0] for p in params]

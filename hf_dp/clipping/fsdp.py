@@ -303,15 +303,38 @@ class FSDPFlatClipping:
         norms_sq = engine.per_example_norms_sq()
         factors = flat_clip_factors(norms_sq, tr.args.per_sample_max_grad_norm, b).to(losses.device)
         factors = factors * weights.to(device=losses.device, dtype=factors.dtype)
+        bad = ~torch.isfinite(losses.detach()) | ((factors == 0) & (weights.to(factors.device) > 0))
+        factors = torch.where(bad, 0.0, factors)
         if self._checking:
             engine.accumulate_clipped(factors)  # the hooks' Σ c_i G_i, compared with autograd's at the step's end
         engine._instantiated = {}
         engine.clear()
+        # A non-finite example (NaN/inf loss or norm: factor 0, modes.clip_factors_from_norms) would still put
+        # 0·NaN = NaN into pass 2's batch backward. Then pass 2 runs on a fresh forward of the finite examples only
+        # (a padding row with factor 0 if none is left); every rank does so when any rank has one, so all ranks run
+        # the same FSDP collectives.
+        if _all_max(float(bad.any()), losses.device):
+            self.stats["nonfinite_redo"] = self.stats.get("nonfinite_redo", 0) + 1
+            tr._nonfinite_in_step = tr._nonfinite_in_step + int(bad.sum())
+            keep = (~bad).nonzero().flatten()
+            del losses
+            if len(keep):
+                batch, labels, factors = tr._slice_batch(batch, keep, b), labels[keep], factors[keep]
+            else:
+                batch, labels = self._padding_batch()
+                factors = torch.zeros(labels.shape[0], dtype=factors.dtype, device=factors.device)
+            with tr.compute_loss_context_manager():
+                losses = self._forward_losses(model, batch, labels)
+            out = torch.zeros(b, dtype=losses.dtype, device=losses.device)
+            if len(keep):
+                out[keep] = losses.detach()
+        else:
+            out = losses.detach()
         if losses.requires_grad:
             dtype = torch.promote_types(losses.dtype, torch.float32)
             scale = tr.args.world_size / tr.expected_batch_size  # FSDP averages over ranks: × W gives the sum
             ((losses.to(dtype) * factors.to(dtype)).sum() * scale).backward()
-        return losses.detach()
+        return out
 
     def finish_step(self, model: nn.Module) -> None:
         """At the step's last chunk: noise once per coordinate on the local shards, record the step."""

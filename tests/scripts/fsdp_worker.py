@@ -4,7 +4,8 @@ Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_w
 
 0. a DPTrainer with ``fsdp=``/``fsdp_config=`` but WITHOUT the shim: accelerate silently runs DDP, DPTrainer warns;
 1. ``clean``: σ = 0, 2 steps (GA 2, micro-batches of 2), checkpoint every step, then ``save_model``;
-2. ``noisy``: σ = SIGMA, 1 step, same seed (same Poisson batches).
+2. ``noisy``: σ = SIGMA, 1 step, same seed (same Poisson batches);
+3. ``nan``: σ = 0, 1 step, q = 1, one example's loss is NaN (factor 0; pass 2 must not see it).
 
 Every rank writes the full (gathered) parameters after each step, what it saw, and the run's facts.
 """
@@ -62,12 +63,31 @@ def make_args(out_dir: str, sigma: float, steps: int, save: bool) -> DPTrainingA
             save_strategy="steps" if save else "no", save_steps=1, dp_seed=SEED, disable_tqdm=True, **FSDP)
 
 
-def run(out_dir: str, sigma: float, steps: int, save: bool) -> dict:
+def nan_for_first_example(data):
+    """The model's causal-LM loss per example, NaN for the rows that start like example 0 (a poisoned example)."""
+    from hf_dp import causal_lm_loss
+
+    first = data[0]["input_ids"][0]
+
+    def loss(outputs, labels):
+        losses = causal_lm_loss(outputs, labels)
+        poison = torch.where(labels[:, 0] == first, float("nan"), 1.0).to(losses.dtype)
+        return losses * poison  # NaN loss and NaN gradient for that example only
+
+    return loss
+
+
+def run(out_dir: str, sigma: float, steps: int, save: bool, nan: bool = False) -> dict:
     torch.manual_seed(0)  # same init on every rank
     model = tiny_gpt2().double()
     snaps = Snapshots()
-    trainer = ShimDPTrainer(model=model, args=make_args(out_dir, sigma, steps, save),
-                            train_dataset=lm_dataset(N, seed=3), callbacks=[snaps])
+    data = lm_dataset(N, seed=3)
+    args = make_args(out_dir, sigma, steps, save)
+    extra = {}
+    if nan:
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = N // 2, 1  # q = 1 over 2 ranks
+        extra["per_example_loss"] = nan_for_first_example(data)
+    trainer = ShimDPTrainer(model=model, args=args, train_dataset=data, callbacks=[snaps], **extra)
     trainer.train()
     if save:
         trainer.save_model(os.path.join(out_dir, "final"))
@@ -86,9 +106,11 @@ def main(out: str) -> None:
 
     clean = run(os.path.join(out, "clean"), 0.0, 2, save=True)
     noisy = run(os.path.join(out, "noisy"), SIGMA, 1, save=False)
+    nan = run(os.path.join(out, "nan"), 0.0, 1, save=False, nan=True)
     tr = clean["trainer"]
     rank = tr.args.process_index
-    torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"]}, os.path.join(out, f"params_rank{rank}.pt"))
+    torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"]},
+               os.path.join(out, f"params_rank{rank}.pt"))
     local_shard_numel = sum(p.to_local().numel() for p in tr.model.parameters())
     with open(os.path.join(out, f"info_rank{rank}.json"), "w") as f:
         json.dump({
@@ -98,6 +120,7 @@ def main(out: str) -> None:
             "expected_batch_size": tr.expected_batch_size, "sample_rate": tr.sample_rate,
             "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
             "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
+            "nan_stats": nan["trainer"]._fsdp.stats, "nan_nonfinite": nan["trainer"].nonfinite_examples,
         }, f)
 
 
