@@ -415,3 +415,66 @@ def test_example_script_smoke(tmp_path):
     dp = next(r for r in results["runs"] if r.get("delta") is not None)
     assert dp["steps"] == 1 and 0 < dp["epsilon"] < math.inf and dp["sample_rate"] == 4 / 16
     assert all(math.isfinite(r["perplexity"]) for r in results["runs"]) and len(results["runs"]) == 3
+
+
+# ---------------------------------------------------------------------- several processes
+def sft_distributed_dataset() -> Dataset:
+    """8 conversations (one with two assistant turns): per_device 2 × GA 2 × 2 processes = N, so q = 1."""
+    pairs = PAIRS + [("how is the cat", "the cat is fine"), ("good day", "hi how are you"),
+                     ("is the dog on the mat", "the dog sat on a mat"), ("what ran", "a cat ran on the mat thanks")]
+    rows = [{"messages": _turns(p, c)} for p, c in pairs]
+    rows[2] = {"messages": _turns("hi", "good day", "the cat", "sat on a mat")}
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.slow
+def test_two_processes_packed_identical_exact_and_noised_once(tmp_path):
+    """`accelerate launch` with 2 processes (gloo, CPU), packing, assistant-only loss, float64, q = 1, one step.
+    σ = 0: every rank ends with the same parameters, and the update is the oracle's (each row's own loss with trl's
+    labels, clipped by C, summed, / N). σ > 0 (same launch): ranks identical, noise std σC/N (added once, not on
+    every rank)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import tiny_llama as model_fn
+    from test_distributed import _free_port
+
+    sigma, n = 1.0, 8
+    torch.manual_seed(0)  # the workers' initial model
+    single = make_trainer(model_fn().double(), sft_distributed_dataset(),
+                          sft_args(tmp_path / "single", per_device=4, ga=2, packing=True, assistant_only_loss=True))
+    assert len(single.train_dataset) == n and all(-100 in r for r in single.train_dataset["labels"])
+    # The model's own loss casts float64 logits to float32 (transformers' ForCausalLMLoss), so the oracle agrees to
+    # ~1e-8 relative only; the one-process packed run on the same rows (q = 1 too) agrees to float64 round-off.
+    update_single, expected = dp_update(single, list(range(n)), expected_batch=n)
+    clip = single.args.per_sample_max_grad_norm  # the median norm: some rows clipped, some not
+    assert_close(update_single, expected)
+
+    worker = os.path.join(os.path.dirname(__file__), "scripts", "sft_worker.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), worker, str(tmp_path), repr(clip), "0.0", str(sigma)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def load(s: float):
+        run = tmp_path / f"sigma{s}"
+        return ([torch.load(run / f"update_rank{r}.pt") for r in range(2)],
+                [json.load(open(run / f"info_rank{r}.json")) for r in range(2)])
+
+    clean, info = load(0.0)
+    assert all(i == {"world_size": 2, "padding_free": True, "expected_batch_size": n, "sample_rate": 1.0,
+                     "num_examples": n, "steps": 1} for i in info), info
+    for k in clean[0]:
+        assert torch.equal(clean[0][k], clean[1][k]), k  # ranks end the step identical
+    assert_close(clean[0], expected)  # the oracle
+    assert_close(clean[0], update_single, rtol=1e-10, atol=1e-13)  # one process, same rows and C
+
+    noisy, _ = load(float(sigma))
+    for k in noisy[0]:
+        assert torch.equal(noisy[0][k], noisy[1][k]), k
+    noise = torch.cat([(noisy[0][k] - clean[0][k]).reshape(-1) for k in clean[0]])
+    assert abs(float(noise.std()) / (sigma * clip / n) - 1) < 0.05  # once, not sqrt(world_size) times
