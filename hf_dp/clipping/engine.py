@@ -549,18 +549,25 @@ class ClippingEngine:
                 losses.sum().backward()
         escaped = []
         # A gradient that is zero in exact arithmetic (e.g. an attention key bias: softmax is invariant to it) is
-        # rounding noise in both computations; it is compared against the scale of the whole gradient, not its own.
+        # rounding noise in both computations: below a floor set by the dtype's precision and the scale of the whole
+        # gradient, it is not compared with its own (noise) magnitude. A parameter the hooks never saw while autograd
+        # gives it any nonzero gradient is an escaped use whatever its size.
         scale = max((float(g.grad.abs().max()) for g in stand_ins.values()
                      if g.grad is not None and torch.isfinite(g.grad).all()), default=0.0)
         for name, p in self.params.items():
             ref, mine = stand_ins[name].grad, hooked.get(name)
             if ref is None and mine is None:
                 continue
+            unseen = mine is None
             ref = torch.zeros_like(p) if ref is None else ref
             mine = torch.zeros_like(ref) if mine is None else mine.to(ref.dtype)
             if not torch.isfinite(ref).all():
                 continue  # a non-finite example: it gets clipping factor 0 in training
-            tol = rtol * max(float(ref.abs().max()), 1e-3 * scale, 1e-12)
+            if unseen and bool(ref.any()):
+                escaped.append(f"{name} (owned by {', '.join(self._owners.get(id(p), ['?']))})")
+                continue
+            floor = 100 * torch.finfo(ref.dtype).eps * scale if ref.is_floating_point() else 0.0
+            tol = rtol * max(float(ref.abs().max()), floor / rtol, 1e-12)
             if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
                 escaped.append(f"{name} (owned by {', '.join(self._owners.get(id(p), ['?']))})")
         if escaped:
