@@ -188,6 +188,17 @@ ENCODERS = {
     # projections see the relative embeddings once per batch (no batch axis), the engine's broadcast work.
     "deberta_v2": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=False,
                       position_biased_input=True, conv_kernel_size=3, pooler_dropout=0.0),
+    # DeBERTa-v3 (its configs' defaults): relative attention with log buckets, the relative embeddings read directly
+    # (rel_embeddings.weight) then a LayerNorm, computed once per batch, and projected batch-less by each layer's
+    # shared query/key projections (share_att_key); two layers share them.
+    "deberta_v3": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, num_hidden_layers=2,
+                      relative_attention=True, position_buckets=4, max_relative_positions=8, share_att_key=True,
+                      pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", position_biased_input=False,
+                      pooler_dropout=0.0),
+    # DeBERTa-v2 style: separate position projections (pos_key_proj with bias, pos_query_proj), no buckets, no norm.
+    "deberta_v2_rel": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=True,
+                          max_relative_positions=4, share_att_key=False, pos_att_type=["p2c", "c2p"],
+                          pooler_dropout=0.0),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
@@ -257,7 +268,8 @@ NEEDS: dict[str, str] = {}
 
 # Models that compute in float32 by design even when cast to float64: their oracle is float32-rounded there.
 FLOAT32_INSIDE = {"gemma": "RMSNorm upcasts with x.float()", "gemma2": "same", "gemma3": "same",
-                  "deberta_v2": "its classification loss calls .float()", "deepseek_v3": "its router casts to float32"}
+                  "deberta_v2": "its classification loss calls .float()",
+                  "deberta_v3": "same", "deberta_v2_rel": "same", "deepseek_v3": "its router casts to float32"}
 
 
 def rtol_of(name: str) -> float:
