@@ -190,15 +190,16 @@ ENCODERS = {
                       position_biased_input=True, conv_kernel_size=3, pooler_dropout=0.0),
     # DeBERTa-v3 (its configs' defaults): relative attention with log buckets, the relative embeddings read directly
     # (rel_embeddings.weight) then a LayerNorm, computed once per batch, and projected batch-less by each layer's
-    # shared query/key projections (share_att_key); two layers share them.
+    # shared query/key projections (share_att_key); two layers share them. A wide init (0.5) so that the attention
+    # (and the relative embeddings' gradient) is not negligible next to the classifier's.
     "deberta_v3": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, num_hidden_layers=2,
                       relative_attention=True, position_buckets=4, max_relative_positions=8, share_att_key=True,
                       pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", position_biased_input=False,
-                      pooler_dropout=0.0),
+                      pooler_dropout=0.0, initializer_range=0.5),
     # DeBERTa-v2 style: separate position projections (pos_key_proj with bias, pos_query_proj), no buckets, no norm.
     "deberta_v2_rel": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=True,
                           max_relative_positions=4, share_att_key=False, pos_att_type=["p2c", "c2p"],
-                          pooler_dropout=0.0),
+                          pooler_dropout=0.0, initializer_range=0.5),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
@@ -294,7 +295,7 @@ def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
 # Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
 # tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
 # Conv2d, transposed MoE experts with biases and their router.
-PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss"]
+PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss", "deberta_v3", "deberta_v2_rel"]
 
 
 @pytest.mark.parametrize("name", PER_LAYER)
