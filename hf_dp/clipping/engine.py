@@ -370,7 +370,7 @@ class ClippingEngine:
         self._verified: set[int] = set()
         self._captures: list[tuple[int, contextlib.AbstractContextManager]] = []  # open Rule.capture contexts
         self._batch_size: int | None = None
-        self._calls: dict[int, int] = {}
+        self._calls: dict = {}
         self._replaying = False
         #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major, or the index
         #: of a later batch axis (sequence-first inputs), as proven by
@@ -533,6 +533,18 @@ class ClippingEngine:
         for key, two in seen[big].items():
             one = seen[1].get(key)
             if one is None or two is None:
+                continue
+            if len(key) == 3:  # a mixing point's result (_mixing_point): its rows must be example-major
+                r1 = one.shape[0] if one.dim() else 0
+                if not (r1 and two.dim() == one.dim() and two.shape[0] == big * r1 and two.shape[1:] == one.shape[1:]
+                        and torch.allclose(two[:r1].double(), one.double(), rtol=1e-3, atol=1e-5)):
+                    owner = next((n for n, m in self.model.named_modules() if id(m) == key[0]), "?")
+                    problems.append(
+                        f"{owner}.{key[2]} (call {key[1] + 1}): its result ({tuple(two.shape)} for {big} examples, "
+                        f"{tuple(one.shape)} for the first alone) does not hold the examples' rows first and one "
+                        "example at a time, so hf_dp cannot split the gradient of the batch-less tensors it uses per "
+                        "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
+                        "projections) or train with LoRA.")
                 continue
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
@@ -991,6 +1003,10 @@ class ClippingEngine:
                 result = orig(*args, **kwargs)
             finally:
                 self._bcast = None
+            if self._probe is not None and isinstance(result, torch.Tensor):  # first_step_check proves the layout
+                k = self._calls.get((id(owner), method), 0)
+                self._calls[(id(owner), method)] = k + 1
+                self._probe[(id(owner), k, method)] = result.detach().clone()
             if (not torch.is_grad_enabled() or self._probe is not None or not isinstance(result, torch.Tensor)
                     or not result.requires_grad or not (captured or shared)):
                 return result
