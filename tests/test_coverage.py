@@ -431,6 +431,25 @@ class MixesAcrossTheBatch(nn.Module):
         return x + self.disentangled_attention_bias(x, self.get_rel_embedding())[..., :3]
 
 
+class MixingPooled(MixesAcrossTheBatch):
+    def disentangled_attention_bias(self, x, rel):
+        return x.sum(0) @ self.proj(rel).t()  # (T, 5): no example axis at all
+
+    def forward(self, x):
+        return x + self.disentangled_attention_bias(x, self.get_rel_embedding())[..., :3]
+
+
+def test_mixing_point_without_an_example_axis_is_refused_at_run_time():
+    """The run-time check behind the first-step proof: a result whose first axis is not a multiple of the micro-batch
+    size is refused when recording (here without the first-step check)."""
+    model = Toy(MixingPooled()).double()
+    engine = ClippingEngine(model)
+    x = torch.randn(2, 3, 3, dtype=torch.float64)
+    with pytest.raises(UnsupportedLayerError, match=r"MixingPooled\.disentangled_attention_bias returned shape \(3, "):
+        with engine.record(2):
+            model.body(x).sum().backward()
+
+
 def test_mixing_point_whose_rows_are_not_the_examples_is_refused(tmp_path):
     with pytest.raises(UnsupportedLayerError, match=r"body\.disentangled_attention_bias .*does not hold the examples"):
         train_toy(MixesAcrossTheBatch(), tmp_path, dp_self_check=False)

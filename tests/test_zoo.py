@@ -294,8 +294,10 @@ def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
 
 # Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
 # tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
-# Conv2d, transposed MoE experts with biases and their router.
-PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss", "deberta_v3", "deberta_v2_rel"]
+# Conv2d, transposed MoE experts with biases and their router; DeBERTa's relative embeddings (shared and mixing
+# points).
+PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss", "deberta_v3",
+             "deberta_v2_rel"]
 
 
 @pytest.mark.parametrize("name", PER_LAYER)

@@ -640,8 +640,8 @@ class ClippingEngine:
                 "The hooks' sum of per-example gradients differs from autograd's gradient for these trainable "
                 "parameters, so their gradient could not be clipped per example:\n  " + "\n  ".join(escaped)
                 + "\nTypical cause: a use outside the forward of the module that owns them, which the per-layer "
-                "hooks do not see (a parent module reads `child.weight` directly, e.g. DeBERTa-v2's shared "
-                "rel_embeddings, or applies it with a functional call). Seen also with Longformer's global attention "
+                "hooks do not see (a parent module reads `child.weight` directly, or applies it with a functional "
+                "call). Seen also with Longformer's global attention "
                 "projections (query_global). Freeze these parameters "
                 "(`model.get_parameter(name).requires_grad_(False)`; a parameter tied to another, like an input "
                 "embedding tied to the LM head, is then frozen in both places) or train "
