@@ -200,6 +200,10 @@ ENCODERS = {
     "deberta_v2_rel": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=True,
                           max_relative_positions=4, share_att_key=False, pos_att_type=["p2c", "c2p"],
                           pooler_dropout=0.0, initializer_range=0.5),
+    # MPNet: a relative position bias looked up with (T, T) bucket ids and expanded to the batch in
+    # compute_position_bias (a mixing point). Wide init so the bias's gradient is not negligible.
+    "mpnet": enc(tf.MPNetConfig, tf.MPNetForSequenceClassification, pad_token_id=1, max_position_embeddings=40,
+                 initializer_range=0.5),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
@@ -295,9 +299,9 @@ def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
 # Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
 # tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
 # Conv2d, transposed MoE experts with biases and their router; DeBERTa's relative embeddings (shared and mixing
-# points).
+# points), MPNet's position bias (a mixing point).
 PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss", "deberta_v3",
-             "deberta_v2_rel"]
+             "deberta_v2_rel", "mpnet"]
 
 
 @pytest.mark.parametrize("name", PER_LAYER)

@@ -172,8 +172,9 @@ _BROADCAST_METHODS = ("compute_bias",)
 _SHARED_METHODS = ("get_rel_embedding",)
 #: methods that combine such a shared tensor (projected inside them, batch-less) with the examples and return a result
 #: whose first axis holds the examples (``B·k`` rows, example-major; DeBERTa-v2's position-to-content and
-#: content-to-position scores); see _mixing_point
-_MIXING_METHODS = ("disentangled_attention_bias",)
+#: content-to-position scores; MPNet's relative position bias, looked up with ``(T, T)`` ids and expanded to the batch
+#: inside the method); see _mixing_point
+_MIXING_METHODS = ("disentangled_attention_bias", "compute_position_bias")
 _ALL_POINTS = _BROADCAST_METHODS + _SHARED_METHODS + _MIXING_METHODS
 
 
