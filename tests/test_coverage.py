@@ -450,6 +450,22 @@ def test_mixing_point_without_an_example_axis_is_refused_at_run_time():
             model.body(x).sum().backward()
 
 
+class SharedUsedElsewhere(MixesAcrossTheBatch):
+    """The shared table also reaches the output outside the mixing method (broadcast over the batch)."""
+
+    def disentangled_attention_bias(self, x, rel):
+        return x @ self.proj(rel).t()  # (B, T, 5): per example
+
+    def forward(self, x):
+        rel = self.get_rel_embedding()
+        return x + self.disentangled_attention_bias(x, rel)[..., :3] + rel[:3].tanh().sum(0)
+
+
+def test_shared_tensor_used_outside_the_mixing_methods_is_refused(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"get_rel_embedding: its result reaches the loss other than"):
+        train_toy(SharedUsedElsewhere(), tmp_path, dp_self_check=False)
+
+
 def test_mixing_point_whose_rows_are_not_the_examples_is_refused(tmp_path):
     with pytest.raises(UnsupportedLayerError, match=r"body\.disentangled_attention_bias .*does not hold the examples"):
         train_toy(MixesAcrossTheBatch(), tmp_path, dp_self_check=False)

@@ -939,6 +939,7 @@ class ClippingEngine:
                     self._pending[n] = self._pending.get(n, 0) + 1
             targets = [c[4] for c in captured] + [s for _n, _p, s in direct]
             result = result.view_as(result)  # its own node, which the mixing points find their inputs from
+            targets.append(result)  # its per-example gradients must add up to its gradient (checked in the hook)
             record = {"targets": targets, "acc": [None] * len(targets), "result": result}
             self._shared_live.append(record)
             b = self._batch_size
@@ -960,6 +961,15 @@ class ClippingEngine:
                 for (name, p, _s), g in zip(direct, acc[len(captured):]):
                     g = p.new_zeros(b, p.numel()) if g is None else g.reshape(b, -1)
                     self._add_uses(name, [Use(p, None, g.unsqueeze(1), 1, name)])
+                seen = acc[-1]
+                total = _grad.new_zeros(_grad.shape) if seen is None else seen.sum(0)
+                if not torch.allclose(total, _grad, rtol=1e-3, atol=1e-3 * float(_grad.abs().max()) + 1e-12) \
+                        and bool(torch.isfinite(_grad).all()):
+                    raise UnsupportedLayerError(
+                        f"{type(owner).__name__}.{method}: its result reaches the loss other than through the methods "
+                        f"hf_dp splits per example ({', '.join(_MIXING_METHODS)}), so the per-example gradients of "
+                        + ", ".join([c[0] for c in captured] + [n for n, _p, _s in direct]) + " would miss part of "
+                        "their gradient. Freeze them (requires_grad_(False)) or train with LoRA.")
 
             result.register_hook(grad_hook)
             return result
