@@ -274,7 +274,8 @@ NEEDS: dict[str, str] = {}
 # Models that compute in float32 by design even when cast to float64: their oracle is float32-rounded there.
 FLOAT32_INSIDE = {"gemma": "RMSNorm upcasts with x.float()", "gemma2": "same", "gemma3": "same",
                   "deberta_v2": "its classification loss calls .float()",
-                  "deberta_v3": "same", "deberta_v2_rel": "same", "deepseek_v3": "its router casts to float32"}
+                  "deberta_v3": "same", "deberta_v2_rel": "same",
+                  "deepseek_v3": "its router casts to float32"}
 
 
 def rtol_of(name: str) -> float:

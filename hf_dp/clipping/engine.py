@@ -785,7 +785,9 @@ class ClippingEngine:
                 if self._groups is not None:
                     for n in owned:
                         self._pending[n] = self._pending.get(n, 0) + 1
-                return output
+                # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
+                # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
+                return output.clone()
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
