@@ -560,3 +560,49 @@ def test_mamba_direct_weight_uses_are_refused_without_self_check(tmp_path):
     trainer = DPTrainer(model=model.double(), args=args, train_dataset=decoder_data())
     with pytest.raises(UnsupportedLayerError, match=r"conv1d\.weight|dt_proj\.weight"):
         trainer.train()
+
+
+# ------------------------------------------------------------------- shared + mixing points (DeBERTa-v2's pattern)
+class RelMix(torch.nn.Module):
+    """One layer of the DeBERTa pattern: the shared table projected batch-less, the projection divided in place
+    through a view (DeBERTa v1 does), repeated over the examples and combined with each example's queries."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.q = torch.nn.Linear(d, d)
+        self.pos = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(5, d)
+
+    def disentangled_attention_bias(self, query, rel):
+        p = self.pos(rel.unsqueeze(0))
+        view = p.view(1, -1, 2, 2)
+        view /= 2.0  # in place, on a view of the captured output
+        p = p.repeat(query.shape[0], 1, 1)  # (B, R, d)
+        return torch.bmm(query, p.transpose(1, 2))  # (B, T, R)
+
+    def forward(self, x, rel):
+        return x + self.out(self.disentangled_attention_bias(self.q(x), rel).tanh())
+
+
+class RelModel(torch.nn.Module):
+    def __init__(self, d: int = 4, r: int = 5):
+        super().__init__()
+        self.rel = torch.nn.Embedding(r, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.layers = torch.nn.ModuleList([RelMix(d), RelMix(d)])
+
+    def get_rel_embedding(self):
+        return self.norm(self.rel.weight)  # read directly, then a norm
+
+    def forward(self, x):
+        rel = self.get_rel_embedding()
+        for layer in self.layers:
+            x = layer(x, rel)
+        return x
+
+
+def test_shared_and_mixing_points_against_the_loop():
+    """rel.weight (read directly), the norm on it, and the position projections applied batch-less in two layers
+    (the second layer's queries depend on the table through the first: counted once)."""
+    torch.manual_seed(0)
+    check_engine(RelModel(), torch.randn(3, 6, 4))

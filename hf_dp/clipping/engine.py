@@ -252,6 +252,23 @@ def _derived_from(x: torch.Tensor, roots: list, depth: int = 8) -> bool:
     return False
 
 
+def _graph_leaves(t: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (requiring grad) that ``t`` depends on in the autograd graph."""
+    if t.grad_fn is None:
+        return {id(t)}
+    out, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            out.add(id(var))
+        todo += [n for n, _ in node.next_functions]
+    return out
+
+
 def _patch(owner: nn.Module, method: str, wrapped: Callable):
     """Replace ``owner.method`` by ``wrapped``; returns a handle whose ``remove()`` restores it."""
     had_own = method in vars(owner)
@@ -935,7 +952,9 @@ class ClippingEngine:
             if not live or not isinstance(result, torch.Tensor) or not result.requires_grad:
                 return result
             called = {id(c[1]) for c in captured}
-            direct = [(f"{self._names[id(p)]}", p, s) for m, _k, s, p in stand_ins if id(m) not in called]
+            reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
+            direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
+                      if id(m) not in called and id(s) in reached]
             if self._groups is not None:
                 for n, _p, _s in direct:
                     self._pending[n] = self._pending.get(n, 0) + 1
