@@ -606,3 +606,15 @@ def test_shared_and_mixing_points_against_the_loop():
     (the second layer's queries depend on the table through the first: counted once)."""
     torch.manual_seed(0)
     check_engine(RelModel(), torch.randn(3, 6, 4))
+
+
+def test_lora_on_deberta_v3_position_projections_is_exact(tmp_path):
+    """LoRA on query/key, which DeBERTa-v3 also applies to the batch-less relative embeddings (share_att_key):
+    lora_A and lora_B are both captured inside the mixing point."""
+    from peft import LoraConfig, get_peft_model
+
+    _, make, data = next(c for c in CASES if c[0] == "deberta_v3")
+    torch.manual_seed(0)
+    model = get_peft_model(make().double(), LoraConfig(r=2, target_modules=["query_proj", "key_proj"],
+                                                       task_type="SEQ_CLS", init_lora_weights=False))
+    check_exact(model, data(), tmp_path, rtol=rtol_of("deberta_v3"))
