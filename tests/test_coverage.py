@@ -394,7 +394,10 @@ def test_batchless_input_is_refused_even_when_seq_len_equals_batch_size(tmp_path
         train_toy(BatchlessBias(), tmp_path, n=4, seq_len=4, dp_self_check=False)
 
 
-def test_deberta_v2_shared_relative_embeddings_are_refused_with_the_true_cause(tmp_path):
+def test_deberta_v2_shared_relative_embeddings_pass_both_checks(tmp_path):
+    """The relative embeddings (read directly, then a LayerNorm, once per batch) and the position projections applied
+    to them get per-example gradients (engine: shared and mixing points); both run-time checks agree. Exactness against
+    the oracle: tests/test_zoo.py (deberta_v3, deberta_v2_rel)."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -402,11 +405,70 @@ def test_deberta_v2_shared_relative_embeddings_are_refused_with_the_true_cause(t
                           attention_probs_dropout_prob=0.0, relative_attention=True, position_buckets=4,
                           pos_att_type=["p2c", "c2p"], num_labels=3, norm_rel_ebd="layer_norm")
     model = DebertaV2ForSequenceClassification(cfg).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False),
+    before = model.deberta.encoder.rel_embeddings.weight.detach().clone()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=True),
                         train_dataset=token_rows(4, num_labels=3))
-    with pytest.raises(UnsupportedLayerError, match=r"encoder\.LayerNorm .*no batch axis.*computed once") as err:
-        trainer.train()
-    assert "broadcast across the batch … materialise" not in str(err.value)
+    trainer.train()
+    assert not torch.equal(before, model.deberta.encoder.rel_embeddings.weight.detach())
+
+
+class MixesAcrossTheBatch(nn.Module):
+    """A shared table projected inside a mixing method (DeBERTa's method names) whose result sums over the batch:
+    its rows are not the examples'."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(5, 3)
+        self.proj = nn.Linear(3, 3)
+
+    def get_rel_embedding(self):
+        return self.table.weight
+
+    def disentangled_attention_bias(self, x, rel):
+        return (x.sum(0, keepdim=True) @ self.proj(rel).t()).expand(x.shape[0], -1, -1)  # (B, T, 5), the same rows
+
+    def forward(self, x):
+        return x + self.disentangled_attention_bias(x, self.get_rel_embedding())[..., :3]
+
+
+class MixingPooled(MixesAcrossTheBatch):
+    def disentangled_attention_bias(self, x, rel):
+        return x.sum(0) @ self.proj(rel).t()  # (T, 5): no example axis at all
+
+    def forward(self, x):
+        return x + self.disentangled_attention_bias(x, self.get_rel_embedding())[..., :3]
+
+
+def test_mixing_point_without_an_example_axis_is_refused_at_run_time():
+    """The run-time check behind the first-step proof: a result whose first axis is not a multiple of the micro-batch
+    size is refused when recording (here without the first-step check)."""
+    model = Toy(MixingPooled()).double()
+    engine = ClippingEngine(model)
+    x = torch.randn(2, 3, 3, dtype=torch.float64)
+    with pytest.raises(UnsupportedLayerError, match=r"MixingPooled\.disentangled_attention_bias returned shape \(3, "):
+        with engine.record(2):
+            model.body(x).sum().backward()
+
+
+class SharedUsedElsewhere(MixesAcrossTheBatch):
+    """The shared table also reaches the output outside the mixing method (broadcast over the batch)."""
+
+    def disentangled_attention_bias(self, x, rel):
+        return x @ self.proj(rel).t()  # (B, T, 5): per example
+
+    def forward(self, x):
+        rel = self.get_rel_embedding()
+        return x + self.disentangled_attention_bias(x, rel)[..., :3] + rel[:3].tanh().sum(0)
+
+
+def test_shared_tensor_used_outside_the_mixing_methods_is_refused(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"get_rel_embedding: its result reaches the loss other than"):
+        train_toy(SharedUsedElsewhere(), tmp_path, dp_self_check=False)
+
+
+def test_mixing_point_whose_rows_are_not_the_examples_is_refused(tmp_path):
+    with pytest.raises(UnsupportedLayerError, match=r"body\.disentangled_attention_bias .*does not hold the examples"):
+        train_toy(MixesAcrossTheBatch(), tmp_path, dp_self_check=False)
 
 
 class CentreInTraining(nn.Module):

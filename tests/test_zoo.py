@@ -188,6 +188,22 @@ ENCODERS = {
     # projections see the relative embeddings once per batch (no batch axis), the engine's broadcast work.
     "deberta_v2": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=False,
                       position_biased_input=True, conv_kernel_size=3, pooler_dropout=0.0),
+    # DeBERTa-v3 (its configs' defaults): relative attention with log buckets, the relative embeddings read directly
+    # (rel_embeddings.weight) then a LayerNorm, computed once per batch, and projected batch-less by each layer's
+    # shared query/key projections (share_att_key); two layers share them. A wide init (0.5) so that the attention
+    # (and the relative embeddings' gradient) is not negligible next to the classifier's.
+    "deberta_v3": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, num_hidden_layers=2,
+                      relative_attention=True, position_buckets=4, max_relative_positions=8, share_att_key=True,
+                      pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", position_biased_input=False,
+                      pooler_dropout=0.0, initializer_range=0.5),
+    # DeBERTa-v2 style: separate position projections (pos_key_proj with bias, pos_query_proj), no buckets, no norm.
+    "deberta_v2_rel": enc(tf.DebertaV2Config, tf.DebertaV2ForSequenceClassification, relative_attention=True,
+                          max_relative_positions=4, share_att_key=False, pos_att_type=["p2c", "c2p"],
+                          pooler_dropout=0.0, initializer_range=0.5),
+    # MPNet: a relative position bias looked up with (T, T) bucket ids and expanded to the batch in
+    # compute_position_bias (a mixing point). Wide init so the bias's gradient is not negligible.
+    "mpnet": enc(tf.MPNetConfig, tf.MPNetForSequenceClassification, pad_token_id=1, max_position_embeddings=40,
+                 initializer_range=0.5),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
@@ -257,7 +273,9 @@ NEEDS: dict[str, str] = {}
 
 # Models that compute in float32 by design even when cast to float64: their oracle is float32-rounded there.
 FLOAT32_INSIDE = {"gemma": "RMSNorm upcasts with x.float()", "gemma2": "same", "gemma3": "same",
-                  "deberta_v2": "its classification loss calls .float()", "deepseek_v3": "its router casts to float32"}
+                  "deberta_v2": "its classification loss calls .float()",
+                  "deberta_v3": "same", "deberta_v2_rel": "same",
+                  "deepseek_v3": "its router casts to float32"}
 
 
 def rtol_of(name: str) -> float:
@@ -281,8 +299,10 @@ def test_full_fine_tuning_is_exact(tmp_path, name, make, data):
 
 # Per-layer clipping (one threshold per layer, clipped inside the backward pass) on one model per new rule: scaled
 # tied embeddings + (1 + w) norms, offset positions, FalconLinear, grouped Conv1d + channels-first norm, depthwise
-# Conv2d, transposed MoE experts with biases and their router.
-PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss"]
+# Conv2d, transposed MoE experts with biases and their router; DeBERTa's relative embeddings (shared and mixing
+# points), MPNet's position bias (a mixing point).
+PER_LAYER = ["gemma", "bart", "falcon", "nemotron", "squeezebert", "convnext", "gpt_oss", "deberta_v3",
+             "deberta_v2_rel", "mpnet"]
 
 
 @pytest.mark.parametrize("name", PER_LAYER)
@@ -540,3 +560,61 @@ def test_mamba_direct_weight_uses_are_refused_without_self_check(tmp_path):
     trainer = DPTrainer(model=model.double(), args=args, train_dataset=decoder_data())
     with pytest.raises(UnsupportedLayerError, match=r"conv1d\.weight|dt_proj\.weight"):
         trainer.train()
+
+
+# ------------------------------------------------------------------- shared + mixing points (DeBERTa-v2's pattern)
+class RelMix(torch.nn.Module):
+    """One layer of the DeBERTa pattern: the shared table projected batch-less, the projection divided in place
+    through a view (DeBERTa v1 does), repeated over the examples and combined with each example's queries."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.q = torch.nn.Linear(d, d)
+        self.pos = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(5, d)
+
+    def disentangled_attention_bias(self, query, rel):
+        p = self.pos(rel.unsqueeze(0))
+        view = p.view(1, -1, 2, 2)
+        view /= 2.0  # in place, on a view of the captured output
+        p = p.repeat(query.shape[0], 1, 1)  # (B, R, d)
+        return torch.bmm(query, p.transpose(1, 2))  # (B, T, R)
+
+    def forward(self, x, rel):
+        return x + self.out(self.disentangled_attention_bias(self.q(x), rel).tanh())
+
+
+class RelModel(torch.nn.Module):
+    def __init__(self, d: int = 4, r: int = 5):
+        super().__init__()
+        self.rel = torch.nn.Embedding(r, d)
+        self.norm = torch.nn.LayerNorm(d)
+        self.layers = torch.nn.ModuleList([RelMix(d), RelMix(d)])
+
+    def get_rel_embedding(self):
+        return self.norm(self.rel.weight)  # read directly, then a norm
+
+    def forward(self, x):
+        rel = self.get_rel_embedding()
+        for layer in self.layers:
+            x = layer(x, rel)
+        return x
+
+
+def test_shared_and_mixing_points_against_the_loop():
+    """rel.weight (read directly), the norm on it, and the position projections applied batch-less in two layers
+    (the second layer's queries depend on the table through the first: counted once)."""
+    torch.manual_seed(0)
+    check_engine(RelModel(), torch.randn(3, 6, 4))
+
+
+def test_lora_on_deberta_v3_position_projections_is_exact(tmp_path):
+    """LoRA on query/key, which DeBERTa-v3 also applies to the batch-less relative embeddings (share_att_key):
+    lora_A and lora_B are both captured inside the mixing point."""
+    from peft import LoraConfig, get_peft_model
+
+    _, make, data = next(c for c in CASES if c[0] == "deberta_v3")
+    torch.manual_seed(0)
+    model = get_peft_model(make().double(), LoraConfig(r=2, target_modules=["query_proj", "key_proj"],
+                                                       task_type="SEQ_CLS", init_lora_weights=False))
+    check_exact(model, data(), tmp_path, rtol=rtol_of("deberta_v3"))

@@ -167,6 +167,15 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 #: methods that compute a bias once per batch and return it with a leading broadcast axis of 1 (T5 family)
 _BROADCAST_METHODS = ("compute_bias",)
+#: methods that return a tensor computed once per batch without any batch axis, which every example then uses
+#: (DeBERTa-v2's ``get_rel_embedding``: the relative embeddings read directly, then a LayerNorm); see _shared_point
+_SHARED_METHODS = ("get_rel_embedding",)
+#: methods that combine such a shared tensor (projected inside them, batch-less) with the examples and return a result
+#: whose first axis holds the examples (``B·k`` rows, example-major; DeBERTa-v2's position-to-content and
+#: content-to-position scores; MPNet's relative position bias, looked up with ``(T, T)`` ids and expanded to the batch
+#: inside the method); see _mixing_point
+_MIXING_METHODS = ("disentangled_attention_bias", "compute_position_bias")
+_ALL_POINTS = _BROADCAST_METHODS + _SHARED_METHODS + _MIXING_METHODS
 
 
 def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
@@ -211,6 +220,70 @@ def _detached(inp):
     if isinstance(inp, tuple):
         return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inp)
     return inp.detach()
+
+
+class _VjpGate(torch.autograd.Function):
+    """Identity; its backward passes the gradient on, except inside a mixing point's batched product (which must
+    not follow this input: see ``ClippingEngine._mixing_point``)."""
+
+    @staticmethod
+    def forward(ctx, x, engine):
+        ctx.engine = engine
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None if ctx.engine._in_vjp else grad), None
+
+
+def _derived_from(x: torch.Tensor, roots: list, depth: int = 8) -> bool:
+    """Whether ``x`` is one of the graph nodes ``roots`` or follows from one through single-input ops only (dropout,
+    views, a scale): a shared tensor as a mixing method receives it."""
+    node = x.grad_fn
+    for _ in range(depth):
+        if node is None:
+            return False
+        if any(node is r for r in roots):
+            return True
+        nexts = [n for n, _ in node.next_functions if n is not None]
+        if len(nexts) != 1:
+            return False
+        node = nexts[0]
+    return False
+
+
+def _graph_leaves(t: torch.Tensor) -> set[int]:
+    """The ids of the leaf tensors (requiring grad) that ``t`` depends on in the autograd graph."""
+    if t.grad_fn is None:
+        return {id(t)}
+    out, seen, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None:
+            out.add(id(var))
+        todo += [n for n, _ in node.next_functions]
+    return out
+
+
+def _patch(owner: nn.Module, method: str, wrapped: Callable):
+    """Replace ``owner.method`` by ``wrapped``; returns a handle whose ``remove()`` restores it."""
+    had_own = method in vars(owner)
+    orig = getattr(owner, method)
+    setattr(owner, method, wrapped)
+
+    class _Restore:
+        @staticmethod
+        def remove() -> None:
+            if had_own:
+                setattr(owner, method, orig)
+            else:
+                delattr(owner, method)
+
+    return _Restore
 
 
 def _rows(x: torch.Tensor) -> int | None:
@@ -315,7 +388,7 @@ class ClippingEngine:
         self._verified: set[int] = set()
         self._captures: list[tuple[int, contextlib.AbstractContextManager]] = []  # open Rule.capture contexts
         self._batch_size: int | None = None
-        self._calls: dict[int, int] = {}
+        self._calls: dict = {}
         self._replaying = False
         #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major, or the index
         #: of a later batch axis (sequence-first inputs), as proven by
@@ -324,8 +397,9 @@ class ClippingEngine:
         self._mapped: dict[tuple[int, int], list[bool]] = {}
         self._probe: dict[tuple[int, int], object] | None = None
         self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
-        self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in
-                                                                _BROADCAST_METHODS)
+        self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
+        self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
+        self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
                               and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
         self.summed_grads: dict[str, torch.Tensor] = {}
 
@@ -367,7 +441,10 @@ class ClippingEngine:
                 handles.append(m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
-        handles += [self._broadcast_point(m, k) for m in self._bcast_owners for k in _BROADCAST_METHODS
+        self._shared_live = []
+        points = [(self._broadcast_point, _BROADCAST_METHODS), (self._shared_point, _SHARED_METHODS),
+                  (self._mixing_point, _MIXING_METHODS)]
+        handles += [point(m, k) for point, methods in points for m in self._bcast_owners for k in methods
                     if callable(getattr(m, k, None))]
         buffers = {n: b._version for n, b in _persistent_buffers(self.model).items()}
         if freeze:
@@ -382,6 +459,7 @@ class ClippingEngine:
                 p.requires_grad_(True)
             for h in handles:
                 h.remove()
+            self._shared_live = []
         changed = [n for n, b in _persistent_buffers(self.model).items() if buffers.get(n, b._version) != b._version]
         if changed:
             self.clear()
@@ -473,6 +551,18 @@ class ClippingEngine:
         for key, two in seen[big].items():
             one = seen[1].get(key)
             if one is None or two is None:
+                continue
+            if len(key) == 3:  # a mixing point's result (_mixing_point): its rows must be example-major
+                r1 = one.shape[0] if one.dim() else 0
+                if not (r1 and two.dim() == one.dim() and two.shape[0] == big * r1 and two.shape[1:] == one.shape[1:]
+                        and torch.allclose(two[:r1].double(), one.double(), rtol=1e-3, atol=1e-5)):
+                    owner = next((n for n, m in self.model.named_modules() if id(m) == key[0]), "?")
+                    problems.append(
+                        f"{owner}.{key[2]} (call {key[1] + 1}): its result ({tuple(two.shape)} for {big} examples, "
+                        f"{tuple(one.shape)} for the first alone) does not hold the examples' rows first and one "
+                        "example at a time, so hf_dp cannot split the gradient of the batch-less tensors it uses per "
+                        "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
+                        "projections) or train with LoRA.")
                 continue
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
@@ -575,8 +665,8 @@ class ClippingEngine:
                 "The hooks' sum of per-example gradients differs from autograd's gradient for these trainable "
                 "parameters, so their gradient could not be clipped per example:\n  " + "\n  ".join(escaped)
                 + "\nTypical cause: a use outside the forward of the module that owns them, which the per-layer "
-                "hooks do not see (a parent module reads `child.weight` directly, e.g. DeBERTa-v2's shared "
-                "rel_embeddings, or applies it with a functional call). Seen also with Longformer's global attention "
+                "hooks do not see (a parent module reads `child.weight` directly, or applies it with a functional "
+                "call). Seen also with Longformer's global attention "
                 "projections (query_global). Freeze these parameters "
                 "(`model.get_parameter(name).requires_grad_(False)`; a parameter tied to another, like an input "
                 "embedding tied to the LM head, is then frozen in both places) or train "
@@ -719,7 +809,9 @@ class ClippingEngine:
                 if self._groups is not None:
                     for n in owned:
                         self._pending[n] = self._pending.get(n, 0) + 1
-                return output
+                # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
+                # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
+                return output.clone()
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
@@ -756,6 +848,8 @@ class ClippingEngine:
             del inp
 
             def grad_hook(grad: torch.Tensor) -> None:
+                if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
+                    return
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
@@ -788,7 +882,6 @@ class ClippingEngine:
         product through the method's own ops (``autograd.grad(..., is_grads_batched=True)``), and their rules apply
         unchanged. Returns a handle whose ``remove()`` restores the method.
         """
-        had_own = method in vars(owner)
         orig = getattr(owner, method)
 
         def wrapped(*args, **kwargs):
@@ -813,6 +906,8 @@ class ClippingEngine:
             box = [captured]
 
             def grad_hook(grad: torch.Tensor) -> None:
+                if self._in_vjp:
+                    return
                 for name, module, rule, inp, out in box.pop():
                     per_example = torch.autograd.grad(result, out, grad.unsqueeze(1), retain_graph=True,
                                                       is_grads_batched=True, allow_unused=True)[0]
@@ -824,17 +919,174 @@ class ClippingEngine:
             expanded.register_hook(grad_hook)
             return expanded
 
-        setattr(owner, method, wrapped)
+        return _patch(owner, method, wrapped)
 
-        class _Restore:
-            @staticmethod
-            def remove() -> None:
-                if had_own:
-                    setattr(owner, method, orig)
-                else:
-                    delattr(owner, method)
+    def _shared_point(self, owner: nn.Module, method: str):
+        """Per-example gradients for a tensor computed once per batch with no batch axis (``_SHARED_METHODS``).
 
-        return _Restore
+        DeBERTa-v2's ``get_rel_embedding`` returns ``LayerNorm(rel_embeddings.weight)``, ``(2P, d)``, which every
+        layer's :meth:`_mixing_point` projects and combines with each example's queries and keys. Inside
+        :meth:`record`, the trainable parameters under ``owner`` are replaced for the call by stand-ins (fresh leaves on
+        the same storage, as in :meth:`_stand_ins`), so that the result depends on them in the graph: a parameter read
+        directly (``rel_embeddings.weight``, never passed through its module's forward) is reached that way, and the
+        ruled calls inside (the LayerNorm) are captured with their inputs and outputs. The mixing points then add, per
+        example, the gradient of their scores with respect to those tensors (one batched vector-Jacobian product
+        each); when the gradient of the result is complete (its tensor hook: every consumer has run), the captured
+        calls' rules apply to their per-example output gradients, and a directly read parameter gets its per-example
+        gradient instantiated (``(B, numel)``, a ``ones`` use). Returns a handle whose ``remove()`` restores the method.
+        """
+        orig = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            if self._replaying or self._bcast is not None:
+                return orig(*args, **kwargs)
+            live = torch.is_grad_enabled() and self._probe is None
+            swapped = []
+            if live:
+                for module in owner.modules():
+                    for k, p in list(module._parameters.items()):
+                        if p is not None and id(p) in self._names:
+                            swapped.append((module, k, p))
+                            module._parameters[k] = nn.Parameter(p.detach(), requires_grad=True)
+            self._bcast = captured = []
+            try:
+                result = orig(*args, **kwargs)
+            finally:
+                self._bcast = None
+                stand_ins = [(m, k, m._parameters[k], p) for m, k, p in swapped]
+                for module, k, p in swapped:
+                    module._parameters[k] = p
+            if not live or not isinstance(result, torch.Tensor) or not result.requires_grad:
+                return result
+            called = {id(c[1]) for c in captured}
+            reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
+            direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
+                      if id(m) not in called and id(s) in reached]
+            if self._groups is not None:
+                for n, _p, _s in direct:
+                    self._pending[n] = self._pending.get(n, 0) + 1
+            targets = [c[4] for c in captured] + [s for _n, _p, s in direct]
+            result = result.view_as(result)  # its own node, which the mixing points find their inputs from
+            targets.append(result)  # its per-example gradients must add up to its gradient (checked in the hook)
+            record = {"targets": targets, "acc": [None] * len(targets), "result": result}
+            self._shared_live.append(record)
+            b = self._batch_size
+
+            def grad_hook(_grad: torch.Tensor) -> None:
+                if self._in_vjp:  # a mixing point's batched product passes through this tensor
+                    return
+                if record.get("done"):
+                    raise RuntimeError(f"{type(owner).__name__}.{method}: the gradient hook fired twice for one "
+                                       "recorded forward pass.")
+                record["done"] = True
+                acc = record.pop("acc")
+                record.pop("targets")
+                record.pop("result")
+                for (name, module, rule, inp, out), g in zip(captured, acc):
+                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
+                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                for (name, p, _s), g in zip(direct, acc[len(captured):]):
+                    g = p.new_zeros(b, p.numel()) if g is None else g.reshape(b, -1)
+                    self._add_uses(name, [Use(p, None, g.unsqueeze(1), 1, name)])
+                seen = acc[-1]
+                total = _grad.new_zeros(_grad.shape) if seen is None else seen.sum(0)
+                if not torch.allclose(total, _grad, rtol=1e-3, atol=1e-3 * float(_grad.abs().max()) + 1e-12) \
+                        and bool(torch.isfinite(_grad).all()):
+                    raise UnsupportedLayerError(
+                        f"{type(owner).__name__}.{method}: its result reaches the loss other than through the methods "
+                        f"hf_dp splits per example ({', '.join(_MIXING_METHODS)}), so the per-example gradients of "
+                        + ", ".join([c[0] for c in captured] + [n for n, _p, _s in direct]) + " would miss part of "
+                        "their gradient. Freeze them (requires_grad_(False)) or train with LoRA.")
+
+            result.register_hook(grad_hook)
+            return result
+
+        return _patch(owner, method, wrapped)
+
+    def _mixing_point(self, owner: nn.Module, method: str):
+        """Per-example gradients of batch-less computations inside a method whose result has the examples first
+        (``_MIXING_METHODS``, DeBERTa-v2's ``disentangled_attention_bias``).
+
+        The method projects the shared relative embeddings (no batch axis) with the layer's query/key ``Linear`` s,
+        repeats them over the examples and combines them with each example's queries and keys, returning scores of
+        ``B·H`` rows (example-major). Inside :meth:`record`, the ruled calls inside it are captured with their
+        (batch-less) inputs and outputs; when the gradient of the scores arrives, example ``i``'s gradient of every
+        captured output, and of every tensor of a live :meth:`_shared_point`, is the vector-Jacobian product of the
+        scores' gradient restricted to example ``i``'s rows: one batched product (``autograd.grad(...,
+        is_grads_batched=True)``) over ``B`` such masked gradients, through the method's own ops. Its memory is ``B``
+        times the method's backward (``B² · H · T · 2P`` values for DeBERTa's scores), transient, one layer at a time.
+        The captured calls' rules then apply unchanged to their batch-less input expanded to ``B``.
+        """
+        orig = getattr(owner, method)
+
+        def wrapped(*args, **kwargs):
+            if self._replaying or self._bcast is not None:
+                return orig(*args, **kwargs)
+            shared = [r for r in self._shared_live if "targets" in r]
+            if shared and torch.is_grad_enabled() and self._probe is None:
+                # Inputs that carry the examples (not derived from a shared tensor) are gated: the batched product
+                # below must reach the shared tensors only through this method's own ops, not through the examples'
+                # hidden states (which depend on the shared tensors through earlier layers: their mixing points count
+                # that path).
+                roots = [r["result"].grad_fn for r in shared]
+
+                def gate(x):
+                    if not isinstance(x, torch.Tensor) or not x.requires_grad or _derived_from(x, roots):
+                        return x
+                    return _VjpGate.apply(x, self)
+
+                args, kwargs = tree_map(gate, (args, kwargs))
+            self._bcast = captured = []
+            try:
+                result = orig(*args, **kwargs)
+            finally:
+                self._bcast = None
+            if self._probe is not None and isinstance(result, torch.Tensor):  # first_step_check proves the layout
+                k = self._calls.get((id(owner), method), 0)
+                self._calls[(id(owner), method)] = k + 1
+                self._probe[(id(owner), k, method)] = result.detach().clone()
+            if (not torch.is_grad_enabled() or self._probe is not None or not isinstance(result, torch.Tensor)
+                    or not result.requires_grad or not (captured or shared)):
+                return result
+            b = self._batch_size
+            if result.dim() == 0 or result.shape[0] % b:
+                raise UnsupportedLayerError(
+                    f"{type(owner).__name__}.{method} returned shape {tuple(result.shape)}, whose first axis does not "
+                    f"hold the {b} examples of the micro-batch, so hf_dp cannot split its gradient per example. "
+                    "Freeze " + ", ".join([c[0] for c in captured] or ["the parameters it uses"]) + ".")
+            targets = [c[4] for c in captured] + [t for r in shared for t in r["targets"]]
+            box = [captured]
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                if self._in_vjp:  # this hook is on the tensor the batched product below starts from
+                    return
+                calls = box.pop()
+                rows = grad.reshape(b, -1)
+                eye = torch.eye(b, dtype=grad.dtype, device=grad.device)
+                masked = (eye.unsqueeze(-1) * rows.unsqueeze(0)).reshape(b, *grad.shape)  # example i's rows only
+                self._in_vjp = True
+                try:
+                    per = torch.autograd.grad(result, targets, masked, retain_graph=True, is_grads_batched=True,
+                                              allow_unused=True)
+                finally:
+                    self._in_vjp = False
+                for (name, module, rule, inp, out), g in zip(calls, per):
+                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
+                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                k = len(calls)
+                for r in shared:
+                    for j in range(len(r["acc"])):
+                        g = per[k + j]
+                        if g is not None:
+                            r["acc"][j] = g if r["acc"][j] is None else r["acc"][j] + g
+                    k += len(r["acc"])
+
+            result.register_hook(grad_hook)
+            return result
+
+        return _patch(owner, method, wrapped)
 
     def _fallback_hook(self, name: str, module: nn.Module):
         """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
@@ -875,6 +1127,8 @@ class ClippingEngine:
             del saved_args
 
             def grads_hook(grads) -> None:
+                if self._in_vjp:
+                    return
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass.")
                 a, k = box.pop()
