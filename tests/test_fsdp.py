@@ -125,6 +125,17 @@ def test_fsdp2_nonfinite_example_gets_factor_zero_without_poisoning_pass_two(fsd
 
 
 @pytest.mark.slow
+def test_fsdp2_use_outside_a_hooked_forward_is_refused_without_self_check(fsdp_run):
+    """Pass 2 is a plain backward: a parameter used outside its layer's forward would leak its unclipped gradient
+    into the update. The hooks-vs-reduced-gradient comparison at the first step always runs (also with
+    dp_self_check=False) and refuses it on every rank."""
+    _, _, infos = fsdp_run
+    for info in infos:
+        assert info["escape"].startswith("UnsupportedLayerError"), info["escape"][:300]
+        assert "ln_f.weight" in info["escape"] or "on another rank" in info["escape"]
+
+
+@pytest.mark.slow
 def test_fsdp2_noise_added_once_per_coordinate(fsdp_run):
     _, params, infos = fsdp_run
     noisy = [p["noisy"][0] for p in params]

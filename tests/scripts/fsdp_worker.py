@@ -5,7 +5,9 @@ Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_w
 0. a DPTrainer with ``fsdp=``/``fsdp_config=`` but WITHOUT the shim: accelerate silently runs DDP, DPTrainer warns;
 1. ``clean``: σ = 0, 2 steps (GA 2, micro-batches of 2), checkpoint every step, then ``save_model``;
 2. ``noisy``: σ = SIGMA, 1 step, same seed (same Poisson batches);
-3. ``nan``: σ = 0, 1 step, q = 1, one example's loss is NaN (factor 0; pass 2 must not see it).
+3. ``nan``: σ = 0, 1 step, q = 1, one example's loss is NaN (factor 0; pass 2 must not see it);
+4. ``escape``: ``dp_self_check=False`` and a model whose forward uses ``ln_f.weight`` outside ``ln_f``'s forward
+   (pass 2 is a plain backward, so that use would leak into the update): must be refused before the first update.
 
 Every rank writes the full (gathered) parameters after each step, what it saw, and the run's facts.
 """
@@ -77,6 +79,33 @@ def nan_for_first_example(data):
     return loss
 
 
+class EscapingGPT2(type(tiny_gpt2())):
+    """GPT-2 whose forward also uses ``transformer.ln_f.weight`` directly (outside ``ln_f``'s forward): a gradient
+    that no layer hook sees."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        w = self.transformer.ln_f.weight.mean()
+        out.logits = out.logits * (1 + w - w.detach())
+        return out
+
+
+def run_escape(out_dir: str) -> str:
+    torch.manual_seed(0)
+    model = EscapingGPT2(tiny_gpt2().config).double()
+    args = make_args(out_dir, 0.0, 1, False)
+    args.dp_self_check = False
+    from hf_dp import causal_lm_loss
+
+    trainer = ShimDPTrainer(model=model, args=args, train_dataset=lm_dataset(N, seed=3),
+                            per_example_loss=causal_lm_loss)
+    try:
+        trainer.train()
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        return f"{type(err).__name__}: {err}"
+    return "trained"
+
+
 def run(out_dir: str, sigma: float, steps: int, save: bool, nan: bool = False) -> dict:
     torch.manual_seed(0)  # same init on every rank
     model = tiny_gpt2().double()
@@ -107,6 +136,7 @@ def main(out: str) -> None:
     clean = run(os.path.join(out, "clean"), 0.0, 2, save=True)
     noisy = run(os.path.join(out, "noisy"), SIGMA, 1, save=False)
     nan = run(os.path.join(out, "nan"), 0.0, 1, save=False, nan=True)
+    escape = run_escape(os.path.join(out, "escape"))
     tr = clean["trainer"]
     rank = tr.args.process_index
     torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"]},
@@ -121,6 +151,7 @@ def main(out: str) -> None:
             "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
             "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
             "nan_stats": nan["trainer"]._fsdp.stats, "nan_nonfinite": nan["trainer"].nonfinite_examples,
+            "escape": escape,
         }, f)
 
 
