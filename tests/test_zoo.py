@@ -618,3 +618,16 @@ def test_lora_on_deberta_v3_position_projections_is_exact(tmp_path):
     model = get_peft_model(make().double(), LoraConfig(r=2, target_modules=["query_proj", "key_proj"],
                                                        task_type="SEQ_CLS", init_lora_weights=False))
     check_exact(model, data(), tmp_path, rtol=rtol_of("deberta_v3"))
+
+
+def test_longformer_global_query_is_refused_without_self_check(tmp_path):
+    """Longformer's global-attention query projection: its output's gradient never reaches its layer hook (a use the
+    hooks do not see, whatever its size), so the always-on hooks-vs-autograd check refuses it, naming it — also with
+    ``dp_self_check=False`` (before that check, the layer silently got no update)."""
+    model = enc(tf.LongformerConfig, tf.LongformerForSequenceClassification, attention_window=4,
+                max_position_embeddings=40, pad_token_id=1)()
+    args = zoo_args(tmp_path, 1.0, "flat")
+    args.dp_self_check = False
+    trainer = DPTrainer(model=model.double(), args=args, train_dataset=encoder_data())
+    with pytest.raises(UnsupportedLayerError, match=r"query_global\.weight"):
+        trainer.train()
