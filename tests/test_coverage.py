@@ -19,6 +19,26 @@ from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError
 from hf_dp.clipping.engine import ClippingEngine
 
 
+def engine_norms_and_loop(model: nn.Module, x: torch.Tensor):
+    """The engine's per-example squared norms (after the first-step check) on ``x``, and a per-example loop of
+    autograd gradients (one example at a time): ``(norms_by_param, [ {param name: grad} per example ])``."""
+    engine = ClippingEngine(model)
+    b = x.shape[0]
+
+    def run(sl):
+        return model(x[sl]).pow(2).sum((1, 2))
+
+    engine.first_step_check(run, b)
+    with engine.record(b):
+        run(slice(0, b)).sum().backward()
+    norms = engine.per_example_norms_sq()
+    loop = []
+    for i in range(b):
+        model.zero_grad()
+        run(slice(i, i + 1)).sum().backward()
+        loop.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    return norms, loop
+
 def dp_args(tmp_path, batch: int, max_norm: float, ga: int = 1, **kw) -> DPTrainingArguments:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -224,21 +244,10 @@ def test_flattened_tokens_are_reshaped_per_example():
 
     torch.manual_seed(5)
     model = Flat().double()
-    x = torch.randn(3, 5, 3, dtype=torch.float64)
-    engine = ClippingEngine(model)
-
-    def run(sl):
-        return model(x[sl]).pow(2).sum((1, 2))
-
-    engine.first_step_check(run, 3)
-    with engine.record(3):
-        run(slice(0, 3)).sum().backward()
-    norms = sum(engine.per_example_norms_sq().values())
-    for i in range(3):
-        model.zero_grad()
-        run(slice(i, i + 1)).sum().backward()
-        expected = sum(p.grad.pow(2).sum() for p in model.parameters())
-        torch.testing.assert_close(norms[i], expected)
+    norms, loop = engine_norms_and_loop(model, torch.randn(3, 5, 3, dtype=torch.float64))
+    total = sum(norms.values())
+    for i, grads in enumerate(loop):
+        torch.testing.assert_close(total[i], sum(g.pow(2).sum() for g in grads.values()))
 
 
 def test_sequence_first_input_is_exact_per_example():
@@ -255,20 +264,11 @@ def test_sequence_first_input_is_exact_per_example():
 
     torch.manual_seed(8)
     model = SeqFirst().double()
-    x = torch.randn(3, 3, 3, dtype=torch.float64)  # T == B: a size check could not tell the axes apart
-    engine = ClippingEngine(model)
-
-    def run(sl):
-        return model(x[sl]).pow(2).sum((1, 2))
-
-    engine.first_step_check(run, 3)
-    with engine.record(3):
-        run(slice(0, 3)).sum().backward()
-    norms = sum(engine.per_example_norms_sq().values())
-    for i in range(3):
-        model.zero_grad()
-        run(slice(i, i + 1)).sum().backward()
-        torch.testing.assert_close(norms[i], sum(p.grad.pow(2).sum() for p in model.parameters()))
+    # T == B: a size check could not tell the axes apart
+    norms, loop = engine_norms_and_loop(model, torch.randn(3, 3, 3, dtype=torch.float64))
+    total = sum(norms.values())
+    for i, grads in enumerate(loop):
+        torch.testing.assert_close(total[i], sum(g.pow(2).sum() for g in grads.values()))
 
 
 def test_fallback_output_with_a_later_example_axis_is_exact():
@@ -293,20 +293,9 @@ def test_fallback_output_with_a_later_example_axis_is_exact():
 
     torch.manual_seed(9)
     model = Model().double()
-    x = torch.randn(3, 4, 3, dtype=torch.float64)
-    engine = ClippingEngine(model)
-
-    def run(sl):
-        return model(x[sl]).pow(2).sum((1, 2))
-
-    engine.first_step_check(run, 3)
-    with engine.record(3):
-        run(slice(0, 3)).sum().backward()
-    norms = engine.per_example_norms_sq()
-    for i in range(3):
-        model.zero_grad()
-        run(slice(i, i + 1)).sum().backward()
-        torch.testing.assert_close(norms["scale.w"][i], model.scale.w.grad.pow(2).sum())
+    norms, loop = engine_norms_and_loop(model, torch.randn(3, 4, 3, dtype=torch.float64))
+    for i, grads in enumerate(loop):
+        torch.testing.assert_close(norms["scale.w"][i], grads["scale.w"].pow(2).sum())
 
 
 def test_tiny_index_table_is_instantiated_not_ghost_normed():
