@@ -322,36 +322,32 @@ def _pld_of(mechs: _Mechanisms, interval: float):
     return composed
 
 
+def _pld_value(mechs: _Mechanisms, interval: float, method: str, arg: float, what: str) -> float:
+    """``pld.<method>(arg)`` of the pessimistic PLD; any numerical failure becomes _PRVNumericalError."""
+    try:
+        with np.errstate(all="ignore"):
+            value = float(getattr(_pld_of(mechs, interval), method)(arg))
+    except _PRVNumericalError:
+        raise
+    except (ValueError, RuntimeError, ArithmeticError, AssertionError, MemoryError) as err:
+        raise _PRVNumericalError(f"dp_accounting PLD failed: {err}") from err
+    if not math.isfinite(value):
+        raise _PRVNumericalError(f"dp_accounting PLD returned a non-finite {what} {value}.")
+    return value
+
+
 @functools.lru_cache(maxsize=1024)
 def _pld_epsilon(mechs: _Mechanisms, delta: float, interval: float) -> float:
     """Pessimistic-PLD upper bound on ε(δ) (``dp_accounting``, add-or-remove-one). Raises _PRVNumericalError."""
     if _rdp_epsilon(mechs, delta) > PLD_MAX_EPSILON:
         raise _PRVNumericalError(f"epsilon > {PLD_MAX_EPSILON:g} (RDP bound): the PLD is not computed.")
-    try:
-        with np.errstate(all="ignore"):
-            eps = float(_pld_of(mechs, interval).get_epsilon_for_delta(delta))
-    except _PRVNumericalError:
-        raise
-    except (ValueError, RuntimeError, ArithmeticError, AssertionError, MemoryError) as err:
-        raise _PRVNumericalError(f"dp_accounting PLD failed: {err}") from err
-    if not math.isfinite(eps):
-        raise _PRVNumericalError(f"dp_accounting PLD returned a non-finite epsilon {eps}.")
-    return max(0.0, eps)
+    return max(0.0, _pld_value(mechs, interval, "get_epsilon_for_delta", delta, "epsilon"))
 
 
 @functools.lru_cache(maxsize=1024)
 def _pld_delta(mechs: _Mechanisms, epsilon: float, interval: float) -> float:
     """Pessimistic-PLD upper bound on δ(ε). Raises _PRVNumericalError."""
-    try:
-        with np.errstate(all="ignore"):
-            d = float(_pld_of(mechs, interval).get_delta_for_epsilon(epsilon))
-    except _PRVNumericalError:
-        raise
-    except (ValueError, RuntimeError, ArithmeticError, AssertionError, MemoryError) as err:
-        raise _PRVNumericalError(f"dp_accounting PLD failed: {err}") from err
-    if not math.isfinite(d):
-        raise _PRVNumericalError(f"dp_accounting PLD returned a non-finite delta {d}.")
-    return min(1.0, max(0.0, d))
+    return min(1.0, max(0.0, _pld_value(mechs, interval, "get_delta_for_epsilon", epsilon, "delta")))
 
 
 def _tight_epsilon(mechs: _Mechanisms, delta: float, eps_error: float, delta_error: float,
