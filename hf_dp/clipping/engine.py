@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fallback import Fallback
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
+from .recurrent import fallback_for
 
 __all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError", "train_without_dropout"]
 
@@ -184,7 +185,10 @@ def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
 
 def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
     """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major) or ``None`` (shared by the batch)."""
+    ``"flat"`` (``k > 1`` rows per example, example-major), a later batch axis (``int``: sequence-first RNN inputs)
+    or ``None`` (shared by the batch)."""
+    if big is not None and one is not None and b > 1 and big.shape[:1] == one.shape[:1]:
+        return _later_batch_axis(big, one, b)
     if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
         return None
     if one.shape[0] == 1:
@@ -327,15 +331,10 @@ class ClippingEngine:
                     "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
                     "them)")
                 continue
-            if rule is None and isinstance(module, nn.RNNBase):
-                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
-                             "torch.func has no batching rule for them, which the generic fallback needs)"
-                             for n, _ in own]
-                continue
             if rule is None:
                 names = tuple(n for n, _ in own)
                 rule = Rule("fallback", _no_uses, names)
-                self._fallbacks[id(module)] = Fallback(module, name, names)
+                self._fallbacks[id(module)] = fallback_for(module, name, names, self)  # recurrent.py for RNNs
                 self._modules.append((name, module, rule))
                 continue
             if rule.check is not None:
@@ -1134,7 +1133,8 @@ class ClippingEngine:
                 a, k = box.pop()
                 with self._replay():
                     per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
-                uses = [Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
+                    Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if self._groups is not None:

@@ -1,0 +1,284 @@
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): exact per-example gradients by back-propagation through
+time on the batch.
+
+``torch.func`` has no batching rule for PyTorch's fused recurrent kernels, so the generic fallback (``fallback.py``:
+``vmap`` over ``vjp`` of the module's own forward) cannot re-run them per example. But a recurrent layer never mixes
+the rows of its batch, and every use of its weights is a linear map applied at each time step:
+
+* ``gi_t = W_ih x_t + b_ih`` (one matrix product over all steps of a layer and direction),
+* ``gh_t = W_hh h_{t-1} + b_hh`` (one per step),
+* LSTM with ``proj_size``: ``h_t = W_hr m_t`` with ``m_t = o_t ⊙ tanh(c_t)``,
+
+so example ``i``'s gradient is ``G_i(W_ih) = Σ_t ∂L_i/∂gi_{i,t}ᵀ x_{i,t}``, ``G_i(W_hh) = Σ_t ∂L_i/∂gh_{i,t}ᵀ
+h_{i,t-1}``, ``G_i(b) = Σ_t ∂L_i/∂g_{i,t}`` — the same ``Lᵀ R`` factorisation as a ``Linear`` over ``T`` tokens
+(``layers.Use``), so ghost norms and book-keeping apply unchanged (Li et al. 2022, §4; Opacus' RNN grad sampler
+(``opacus/layers/dp_rnn.py``) gets the same factors by rebuilding the layer from ``Linear`` cells). The factors come
+from a functional twin of the layer written in plain tensor ops (PyTorch's gate equations: LSTM ``i, f, g, o``; GRU
+``r, z, n`` with ``n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn))``; Elman ``tanh``/``relu``), run once on the whole
+micro-batch: its output gradient (the module's, from the engine's hook) is back-propagated through time to every
+``gi``, ``gh`` and projected ``h`` by one ``torch.autograd.grad`` call. Since the rows of the batch never interact,
+row ``i`` of those gradients is example ``i``'s own. No loop over examples, a loop over time steps. Cost: one extra
+forward and backward of the layer per micro-batch (in Python ops rather than the fused kernel), and the factors
+``(B, T, 4H)``, ``(B, T, d)`` kept like a ``Linear``'s.
+
+The twin is verified on the first micro-batch against the module's real output (all of ``output``, ``h_n``, ``c_n``):
+a layer it does not reproduce is refused. Refused, each with its cause: ``PackedSequence`` inputs, unbatched (2-D)
+inputs, dropout between layers in train mode (its random mask lives inside PyTorch's kernel and cannot be replayed),
+and padding-free packed rows (the recurrence would carry one example's state into the next).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
+
+from .fallback import Fallback, float_outputs
+from .layers import UnsupportedLayerError, Use
+
+__all__ = ["RecurrentFallback", "fallback_for"]
+
+
+def fallback_for(module: nn.Module, name: str, param_names: tuple[str, ...], engine=None) -> Fallback:
+    """The fallback for a module without a rule: :class:`RecurrentFallback` for recurrent layers, else the generic
+    ``torch.func`` one. ``engine`` (the ``ClippingEngine``) lets the recurrent one refuse padding-free packed rows."""
+    if isinstance(module, nn.RNNBase):
+        return RecurrentFallback(module, name, param_names, engine)
+    return Fallback(module, name, param_names)
+
+
+class _Layout:
+    """Where the examples are in one call of a recurrent layer: its batch axis and rows per example (``k > 1``: the
+    examples' sequences stacked example-major, proven by the engine's first-step probe)."""
+
+    def __init__(self, axis: int, rows: int):
+        self.axis = axis
+        self.rows = rows
+
+
+def _suffix(layer: int, direction: int) -> str:
+    """The parameter name suffix of a layer and direction (``weight_ih_l1_reverse``)."""
+    return f"_l{layer}{'_reverse' if direction else ''}"
+
+
+def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
+          w_hr: torch.Tensor | None):
+    """One time step of PyTorch's gate equations: ``(h_t, c_t, m_t)`` (``m_t``: the LSTM's pre-projection state)."""
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        m = torch.sigmoid(o) * torch.tanh(c)
+        return (m if w_hr is None else F.linear(m, w_hr)), c, m
+    if mode == "GRU":
+        ir, iz, in_ = gi.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(in_ + r * hn)
+        return (1 - z) * n + z * h, None, None
+    pre = gi + gh
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None
+
+
+def _tracked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a node of the graph (a leaf when nothing upstream requires grad), so its gradient can be asked for."""
+    return t if t.requires_grad else t.requires_grad_(True)
+
+
+def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False):
+    """The layer's forward in plain tensor ops, batch-first ``x`` ``(N, T, d)``, ``hx`` as the module takes it
+    (``None``, ``h0`` or ``(h0, c0)``, batch on axis 1). Returns ``(output, h_n[, c_n])`` in the module's layout
+    (batch-first output) and, with ``factors``, per parameter suffix the tensors of its uses: ``{"x", "gi", "h_prev",
+    "gh", "m", "h"}`` (lists over time for the per-step ones)."""
+    mode, hidden = module.mode, module.hidden_size
+    proj = getattr(module, "proj_size", 0)
+    out_size = proj or hidden
+    n, steps = x.shape[0], x.shape[1]
+    dirs = 2 if module.bidirectional else 1
+    if hx is None:
+        h0 = x.new_zeros(module.num_layers * dirs, n, out_size)
+        c0 = x.new_zeros(module.num_layers * dirs, n, hidden) if mode == "LSTM" else None
+    elif mode == "LSTM":
+        h0, c0 = hx
+    else:
+        h0, c0 = hx, None
+    record: dict[str, dict] = {}
+    layer_in = x
+    h_n, c_n = [], []
+    for layer in range(module.num_layers):
+        outs = []
+        for d in range(dirs):
+            sfx = _suffix(layer, d)
+            w_ih = getattr(module, "weight_ih" + sfx).detach()
+            w_hh = getattr(module, "weight_hh" + sfx).detach()
+            b_ih = getattr(module, "bias_ih" + sfx).detach() if module.bias else None
+            b_hh = getattr(module, "bias_hh" + sfx).detach() if module.bias else None
+            w_hr = getattr(module, "weight_hr" + sfx).detach() if proj else None
+            gi = F.linear(layer_in, w_ih, b_ih)
+            if factors:
+                gi = _tracked(gi)
+            gi_steps = gi.unbind(1)
+            h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if c0 is not None else None)
+            ys: list = [None] * steps
+            rec = {"x": layer_in, "gi": gi, "h_prev": [], "gh": [], "m": [], "h": []}
+            for t in (range(steps) if d == 0 else reversed(range(steps))):
+                gh = F.linear(h, w_hh, b_hh)
+                if factors:
+                    gh = _tracked(gh)
+                    rec["h_prev"].append(h.detach())
+                    rec["gh"].append(gh)
+                h, c, m = _cell(mode, gi_steps[t], gh, h, c, w_hr)
+                if factors and proj:
+                    rec["m"].append(m.detach())
+                    rec["h"].append(h)
+                ys[t] = h
+            outs.append(torch.stack(ys, 1))
+            h_n.append(h)
+            if c is not None:
+                c_n.append(c)
+            record[sfx] = rec
+        layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
+    result = (layer_in, torch.stack(h_n, 0)) + ((torch.stack(c_n, 0),) if mode == "LSTM" else ())
+    return (result, record) if factors else result
+
+
+class RecurrentFallback(Fallback):
+    """Per-example gradients of an ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` (see the module docstring): the engine's
+    fallback hook calls :meth:`mapped_leaves`, :meth:`verify` and :meth:`per_example_grads` (which returns ``Use``
+    factors, not instantiated gradients)."""
+
+    def __init__(self, module: nn.RNNBase, name: str, param_names: tuple[str, ...], engine=None):
+        super().__init__(module, name, param_names)
+        self.engine = engine
+        cls = type(module).__name__
+        if type(module).forward not in (nn.LSTM.forward, nn.GRU.forward, nn.RNN.forward):
+            raise UnsupportedLayerError(
+                f"{name} ({cls}) is a subclass of a PyTorch recurrent layer with its own forward; hf_dp's recurrent "
+                "rule reproduces nn.LSTM / nn.GRU / nn.RNN's own forward only. Freeze its parameters or use a plain "
+                "nn.LSTM / nn.GRU / nn.RNN.")
+        if module.mode not in ("LSTM", "GRU", "RNN_TANH", "RNN_RELU"):
+            raise UnsupportedLayerError(f"{name} ({cls}): unknown recurrent mode {module.mode!r}; freeze it.")
+        if module.dropout > 0 and module.num_layers > 1:
+            raise UnsupportedLayerError(
+                f"{name} ({cls}) applies dropout between its layers (dropout={module.dropout}) in train mode, which "
+                "DPTrainer trains in; the random mask is drawn inside PyTorch's recurrent kernel, so hf_dp cannot "
+                "replay it to compute each example's gradient. Set its dropout to 0 (P-tuning: "
+                "PromptEncoderConfig(encoder_dropout=0.0)), freeze it, or use LoRA / P-tuning with "
+                "encoder_reparameterization_type='MLP'.")
+
+    def describe(self) -> str:
+        numel = sum(getattr(self.module, n).numel() for n in self.param_names)
+        return (f"{self.name} ({type(self.module).__name__}: {len(self.param_names)} parameters, {numel} values; "
+                "recurrent: re-run once on the micro-batch in plain tensor ops and back-propagated through time, "
+                "not vmap; Linear-style factors, ghost norms where cheaper)")
+
+    # ------------------------------------------------------------------ inputs
+    def _inputs(self, args: tuple, kwargs: dict):
+        x = args[0] if args else kwargs.get("input")
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        return x, hx
+
+    def mapped_leaves(self, args: tuple, kwargs: dict, batch_size: int, known: list | None = None) -> _Layout:
+        """The batch axis of the input (``batch_first``) and the rows per example, proven where the engine probed it
+        (``known``: ``"batch"``, ``"flat"``, or the later axis 1 for sequence-first inputs)."""
+        mod, cls = self.module, type(self.module).__name__
+        x, _ = self._inputs(args, kwargs)
+        if self.engine is not None and getattr(self.engine, "_segments", None) is not None:
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) runs over padding-free packed rows (several examples in one row): its recurrence "
+                "carries one example's state into the next, so no example's gradient is its own. Train without "
+                "padding-free packing (packing=False / padding_free=False) or freeze it.")
+        if isinstance(x, PackedSequence):
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) is called with a PackedSequence, which hf_dp's recurrent rule does not support. "
+                "Pass the padded batch instead (pad_packed_sequence / the padded tensor, with the loss and the final "
+                "state taken at each sequence's own length), freeze it, or use LoRA on the other layers.")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise UnsupportedLayerError(
+                f"{self.name} ({cls}) is called with an unbatched input ({shape}): one sequence with no batch axis, "
+                "so its gradient cannot be split per example. Give it a batch axis holding the examples, or freeze "
+                "it.")
+        axis = 0 if mod.batch_first else 1
+        n = x.shape[axis]
+        leaves, _ = tree_flatten((args, kwargs))
+        idx = next(i for i, leaf in enumerate(leaves) if leaf is x)
+        proof = known[idx] if known is not None and len(known) == len(leaves) else "unprobed"
+        if n == batch_size and (proof == "unprobed" or proof == ("batch" if axis == 0 else axis)):
+            return _Layout(axis, 1)
+        if axis == 0 and proof == "flat" and n % batch_size == 0:
+            return _Layout(axis, n // batch_size)
+        where = "first" if axis == 0 else "second (batch_first=False)"
+        raise UnsupportedLayerError(
+            f"{self.name} ({cls}): the {where} axis of its input, its batch axis, has size {n} in a micro-batch of "
+            f"{batch_size} examples and was not proven to hold the examples (one row per example, or each example's "
+            "rows together) when the first step compared the run on all examples with the run on the first alone. "
+            "Its batch rows are then not examples (e.g. computed once and shared, or time and batch swapped), so "
+            "per-example clipping cannot bound an example's contribution. Freeze it or use LoRA on the other layers.")
+
+    def _run(self, args: tuple, kwargs: dict, layout: _Layout, factors: bool):
+        x, hx = self._inputs(args, kwargs)
+        if layout.axis:
+            x = x.movedim(layout.axis, 0)
+        return twin(self.module, x, hx, factors)
+
+    def _batch_first(self, outs: list[torch.Tensor], layout: _Layout) -> list[torch.Tensor]:
+        """The module's float outputs with the batch on axis 0 (output: its batch axis; ``h_n``, ``c_n``: axis 1)."""
+        return [o.movedim(layout.axis if j == 0 else 1, 0) for j, o in enumerate(outs)]
+
+    # ------------------------------------------------------------------ check and gradients
+    def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: _Layout) -> None:
+        """Refuse unless the twin reproduces the module's real output (``output``, ``h_n``, ``c_n``)."""
+        real = float_outputs(output)
+        with torch.no_grad():
+            mine = self._run(args, kwargs, mapped, factors=False)
+        real = self._batch_first(real, mapped)
+        mine = [mine[0]] + [t.movedim(1, 0) for t in mine[1:]]
+        tol = {torch.float64: 1e-6, torch.float32: 1e-4}.get(real[0].dtype, 1e-2)
+        if len(real) != len(mine) or any(a.shape != b.shape or not torch.allclose(b.to(a.dtype), a, rtol=tol, atol=tol)
+                                         for a, b in zip(real, mine)):
+            raise UnsupportedLayerError(
+                f"{self.name} ({type(self.module).__name__}): hf_dp's functional twin of this recurrent layer "
+                "(PyTorch's gate equations in plain tensor ops) does not reproduce its output on the first "
+                "micro-batch, so the per-example gradients it would give are not this layer's. Freeze it or use LoRA "
+                "on the other layers.")
+
+    def per_example_grads(self, args: tuple, kwargs: dict, grads: list, outputs_like: list[torch.Tensor],
+                          mapped: _Layout, batch_size: int) -> list[Use]:
+        """One ``Use`` per trainable parameter: ``G_i = Σ_t ∂L_i/∂(pre-activation)_{i,t}ᵀ (input)_{i,t}``."""
+        grads = [torch.zeros_like(o) if g is None else g.to(o.dtype) for g, o in zip(grads, outputs_like)]
+        grads = self._batch_first(grads, mapped)
+        with torch.enable_grad():
+            outs, record = self._run(args, kwargs, mapped, factors=True)
+            outs = [outs[0]] + [t.movedim(1, 0) for t in outs[1:]]
+            wanted = [(sfx, key) for sfx, rec in record.items() for key in ("gi", "gh", "h") if key != "h" or rec["h"]]
+            inputs = [t for sfx, key in wanted for t in ([record[sfx][key]] if key == "gi" else record[sfx][key])]
+            got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+        got = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, got)]
+        mod, k, b = self.module, 0, batch_size
+        dgrad: dict[tuple[str, str], torch.Tensor] = {}
+        for sfx, key in wanted:
+            if key == "gi":
+                dgrad[sfx, key] = got[k]
+                k += 1
+            else:
+                steps = len(record[sfx][key])
+                dgrad[sfx, key] = torch.stack(got[k:k + steps], 1)
+                k += steps
+
+        def per_example(t: torch.Tensor) -> torch.Tensor:  # (N, T, f) -> (B, k·T, f): each example's rows together
+            return t.detach().reshape(b, -1, t.shape[-1])
+
+        uses = []
+        for sfx, rec in record.items():
+            d_gi, d_gh = per_example(dgrad[sfx, "gi"]), per_example(dgrad[sfx, "gh"])
+            right = {"weight_ih": (d_gi, per_example(rec["x"])), "bias_ih": (None, d_gi),
+                     "weight_hh": (d_gh, per_example(torch.stack(rec["h_prev"], 1))), "bias_hh": (None, d_gh)}
+            if rec["h"]:
+                right["weight_hr"] = (per_example(dgrad[sfx, "h"]), per_example(torch.stack(rec["m"], 1)))
+            for kind, (left, r) in right.items():
+                if kind + sfx in self.param_names:
+                    uses.append(Use(getattr(mod, kind + sfx), left, r, 1 if left is None else left.shape[-1],
+                                    self.name))
+        return uses
