@@ -368,13 +368,14 @@ class ClippingEngine:
                 "model through a PEFT adapter (LoRA)."
             )
         self._names = {id(p): n for n, p in self.params.items()}
-        if self._fallbacks:
+        generic = [fb for fb in self._fallbacks.values() if type(fb) is Fallback]  # recurrent.py logs its own
+        if generic:
             logger.warning(
                 "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
                 "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
                 "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
                 "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
-                "; ".join(fb.describe() for fb in self._fallbacks.values()),
+                "; ".join(fb.describe() for fb in generic),
             )
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}

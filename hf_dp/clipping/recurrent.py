@@ -29,6 +29,8 @@ and padding-free packed rows (the recurrence would carry one example's state int
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,8 @@ from .fallback import Fallback, float_outputs
 from .layers import UnsupportedLayerError, Use
 
 __all__ = ["RecurrentFallback", "fallback_for"]
+
+logger = logging.getLogger(__name__)
 
 
 def fallback_for(module: nn.Module, name: str, param_names: tuple[str, ...], engine=None) -> Fallback:
@@ -166,12 +170,14 @@ class RecurrentFallback(Fallback):
                 "replay it to compute each example's gradient. Set its dropout to 0 (P-tuning: "
                 "PromptEncoderConfig(encoder_dropout=0.0)), freeze it, or use LoRA / P-tuning with "
                 "encoder_reparameterization_type='MLP'.")
+        logger.info("hf_dp: per-example gradients of %s by back-propagation through time on each micro-batch "
+                    "(clipping/recurrent.py).", self.describe())
 
     def describe(self) -> str:
         numel = sum(getattr(self.module, n).numel() for n in self.param_names)
         return (f"{self.name} ({type(self.module).__name__}: {len(self.param_names)} parameters, {numel} values; "
-                "recurrent: re-run once on the micro-batch in plain tensor ops and back-propagated through time, "
-                "not vmap; Linear-style factors, ghost norms where cheaper)")
+                "re-run once on the micro-batch in plain tensor ops, one extra forward and backward of the layer; "
+                "Linear-style factors, ghost norms where cheaper)")
 
     # ------------------------------------------------------------------ inputs
     def _inputs(self, args: tuple, kwargs: dict):

@@ -1,0 +1,203 @@
+"""Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) and P-tuning's LSTM prompt encoder are exact, or refused
+with their true cause (``hf_dp/clipping/recurrent.py``).
+
+The oracle is the model's own loss on a batch of one (float64, σ = 0, q = 1): ``test_coverage.check_exact`` for the
+small recurrent models here, ``test_oracle.check_update`` / ``test_groupwise.run_group_step`` (PEFT's own loss) for
+P-tuning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import lm_dataset, tiny_gpt2, tiny_llama
+from peft import TaskType
+from test_coverage import Rows, check_exact, dp_args
+from test_groupwise import run_group_step
+from test_oracle import check_update
+from test_peft import p_tuning
+from torch import nn
+
+from hf_dp import DPTrainer, UnsupportedLayerError
+from hf_dp.clipping.engine import ClippingEngine
+from hf_dp.clipping.recurrent import twin
+
+VOCAB = 13
+
+
+class Out:
+    def __init__(self, logits, loss=None):
+        self.logits, self.loss = logits, loss
+
+
+def ce_loss(outputs, labels):
+    return nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
+
+
+class Classifier(nn.Module):
+    """ids → embedding → ``rnn`` → logits from every output position, ``h_n`` and (LSTM) ``c_n``: each of the
+    layer's outputs carries gradient. Its own loss is the batch mean of the cross-entropy (one example: its own)."""
+
+    def __init__(self, rnn: nn.RNNBase, swap_axes: bool = False):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, rnn.input_size)
+        self.rnn = rnn
+        self.swap_axes = swap_axes  # feed (B, T, d) to a batch_first=False layer: time and batch swapped (a bug)
+        dirs = 2 if rnn.bidirectional else 1
+        out = getattr(rnn, "proj_size", 0) or rnn.hidden_size
+        state = rnn.num_layers * dirs * (out + (rnn.hidden_size if isinstance(rnn, nn.LSTM) else 0))
+        self.head = nn.Linear(dirs * out, 2)
+        self.state_head = nn.Linear(state, 2)
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        first = self.rnn.batch_first or self.swap_axes
+        out, state = self.rnn(x if first else x.transpose(0, 1))
+        seq = out if first else out.transpose(0, 1)
+        states = state if isinstance(state, tuple) else (state,)
+        flat = torch.cat([s.transpose(0, 1).flatten(1) for s in states], 1)
+        logits = self.head(seq).mean(1) + (0 if self.swap_axes else self.state_head(flat))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return Out(logits, loss)
+
+
+def rows(n: int = 4, seq_len: int = 5, seed: int = 0) -> Rows:
+    g = torch.Generator().manual_seed(seed)
+    return Rows([{"input_ids": torch.randint(0, VOCAB, (seq_len,), generator=g), "labels": torch.tensor(i % 2)}
+                 for i in range(n)])
+
+
+RNNS = {
+    "lstm_2layer_bidirectional": lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True),
+    "lstm_proj_seq_first_no_bias": lambda: nn.LSTM(3, 4, num_layers=2, proj_size=2, bias=False),
+    "gru_2layer_bidirectional_seq_first": lambda: nn.GRU(3, 4, num_layers=2, bidirectional=True),
+    "rnn_relu_bidirectional": lambda: nn.RNN(3, 4, nonlinearity="relu", bidirectional=True, batch_first=True),
+}
+
+
+@pytest.mark.parametrize("case", list(RNNS))
+def test_recurrent_layer_matches_oracle(tmp_path, case):
+    """Every parameter of the layer (and the embedding and heads around it) gets each example's exact gradient."""
+    torch.manual_seed(0)
+    check_exact(Classifier(RNNS[case]()), rows(), tmp_path, ga=2, per_example_loss=ce_loss)
+
+
+def test_twin_reproduces_pytorch():
+    """The functional twin is PyTorch's layer for every combination of options (float64, to rounding)."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+    for cls, extra in ((nn.LSTM, {}), (nn.LSTM, {"proj_size": 2}), (nn.GRU, {}), (nn.RNN, {}),
+                       (nn.RNN, {"nonlinearity": "relu"})):
+        for bidirectional in (False, True):
+            m = cls(2, 3, num_layers=2, bidirectional=bidirectional, batch_first=True, **extra).double()
+            out, state = m(x)
+            states = state if isinstance(state, tuple) else (state,)
+            mine = twin(m, x, None)
+            for ref, got in zip((out, *states), mine):
+                torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------- P-tuning (LSTM)
+@pytest.mark.parametrize("base", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_p_tuning_lstm_flat_matches_oracle(tmp_path, base):
+    torch.manual_seed(2)
+    check_update(p_tuning(base(), TaskType.CAUSAL_LM, reparam="LSTM"), lm_dataset(6, seed=2), tmp_path, 2, 3)
+
+
+@pytest.mark.parametrize("base", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_p_tuning_lstm_per_layer_matches_oracle(tmp_path, base):
+    torch.manual_seed(3)
+    model = p_tuning(base(), TaskType.CAUSAL_LM, reparam="LSTM")
+    _, groups = run_group_step(model, lm_dataset(6, seed=3), tmp_path, "per_layer", thresholds="median")
+    assert any("lstm_head" in n for g in groups for n in g)
+
+
+# --------------------------------------------------------------------------------------------- refusals
+def test_dropout_between_layers_is_refused(tmp_path):
+    model = Classifier(nn.LSTM(3, 4, num_layers=2, dropout=0.2, batch_first=True)).double()
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) applies dropout between its layers"):
+        DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+
+
+def test_p_tuning_lstm_with_encoder_dropout_is_refused(tmp_path):
+    from peft import PromptEncoderConfig, get_peft_model
+
+    cfg = PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3, encoder_hidden_size=8,
+                              encoder_reparameterization_type="LSTM", encoder_dropout=0.1)
+    with pytest.raises(UnsupportedLayerError, match="lstm_head.*dropout.*encoder_dropout=0.0"):
+        DPTrainer(model=get_peft_model(tiny_gpt2(), cfg), args=dp_args(tmp_path, 2, 1.0),
+                  train_dataset=lm_dataset(4))
+
+
+class Packed(Classifier):
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        lengths = torch.full((x.shape[0],), x.shape[1])
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
+        _, state = self.rnn(packed)
+        logits = self.state_head(torch.cat([s.transpose(0, 1).flatten(1) for s in state], 1))
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def test_packed_sequence_is_refused(tmp_path):
+    model = Packed(nn.LSTM(3, 4, batch_first=True)).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) is called with a PackedSequence"):
+        trainer.train()
+
+
+class Unbatched(Classifier):
+    """Runs the layer once on one sequence (no batch axis) shared by every example."""
+
+    def forward(self, input_ids, labels=None):
+        shared, _ = self.rnn(self.emb.weight[:4])  # (T, d): one unbatched sequence
+        feats = shared.mean(0).expand(input_ids.shape[0], -1) + self.emb(input_ids).mean(1).repeat(1, 2)[:, :4]
+        logits = self.head(feats)
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def test_unbatched_input_is_refused(tmp_path):
+    model = Unbatched(nn.GRU(3, 4, batch_first=True)).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\) is called with an unbatched input"):
+        trainer.train()
+
+
+def test_batch_axis_not_holding_examples_is_refused(tmp_path):
+    """A batch_first=False layer fed (B, T, d) with T == B: its recurrence runs over the examples, yet every size
+    matches. The first step's probe (1 example vs B) shows its batch axis does not hold the examples."""
+    model = Classifier(nn.LSTM(3, 4), swap_axes=True).double()
+    data = rows(n=4, seq_len=2)  # micro-batches of 2 examples of 2 tokens
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0, ga=2), train_dataset=data,
+                        per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"second \(batch_first=False\) axis of its input.*not proven"):
+        trainer.train()
+
+
+def test_output_changed_by_a_hook_is_refused(tmp_path):
+    """A forward hook that rescales the layer's output: the twin no longer reproduces it, so it is refused."""
+    model = Classifier(nn.GRU(3, 4, batch_first=True)).double()
+    model.rnn.register_forward_hook(lambda m, args, out: (2 * out[0], out[1]))
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\): hf_dp's functional twin.*does not reproduce"):
+        trainer.train()
+
+
+def test_subclass_with_own_forward_is_refused():
+    class MyLSTM(nn.LSTM):
+        def forward(self, x, hx=None):
+            out, state = super().forward(x, hx)
+            return out * 2, state
+
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(MyLSTM\) is a subclass.*own forward"):
+        ClippingEngine(Classifier(MyLSTM(3, 4, batch_first=True)))
+
+
+def test_padding_free_packed_rows_are_refused():
+    """Several examples packed in one row: the recurrence carries one example's state into the next."""
+    model = Classifier(nn.LSTM(3, 4, batch_first=True)).double()
+    engine = ClippingEngine(model)
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with pytest.raises(UnsupportedLayerError, match="padding-free packed rows"), \
+            engine.record(1, segments=torch.tensor([[0, 0, 0, 1, 1, 1]])):
+        model(ids).logits.sum().backward()
