@@ -97,6 +97,34 @@ def test_twin_reproduces_pytorch():
                 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+class EncoderDecoder(nn.Module):
+    """An LSTM encoder whose final state ``(h_n, c_n)`` starts an LSTM decoder (``hx`` carrying gradient back to the
+    encoder), and a GRU called twice in one forward (on both halves of the sequence)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 3)
+        self.enc = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+        self.dec = nn.LSTM(3, 4, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(3, 2, batch_first=True)
+        self.head = nn.Linear(4 + 2, 2)
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        half = x.shape[1] // 2
+        _, state = self.enc(x[:, :half])
+        out, _ = self.dec(x[:, half:], state)
+        g1, _ = self.gru(x[:, :half])
+        g2, _ = self.gru(x[:, half:])
+        logits = self.head(torch.cat([out.mean(1), g1.mean(1) * g2.mean(1)], 1))
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def test_initial_state_and_two_calls_match_oracle(tmp_path):
+    torch.manual_seed(4)
+    check_exact(EncoderDecoder(), rows(seq_len=6), tmp_path, ga=2, per_example_loss=ce_loss)
+
+
 # --------------------------------------------------------------------------------------------- P-tuning (LSTM)
 @pytest.mark.parametrize("base", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
 def test_p_tuning_lstm_flat_matches_oracle(tmp_path, base):
