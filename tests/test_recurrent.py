@@ -158,19 +158,81 @@ def test_p_tuning_lstm_with_encoder_dropout_is_refused(tmp_path):
 
 
 class Packed(Classifier):
-    def forward(self, input_ids, labels=None):
+    """The usual text-classifier idiom: pack the padded batch by each example's own length, classify from the
+    packed output (unpacked, mean over each example's own steps) and the final state."""
+
+    def __init__(self, rnn: nn.RNNBase, enforce_sorted: bool = False):
+        super().__init__(rnn)
+        self.enforce_sorted = enforce_sorted
+
+    def forward(self, input_ids, lengths, labels=None):
         x = self.emb(input_ids)
-        lengths = torch.full((x.shape[0],), x.shape[1])
-        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True)
-        _, state = self.rnn(packed)
-        logits = self.state_head(torch.cat([s.transpose(0, 1).flatten(1) for s in state], 1))
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths.cpu(), batch_first=True,
+                                                   enforce_sorted=self.enforce_sorted)
+        out, state = self.rnn(packed)
+        seq, lens = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        states = state if isinstance(state, tuple) else (state,)
+        flat = torch.cat([s.transpose(0, 1).flatten(1) for s in states], 1)
+        logits = self.head(seq.sum(1) / lens[:, None].to(seq)) + self.state_head(flat)  # padded steps are 0
         return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
 
 
-def test_packed_sequence_is_refused(tmp_path):
-    model = Packed(nn.LSTM(3, 4, batch_first=True)).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
-    with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) is called with a PackedSequence"):
+def packed_rows(n: int = 4, seq_len: int = 6) -> Rows:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(1, seq_len + 1, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (seq_len,), generator=g) * (torch.arange(seq_len) < length)
+        out.append({"input_ids": ids, "lengths": torch.tensor(length), "labels": torch.tensor(i % 2)})
+    return Rows(out)
+
+
+@pytest.mark.parametrize("make", [lambda: nn.LSTM(3, 4, num_layers=2, bidirectional=True, batch_first=True),
+                                  lambda: nn.GRU(3, 4, bidirectional=True, batch_first=True)], ids=["lstm", "gru"])
+def test_packed_sequence_matches_oracle(tmp_path, make):
+    """Variable lengths, enforce_sorted=False: each sequence stops at its own length (and the reverse direction starts
+    there); the oracle packs each example alone."""
+    torch.manual_seed(6)
+    data = packed_rows()
+    assert len({int(r["lengths"]) for r in data.rows}) > 1
+    check_exact(Packed(make()), data, tmp_path, ga=2, per_example_loss=ce_loss)
+
+
+class PackedHalves(Classifier):
+    """Packs each example's two halves as two sequences, first halves of all examples first: the layer's sequences
+    are not the examples (example i is sequences i and B + i)."""
+
+    def __init__(self):
+        super().__init__(nn.GRU(3, 2, batch_first=True))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, input_ids, lengths=None, labels=None):
+        x = self.emb(input_ids)
+        half = x.shape[1] // 2
+        both = torch.cat([x[:, :half], x[:, half:]], 0)
+        lens = torch.full((both.shape[0],), half)
+        _, state = self.rnn(nn.utils.rnn.pack_padded_sequence(both, lens, batch_first=True, enforce_sorted=False))
+        b = x.shape[0]
+        logits = self.head(torch.cat([state[-1][:b], state[-1][b:]], 1))
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def test_packed_sequences_that_are_not_the_examples_are_refused(tmp_path):
+    model = PackedHalves().double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0, ga=2, dp_self_check=False),
+                        train_dataset=rows(seq_len=6), per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\) is called with a PackedSequence of 4 sequences in "
+                                                    r"a micro-batch of 2 examples"):
+        trainer.train()
+
+
+def test_packed_sequence_sorted_by_the_caller_is_refused(tmp_path):
+    """enforce_sorted=True: the sequences are in the caller's length order, which cannot be matched to examples."""
+    model = Packed(nn.LSTM(3, 4, batch_first=True), enforce_sorted=True).double()
+    data = Rows([dict(r, lengths=torch.tensor(6)) for r in packed_rows().rows])  # equal lengths: PyTorch accepts it
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=data, per_example_loss=ce_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) is called with a PackedSequence packed with "
+                                                    r"enforce_sorted=True"):
         trainer.train()
 
 

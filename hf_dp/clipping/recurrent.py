@@ -34,7 +34,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten
 
 from .fallback import Fallback, float_outputs
@@ -90,11 +90,14 @@ def _tracked(t: torch.Tensor) -> torch.Tensor:
     return t if t.requires_grad else t.requires_grad_(True)
 
 
-def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False):
+def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False, lengths: torch.Tensor | None = None):
     """The layer's forward in plain tensor ops, batch-first ``x`` ``(N, T, d)``, ``hx`` as the module takes it
     (``None``, ``h0`` or ``(h0, c0)``, batch on axis 1). Returns ``(output, h_n[, c_n])`` in the module's layout
     (batch-first output) and, with ``factors``, per parameter suffix the tensors of its uses: ``{"x", "gi", "h_prev",
-    "gh", "m", "h"}`` (lists over time for the per-step ones)."""
+    "gh", "m", "h"}`` (lists over time for the per-step ones).
+
+    ``lengths`` ``(N,)``: each sequence's own length (a ``PackedSequence``): a step ``t ≥ length`` leaves the state
+    unchanged (in both directions, so the reverse direction starts at the sequence's own last step) and outputs 0."""
     mode, hidden = module.mode, module.hidden_size
     proj = getattr(module, "proj_size", 0)
     out_size = proj or hidden
@@ -126,17 +129,24 @@ def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False):
             h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if c0 is not None else None)
             ys: list = [None] * steps
             rec = {"x": layer_in, "gi": gi, "h_prev": [], "gh": [], "m": [], "h": []}
+            active = None if lengths is None else (lengths.to(x.device)[:, None] > torch.arange(steps,
+                                                                                               device=x.device))
             for t in (range(steps) if d == 0 else reversed(range(steps))):
                 gh = F.linear(h, w_hh, b_hh)
                 if factors:
                     gh = _tracked(gh)
                     rec["h_prev"].append(h.detach())
                     rec["gh"].append(gh)
-                h, c, m = _cell(mode, gi_steps[t], gh, h, c, w_hr)
+                new, c_new, m = _cell(mode, gi_steps[t], gh, h, c, w_hr)
                 if factors and proj:
                     rec["m"].append(m.detach())
-                    rec["h"].append(h)
-                ys[t] = h
+                    rec["h"].append(new)
+                if active is None:
+                    h, c, ys[t] = new, c_new, new
+                else:  # past its own length, a sequence keeps its state and outputs 0
+                    on = active[:, t:t + 1]
+                    h, ys[t] = torch.where(on, new, h), torch.where(on, new, torch.zeros_like(new))
+                    c = None if c is None else torch.where(on, c_new, c)
             outs.append(torch.stack(ys, 1))
             h_n.append(h)
             if c is not None:
@@ -196,10 +206,19 @@ class RecurrentFallback(Fallback):
                 "carries one example's state into the next, so no example's gradient is its own. Train without "
                 "padding-free packing (packing=False / padding_free=False) or freeze it.")
         if isinstance(x, PackedSequence):
-            raise UnsupportedLayerError(
-                f"{self.name} ({cls}) is called with a PackedSequence, which hf_dp's recurrent rule does not support. "
-                "Pass the padded batch instead (pad_packed_sequence / the padded tensor, with the loss and the final "
-                "state taken at each sequence's own length), freeze it, or use LoRA on the other layers.")
+            n = int(x.batch_sizes[0])
+            if x.sorted_indices is None and n > 1:
+                raise UnsupportedLayerError(
+                    f"{self.name} ({cls}) is called with a PackedSequence packed with enforce_sorted=True: its "
+                    "sequences are in the order the caller sorted them by length, which hf_dp cannot match to the "
+                    "micro-batch's examples. Pack with pack_padded_sequence(..., enforce_sorted=False) on the batch "
+                    "in its own order (the packed sequence then restores that order), or freeze it.")
+            if n != batch_size:
+                raise UnsupportedLayerError(
+                    f"{self.name} ({cls}) is called with a PackedSequence of {n} sequences in a micro-batch of "
+                    f"{batch_size} examples: its sequences are not the examples, so its gradient cannot be split per "
+                    "example. Pack one sequence per example, or freeze it.")
+            return _Layout(0, 1)
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UnsupportedLayerError(
@@ -224,23 +243,32 @@ class RecurrentFallback(Fallback):
             "per-example clipping cannot bound an example's contribution. Freeze it or use LoRA on the other layers.")
 
     def _run(self, args: tuple, kwargs: dict, layout: _Layout, factors: bool):
+        """The twin's ``[output, h_n(, c_n)]`` in the module's own layout (a ``PackedSequence``'s output as its
+        ``.data``), and with ``factors`` the record of :func:`twin`."""
         x, hx = self._inputs(args, kwargs)
-        if layout.axis:
+        packed, lengths = None, None
+        if isinstance(x, PackedSequence):
+            packed = x
+            x, lengths = pad_packed_sequence(PackedSequence(x.data.detach(), x.batch_sizes, x.sorted_indices,
+                                                            x.unsorted_indices), batch_first=True)
+        elif layout.axis:
             x = x.movedim(layout.axis, 0)
-        return twin(self.module, x, hx, factors)
-
-    def _batch_first(self, outs: list[torch.Tensor], layout: _Layout) -> list[torch.Tensor]:
-        """The module's float outputs with the batch on axis 0 (output: its batch axis; ``h_n``, ``c_n``: axis 1)."""
-        return [o.movedim(layout.axis if j == 0 else 1, 0) for j, o in enumerate(outs)]
+        outs, record = twin(self.module, x, hx, True, lengths) if factors else (twin(self.module, x, hx), None)
+        out = outs[0]
+        if packed is not None:  # the packed order: at step t, the first batch_sizes[t] sequences in sorted order
+            order = packed.sorted_indices if packed.sorted_indices is not None else torch.arange(out.shape[0])
+            order = order.to(out.device)
+            out = torch.cat([out[order[:int(n)], t] for t, n in enumerate(packed.batch_sizes)])
+        elif layout.axis:
+            out = out.movedim(0, layout.axis)
+        return [out, *outs[1:]], record
 
     # ------------------------------------------------------------------ check and gradients
     def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: _Layout) -> None:
         """Refuse unless the twin reproduces the module's real output (``output``, ``h_n``, ``c_n``)."""
         real = float_outputs(output)
         with torch.no_grad():
-            mine = self._run(args, kwargs, mapped, factors=False)
-        real = self._batch_first(real, mapped)
-        mine = [mine[0]] + [t.movedim(1, 0) for t in mine[1:]]
+            mine, _ = self._run(args, kwargs, mapped, factors=False)
         tol = {torch.float64: 1e-6, torch.float32: 1e-4}.get(real[0].dtype, 1e-2)
         if len(real) != len(mine) or any(a.shape != b.shape or not torch.allclose(b.to(a.dtype), a, rtol=tol, atol=tol)
                                          for a, b in zip(real, mine)):
@@ -254,10 +282,8 @@ class RecurrentFallback(Fallback):
                           mapped: _Layout, batch_size: int) -> list[Use]:
         """One ``Use`` per trainable parameter: ``G_i = Σ_t ∂L_i/∂(pre-activation)_{i,t}ᵀ (input)_{i,t}``."""
         grads = [torch.zeros_like(o) if g is None else g.to(o.dtype) for g, o in zip(grads, outputs_like)]
-        grads = self._batch_first(grads, mapped)
         with torch.enable_grad():
             outs, record = self._run(args, kwargs, mapped, factors=True)
-            outs = [outs[0]] + [t.movedim(1, 0) for t in outs[1:]]
             wanted = [(sfx, key) for sfx, rec in record.items() for key in ("gi", "gh", "h") if key != "h" or rec["h"]]
             inputs = [t for sfx, key in wanted for t in ([record[sfx][key]] if key == "gi" else record[sfx][key])]
             got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
