@@ -8,6 +8,8 @@ P-tuning.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import lm_dataset, tiny_gpt2, tiny_llama
@@ -16,6 +18,7 @@ from test_coverage import Rows, check_exact, dp_args
 from test_groupwise import run_group_step
 from test_oracle import check_update
 from test_peft import p_tuning
+from test_zoo import check_exact as zoo_check_exact
 from torch import nn
 
 from hf_dp import DPTrainer, UnsupportedLayerError
@@ -123,6 +126,40 @@ class EncoderDecoder(nn.Module):
 def test_initial_state_and_two_calls_match_oracle(tmp_path):
     torch.manual_seed(4)
     check_exact(EncoderDecoder(), rows(seq_len=6), tmp_path, ga=2, per_example_loss=ce_loss)
+
+
+class LastStep(nn.Module):
+    """A sequence-first GRU read at each example's own last step: right-padding does not change its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(VOCAB, 3), nn.GRU(3, 4, num_layers=2), nn.Linear(4, 2)
+
+    def forward(self, input_ids, lengths, labels=None):
+        out, _ = self.rnn(self.emb(input_ids).transpose(0, 1))  # (T, B, H)
+        last = out[lengths - 1, torch.arange(out.shape[1])]
+        logits = self.head(last)
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def pad_to_longest(features: list[dict]) -> dict:
+    """Dynamic padding: each micro-batch is padded to its own longest example (so 1 and B examples differ in T)."""
+    longest = max(int(f["lengths"]) for f in features)
+    ids = torch.stack([nn.functional.pad(f["input_ids"][:int(f["lengths"])], (0, longest - int(f["lengths"])))
+                       for f in features])
+    return {"input_ids": ids, "lengths": torch.stack([f["lengths"] for f in features]),
+            "labels": torch.stack([f["labels"] for f in features])}
+
+
+def test_sequence_first_with_dynamic_padding_matches_oracle(tmp_path):
+    """The first-step probe proves the second axis is the batch although the padded length differs between the
+    run on all examples and the run on the first alone."""
+    torch.manual_seed(7)
+    data = packed_rows()
+    assert len({int(r["lengths"]) for r in data.rows}) > 1
+    model = LastStep()
+    model.config = SimpleNamespace()  # test_zoo's harness sets config.use_cache
+    zoo_check_exact(model, data, tmp_path, per_example_loss=ce_loss, data_collator=pad_to_longest)
 
 
 # --------------------------------------------------------------------------------------------- P-tuning (LSTM)

@@ -185,10 +185,7 @@ def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
 
 def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
     """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major), a later batch axis (``int``: sequence-first RNN inputs)
-    or ``None`` (shared by the batch)."""
-    if big is not None and one is not None and b > 1 and big.shape[:1] == one.shape[:1]:
-        return _later_batch_axis(big, one, b)
+    ``"flat"`` (``k > 1`` rows per example, example-major) or ``None`` (shared by the batch)."""
     if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
         return None
     if one.shape[0] == 1:
@@ -567,7 +564,9 @@ class ClippingEngine:
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             if key[0] in self._fallbacks:
-                self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
+                self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
+                    _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
             axis = _later_batch_axis(two, one, big)
             if axis:

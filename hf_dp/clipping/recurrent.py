@@ -195,9 +195,27 @@ class RecurrentFallback(Fallback):
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         return x, hx
 
+    @staticmethod
+    def probe_layout(big: list, one: list, b: int) -> list[set]:
+        """Called by the engine's first-step probe with the input leaves of a call for ``b`` examples and for the
+        first alone: per leaf, the axes proven to hold the examples: ``j`` when its size is ``b`` for ``b`` examples
+        and 1 for one (other axes may differ: a micro-batch padded to its longest example), and ``"flat"`` for a
+        first axis of ``k > 1`` rows per example whose first ``k`` rows for ``b`` examples are the first's alone."""
+        proofs = []
+        for x2, x1 in zip(big, one):
+            axes: set = set()
+            if isinstance(x2, torch.Tensor) and isinstance(x1, torch.Tensor) and x2.dim() == x1.dim() and b > 1:
+                axes = {j for j in range(x2.dim()) if x2.shape[j] == b and x1.shape[j] == 1}
+                k = x1.shape[0] if x1.dim() else 0
+                if (k > 1 and x2.shape[0] == b * k and x2.shape[1:] == x1.shape[1:]
+                        and torch.allclose(x2[:k].double(), x1.double(), rtol=1e-3, atol=1e-5)):
+                    axes.add("flat")
+            proofs.append(axes)
+        return proofs
+
     def mapped_leaves(self, args: tuple, kwargs: dict, batch_size: int, known: list | None = None) -> _Layout:
         """The batch axis of the input (``batch_first``) and the rows per example, proven where the engine probed it
-        (``known``: ``"batch"``, ``"flat"``, or the later axis 1 for sequence-first inputs)."""
+        (``known``: :meth:`probe_layout`'s result for this call)."""
         mod, cls = self.module, type(self.module).__name__
         x, _ = self._inputs(args, kwargs)
         if self.engine is not None and getattr(self.engine, "_segments", None) is not None:
@@ -229,10 +247,13 @@ class RecurrentFallback(Fallback):
         n = x.shape[axis]
         leaves, _ = tree_flatten((args, kwargs))
         idx = next(i for i, leaf in enumerate(leaves) if leaf is x)
-        proof = known[idx] if known is not None and len(known) == len(leaves) else "unprobed"
-        if n == batch_size and (proof == "unprobed" or proof == ("batch" if axis == 0 else axis)):
+        proof = known[idx] if known is not None and len(known) == len(leaves) else None
+        if proof is not None and not isinstance(proof, set):
+            raise RuntimeError("hf_dp internal: the engine's first-step probe must call RecurrentFallback.probe_layout "
+                               f"for {self.name} (ClippingEngine._probe_layout).")
+        if n == batch_size and (proof is None or axis in proof):  # None: not probed (first micro-batch of one)
             return _Layout(axis, 1)
-        if axis == 0 and proof == "flat" and n % batch_size == 0:
+        if axis == 0 and proof is not None and "flat" in proof and n % batch_size == 0:
             return _Layout(axis, n // batch_size)
         where = "first" if axis == 0 else "second (batch_first=False)"
         raise UnsupportedLayerError(
