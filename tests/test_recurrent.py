@@ -263,6 +263,29 @@ def test_packed_sequences_that_are_not_the_examples_are_refused(tmp_path):
         trainer.train()
 
 
+class Halves(nn.Module):
+    """Runs the layer on each example's two halves as two rows, example-major ``(2B, T/2, d)`` (rows 2i, 2i+1 are
+    example i's), as a word-level model runs a character LSTM on every word of every example."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(VOCAB, 3), nn.LSTM(3, 4, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, input_ids, labels=None):
+        x = self.emb(input_ids)
+        b, t = x.shape[:2]
+        out, (h, _) = self.rnn(x.reshape(2 * b, t // 2, -1))
+        logits = self.head(h[-1].reshape(b, 8)) + self.head(out.reshape(b, 2, t // 2, 4).mean(2).reshape(b, 8))
+        return Out(logits, None if labels is None else nn.functional.cross_entropy(logits, labels))
+
+
+def test_example_major_rows_match_oracle(tmp_path):
+    """k = 2 rows per example, example-major: the first-step probe proves it ("flat"), each example's rows are
+    grouped into its own factors."""
+    torch.manual_seed(8)
+    check_exact(Halves(), rows(seq_len=6), tmp_path, ga=2, per_example_loss=ce_loss)
+
+
 def test_packed_sequence_sorted_by_the_caller_is_refused(tmp_path):
     """enforce_sorted=True: the sequences are in the caller's length order, which cannot be matched to examples."""
     model = Packed(nn.LSTM(3, 4, batch_first=True), enforce_sorted=True).double()
