@@ -69,32 +69,32 @@ def _suffix(layer: int, direction: int) -> str:
 
 def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: torch.Tensor | None,
           w_hr: torch.Tensor | None):
-    """One time step of PyTorch's gate equations: ``(h_t, c_t, m_t)`` (``m_t``: the LSTM's pre-projection state)."""
+    """One time step of PyTorch's gate equations: ``(h_t, c_t, m_t, r_t)`` (``m_t``: the LSTM's pre-projection
+    state; ``r_t``: the GRU's reset gate)."""
     if mode == "LSTM":
-        i, f, g, o = (gi + gh).chunk(4, -1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        m = torch.sigmoid(o) * torch.tanh(c)
-        return (m if w_hr is None else F.linear(m, w_hr)), c, m
+        gates = gi + gh
+        i, f, _, o = torch.sigmoid(gates).chunk(4, -1)
+        c = f * c + i * torch.tanh(gates.chunk(4, -1)[2])
+        m = o * torch.tanh(c)
+        return (m if w_hr is None else F.linear(m, w_hr)), c, m, None
     if mode == "GRU":
         ir, iz, in_ = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
         r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
         n = torch.tanh(in_ + r * hn)
-        return (1 - z) * n + z * h, None, None
+        return (1 - z) * n + z * h, None, None, r
     pre = gi + gh
-    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None
-
-
-def _tracked(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a node of the graph (a leaf when nothing upstream requires grad), so its gradient can be asked for."""
-    return t if t.requires_grad else t.requires_grad_(True)
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None, None
 
 
 def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False, lengths: torch.Tensor | None = None):
     """The layer's forward in plain tensor ops, batch-first ``x`` ``(N, T, d)``, ``hx`` as the module takes it
     (``None``, ``h0`` or ``(h0, c0)``, batch on axis 1). Returns ``(output, h_n[, c_n])`` in the module's layout
     (batch-first output) and, with ``factors``, per parameter suffix the tensors of its uses: ``{"x", "gi", "h_prev",
-    "gh", "m", "h"}`` (lists over time for the per-step ones).
+    "r", "m", "h"}`` (lists indexed by time step for the per-step ones; ``r``: GRU only, ``m``, ``h``: LSTM with
+    ``proj_size`` only). ``gi`` (and the projected ``h``) are graph nodes whose gradients give every factor: the
+    gradient of ``gh_t = W_hh h_{t-1} + b_hh`` equals that of ``gi_t`` (they are added), except for the GRU's ``n``
+    gate, where it is ``r_t ⊙`` it.
 
     ``lengths`` ``(N,)``: each sequence's own length (a ``PackedSequence``): a step ``t ≥ length`` leaves the state
     unchanged (in both directions, so the reverse direction starts at the sequence's own last step) and outputs 0."""
@@ -123,24 +123,21 @@ def twin(module: nn.RNNBase, x: torch.Tensor, hx, factors: bool = False, lengths
             b_hh = getattr(module, "bias_hh" + sfx).detach() if module.bias else None
             w_hr = getattr(module, "weight_hr" + sfx).detach() if proj else None
             gi = F.linear(layer_in, w_ih, b_ih)
-            if factors:
-                gi = _tracked(gi)
+            if factors and not gi.requires_grad:
+                gi.requires_grad_(True)  # a leaf (nothing upstream requires grad): its gradient is still wanted
             gi_steps = gi.unbind(1)
             h, c = h0[layer * dirs + d], (c0[layer * dirs + d] if c0 is not None else None)
             ys: list = [None] * steps
-            rec = {"x": layer_in, "gi": gi, "h_prev": [], "gh": [], "m": [], "h": []}
+            rec = {"x": layer_in, "gi": gi, "h_prev": [None] * steps, "r": [None] * steps, "m": [None] * steps,
+                   "h": [None] * steps if proj else []}
             active = None if lengths is None else (lengths.to(x.device)[:, None] > torch.arange(steps,
                                                                                                device=x.device))
             for t in (range(steps) if d == 0 else reversed(range(steps))):
-                gh = F.linear(h, w_hh, b_hh)
+                new, c_new, m, r = _cell(mode, gi_steps[t], F.linear(h, w_hh, b_hh), h, c, w_hr)
                 if factors:
-                    gh = _tracked(gh)
-                    rec["h_prev"].append(h.detach())
-                    rec["gh"].append(gh)
-                new, c_new, m = _cell(mode, gi_steps[t], gh, h, c, w_hr)
-                if factors and proj:
-                    rec["m"].append(m.detach())
-                    rec["h"].append(new)
+                    rec["h_prev"][t], rec["r"][t], rec["m"][t] = h.detach(), r, m
+                    if proj:
+                        rec["h"][t] = new
                 if active is None:
                     h, c, ys[t] = new, c_new, new
                 else:  # past its own length, a sequence keeps its state and outputs 0
@@ -305,31 +302,28 @@ class RecurrentFallback(Fallback):
         grads = [torch.zeros_like(o) if g is None else g.to(o.dtype) for g, o in zip(grads, outputs_like)]
         with torch.enable_grad():
             outs, record = self._run(args, kwargs, mapped, factors=True)
-            wanted = [(sfx, key) for sfx, rec in record.items() for key in ("gi", "gh", "h") if key != "h" or rec["h"]]
-            inputs = [t for sfx, key in wanted for t in ([record[sfx][key]] if key == "gi" else record[sfx][key])]
+            inputs = [t for rec in record.values() for t in [rec["gi"], *rec["h"]]]
             got = torch.autograd.grad(outs, inputs, grads, allow_unused=True)
-        got = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, got)]
-        mod, k, b = self.module, 0, batch_size
-        dgrad: dict[tuple[str, str], torch.Tensor] = {}
-        for sfx, key in wanted:
-            if key == "gi":
-                dgrad[sfx, key] = got[k]
-                k += 1
-            else:
-                steps = len(record[sfx][key])
-                dgrad[sfx, key] = torch.stack(got[k:k + steps], 1)
-                k += steps
+        got = [torch.zeros_like(t) if g is None else g.detach() for t, g in zip(inputs, got)]
+        mod, b, k = self.module, batch_size, 0
 
         def per_example(t: torch.Tensor) -> torch.Tensor:  # (N, T, f) -> (B, k·T, f): each example's rows together
             return t.detach().reshape(b, -1, t.shape[-1])
 
         uses = []
         for sfx, rec in record.items():
-            d_gi, d_gh = per_example(dgrad[sfx, "gi"]), per_example(dgrad[sfx, "gh"])
+            d_gi = got[k]
+            d_h = torch.stack(got[k + 1:k + 1 + len(rec["h"])], 1) if rec["h"] else None
+            k += 1 + len(rec["h"])
+            d_gh = d_gi
+            if mod.mode == "GRU":  # n = tanh(W_in x + b_in + r ⊙ (W_hn h + b_hn)): the hidden part gets r ⊙ ∂n-pre
+                split = 2 * mod.hidden_size
+                d_gh = torch.cat([d_gi[..., :split], d_gi[..., split:] * torch.stack(rec["r"], 1).detach()], -1)
+            d_gi, d_gh = per_example(d_gi), per_example(d_gh)
             right = {"weight_ih": (d_gi, per_example(rec["x"])), "bias_ih": (None, d_gi),
                      "weight_hh": (d_gh, per_example(torch.stack(rec["h_prev"], 1))), "bias_hh": (None, d_gh)}
-            if rec["h"]:
-                right["weight_hr"] = (per_example(dgrad[sfx, "h"]), per_example(torch.stack(rec["m"], 1)))
+            if d_h is not None:
+                right["weight_hr"] = (per_example(d_h), per_example(torch.stack(rec["m"], 1).detach()))
             for kind, (left, r) in right.items():
                 if kind + sfx in self.param_names:
                     uses.append(Use(getattr(mod, kind + sfx), left, r, 1 if left is None else left.shape[-1],
