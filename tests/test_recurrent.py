@@ -85,6 +85,16 @@ def test_recurrent_layer_matches_oracle(tmp_path, case):
     check_exact(Classifier(RNNS[case]()), rows(), tmp_path, ga=2, per_example_loss=ce_loss)
 
 
+def test_recurrent_layer_per_layer_clipping_matches_oracle(tmp_path):
+    """Per-layer clipping (inside the backward pass): the layer's parameters form one group, clipped to its own
+    threshold (the harness sets every group's threshold to its median per-example norm)."""
+    torch.manual_seed(9)
+    model = Classifier(RNNS["lstm_2layer_bidirectional"]())
+    model.config = SimpleNamespace()  # test_zoo's harness sets config.use_cache
+    trainer = zoo_check_exact(model, rows(), tmp_path, clipping="per_layer", per_example_loss=ce_loss)
+    assert any(n.startswith("rnn.") for g in trainer.group_clipper.groups for n in g.params)
+
+
 def test_twin_reproduces_pytorch():
     """The functional twin is PyTorch's layer for every combination of options (float64, to rounding)."""
     torch.manual_seed(1)
