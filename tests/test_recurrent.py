@@ -87,9 +87,12 @@ def test_recurrent_layer_matches_oracle(tmp_path, case):
 
 def test_recurrent_layer_per_layer_clipping_matches_oracle(tmp_path):
     """Per-layer clipping (inside the backward pass): the layer's parameters form one group, clipped to its own
-    threshold (the harness sets every group's threshold to its median per-example norm)."""
+    threshold (the harness sets every group's threshold to its median per-example norm). Two of its parameters are
+    frozen: the others are still exact."""
     torch.manual_seed(9)
     model = Classifier(RNNS["lstm_2layer_bidirectional"]())
+    model.rnn.weight_hh_l0.requires_grad_(False)
+    model.rnn.bias_ih_l1_reverse.requires_grad_(False)
     model.config = SimpleNamespace()  # test_zoo's harness sets config.use_cache
     trainer = zoo_check_exact(model, rows(), tmp_path, clipping="per_layer", per_example_loss=ce_loss)
     assert any(n.startswith("rnn.") for g in trainer.group_clipper.groups for n in g.params)
