@@ -12,12 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import lm_dataset, tiny_gpt2, tiny_llama
+from helpers import cls_dataset, lm_dataset, seq2seq_dataset, tiny_bert, tiny_gpt2, tiny_llama
 from peft import TaskType
 from test_coverage import Rows, check_exact, dp_args
 from test_groupwise import run_group_step
 from test_oracle import check_update
-from test_peft import p_tuning
+from test_peft import p_tuning, t5_frozen_bias
 from test_zoo import check_exact as zoo_check_exact
 from torch import nn
 
@@ -176,10 +176,20 @@ def test_sequence_first_with_dynamic_padding_matches_oracle(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- P-tuning (LSTM)
-@pytest.mark.parametrize("base", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
-def test_p_tuning_lstm_flat_matches_oracle(tmp_path, base):
+P_TUNING = {
+    "gpt2": (lambda: p_tuning(tiny_gpt2(), TaskType.CAUSAL_LM, reparam="LSTM"), lambda: lm_dataset(6, seed=2)),
+    "llama": (lambda: p_tuning(tiny_llama(), TaskType.CAUSAL_LM, reparam="LSTM"), lambda: lm_dataset(6, seed=2)),
+    "bert_classification": (lambda: p_tuning(tiny_bert(num_labels=2), TaskType.SEQ_CLS, reparam="LSTM"),
+                            lambda: cls_dataset(6, 2)),
+    "t5": (lambda: p_tuning(t5_frozen_bias(), TaskType.SEQ_2_SEQ_LM, reparam="LSTM"), lambda: seq2seq_dataset(6)),
+}
+
+
+@pytest.mark.parametrize("case", list(P_TUNING))
+def test_p_tuning_lstm_flat_matches_oracle(tmp_path, case):
     torch.manual_seed(2)
-    check_update(p_tuning(base(), TaskType.CAUSAL_LM, reparam="LSTM"), lm_dataset(6, seed=2), tmp_path, 2, 3)
+    make_model, make_data = P_TUNING[case]
+    check_update(make_model(), make_data(), tmp_path, 2, 3)
 
 
 @pytest.mark.parametrize("base", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
