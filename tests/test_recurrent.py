@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_dp import DPTrainer, UnsupportedLayerError
 from hf_dp.clipping.engine import ClippingEngine
-from hf_dp.clipping.recurrent import twin
+from hf_dp.clipping.recurrent import RecurrentFallback, twin
 
 VOCAB = 13
 
@@ -111,6 +111,11 @@ def test_twin_reproduces_pytorch():
             mine = twin(m, x, None)
             for ref, got in zip((out, *states), mine):
                 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+            # packed, lengths 4, 1, 3 (enforce_sorted=False): what the first-batch verification compares
+            packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([4, 1, 3]), batch_first=True,
+                                                       enforce_sorted=False)
+            fb = RecurrentFallback(m, "rnn", tuple(n for n, _ in m.named_parameters()))
+            fb.verify((packed,), {}, m(packed), 3, fb.mapped_leaves((packed,), {}, 3))
 
 
 class EncoderDecoder(nn.Module):
@@ -238,7 +243,7 @@ class Packed(Classifier):
 
 
 def packed_rows(n: int = 4, seq_len: int = 6) -> Rows:
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(6)  # four different lengths
     out = []
     for i in range(n):
         length = int(torch.randint(1, seq_len + 1, (1,), generator=g))
@@ -254,7 +259,7 @@ def test_packed_sequence_matches_oracle(tmp_path, make):
     there); the oracle packs each example alone."""
     torch.manual_seed(6)
     data = packed_rows()
-    assert len({int(r["lengths"]) for r in data.rows}) > 1
+    assert len({int(r["lengths"]) for r in data.rows}) == 4  # the first micro-batch (verified) has two lengths too
     check_exact(Packed(make()), data, tmp_path, ga=2, per_example_loss=ce_loss)
 
 

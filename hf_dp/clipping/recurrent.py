@@ -280,7 +280,8 @@ class RecurrentFallback(Fallback):
                                                             x.unsorted_indices), batch_first=True)
         elif layout.axis:
             x = x.movedim(layout.axis, 0)
-        outs, record = twin(self.module, x, hx, True, lengths) if factors else (twin(self.module, x, hx), None)
+        outs, record = twin(self.module, x, hx, True, lengths) if factors else (twin(self.module, x, hx, False,
+                                                                                     lengths), None)
         out = outs[0]
         if packed is not None:  # the packed order: at step t, the first batch_sizes[t] sequences in sorted order
             order = packed.sorted_indices if packed.sorted_indices is not None else torch.arange(out.shape[0])
