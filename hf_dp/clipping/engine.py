@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fallback import Fallback
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
+from .recurrent import fallback_for
 
 __all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError", "train_without_dropout"]
 
@@ -327,15 +328,10 @@ class ClippingEngine:
                     "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
                     "them)")
                 continue
-            if rule is None and isinstance(module, nn.RNNBase):
-                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
-                             "torch.func has no batching rule for them, which the generic fallback needs)"
-                             for n, _ in own]
-                continue
             if rule is None:
                 names = tuple(n for n, _ in own)
                 rule = Rule("fallback", _no_uses, names)
-                self._fallbacks[id(module)] = Fallback(module, name, names)
+                self._fallbacks[id(module)] = fallback_for(module, name, names, self)  # recurrent.py for RNNs
                 self._modules.append((name, module, rule))
                 continue
             if rule.check is not None:
@@ -369,13 +365,14 @@ class ClippingEngine:
                 "model through a PEFT adapter (LoRA)."
             )
         self._names = {id(p): n for n, p in self.params.items()}
-        if self._fallbacks:
+        generic = [fb for fb in self._fallbacks.values() if type(fb) is Fallback]  # recurrent.py logs its own
+        if generic:
             logger.warning(
                 "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
                 "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
                 "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
                 "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
-                "; ".join(fb.describe() for fb in self._fallbacks.values()),
+                "; ".join(fb.describe() for fb in generic),
             )
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
@@ -567,7 +564,9 @@ class ClippingEngine:
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             if key[0] in self._fallbacks:
-                self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
+                self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
+                    _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
             axis = _later_batch_axis(two, one, big)
             if axis:
@@ -1134,7 +1133,8 @@ class ClippingEngine:
                 a, k = box.pop()
                 with self._replay():
                     per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
-                uses = [Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
+                    Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if self._groups is not None:
