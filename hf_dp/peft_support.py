@@ -7,8 +7,8 @@
   repeats the result over the batch (peft#2043), so the gradient reaching the encoder is already summed over
   examples and could not be clipped per example. :func:`per_example_prompts` makes the model encode the prompt for
   every example (the pre-#2043 behaviour), which gives identical outputs and exact per-example gradients. P-tuning's
-  MLP reparameterisation is ``Linear``/``ReLU`` layers (exact); its LSTM one has no layer rule of its own (``nn.LSTM``
-  is left to the clipping engine, which refuses it unless a generic exact rule covers it).
+  MLP reparameterisation is ``Linear``/``ReLU`` layers (exact); its LSTM one is exact through the clipping engine's
+  recurrent layers (``clipping/recurrent.py``; ``encoder_dropout > 0`` is refused: its mask cannot be replayed).
 
 Li et al. 2022 §5.2 compare these adapters with full fine-tuning under DP; Yu et al. 2024 use DP LoRA.
 """
