@@ -623,12 +623,12 @@ def find_rule(module: nn.Module) -> Rule | None:
             return rule
     if isinstance(module, nn.Embedding):
         return _EMBEDDING_CALLS
+    if _is_router(module):  # also nn.Linear subclasses (PhiMoE, Llama 4) that return (logits, weights, experts)
+        return _ROUTER
     if isinstance(module, nn.Linear):
         return _LINEAR_SUBCLASS
     if _is_experts(module):
         return _EXPERTS
-    if _is_router(module):
-        return _ROUTER
     if _is_affine_candidate(module):
         return _AFFINE_NORM
     return None
