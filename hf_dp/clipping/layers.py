@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,6 +93,8 @@ def _as_btd(x: torch.Tensor, d: int) -> torch.Tensor:
     """View ``(B, ..., d)`` as ``(B, T, d)``: every non-batch, non-feature axis is a 'token' axis."""
     if x.dim() == 1:
         return x.reshape(1, 1, d)
+    if x.numel() == 0 and x.shape[-1] == d:  # an empty parameter's factors (d = 0): -1 would be ambiguous
+        return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), d)
     return x.reshape(x.shape[0], -1, d)
 
 
@@ -410,9 +413,11 @@ class _WeightCalls(TorchFunctionMode):
 class _EmbeddingCalls(_WeightCalls):
     """An ``nn.Embedding`` subclass with its own ``forward``: its ``F.embedding(ids, self.weight, ...)`` calls get the
     plain embedding rule — a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or computed position
-    ids (OPT / BART / BioGPT learned positions) around them do not matter. Ids without the batch axis (``(1, T)`` or
-    ``(T,)``: positions computed once and broadcast) are expanded to the micro-batch's ``B`` rows first, so each
-    example gets its own rows (an output that broadcasts the same way downstream)."""
+    ids (OPT / BART / BioGPT learned positions) around them do not matter. A row lookup written as indexing
+    (``self.weight[position_ids]``, ``self.weight[a:b]``: Whisper's decoder positions) is the same lookup and gets
+    the same rule. Ids without the batch axis (``(1, T)`` or ``(T,)``: positions computed once and broadcast) are
+    expanded to the micro-batch's ``B`` rows first, so each example gets its own rows (an output that broadcasts the
+    same way downstream)."""
 
     functional = staticmethod(F.embedding)
 
@@ -422,6 +427,26 @@ class _EmbeddingCalls(_WeightCalls):
             ids = ids.unsqueeze(0) if ids.dim() == 1 else ids  # (T,): positions with no batch axis (also for B = 1)
             ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 and b > 1 else ids
         return self.attach(ids, func(ids, *args[1:], **kwargs))
+
+    def _lookup_ids(self, weight: torch.Tensor, index) -> torch.Tensor | None:
+        """The ids of an indexing read of the weight that is a row lookup: ``weight[ids]`` with integer ids, or
+        ``weight[a:b]`` (Whisper's decoder positions: rows ``a..b-1``); ``None`` for anything else. Not with a
+        ``padding_idx``: indexing gives that row a gradient, which F.embedding (the rule's math) does not."""
+        if self.module.padding_idx is not None:
+            return None
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32) and index.dim() <= 2:
+            return index.long()
+        if isinstance(index, slice) and index.step in (None, 1) and all(
+                v is None or isinstance(v, int) for v in (index.start, index.stop)):
+            return torch.arange(*index.indices(weight.shape[0])[:2], device=weight.device)
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and any(args[0] is w for w in self.aliases):
+            ids = self._lookup_ids(args[0], args[1])
+            if ids is not None:  # an embedding lookup written as indexing: the embedding rule applies to it
+                return self.call(F.embedding, (ids, args[0]), {})
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 class _RouterCalls(_WeightCalls):
