@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 from helpers import VOCAB, seq2seq_dataset
 from test_layers import Seq, check_engine
-from test_zoo import N, check_exact, decoder_data, image_cls
+from test_zoo import N, check_exact, decoder_data, freeze, image_cls
 from torch import nn
 
 from hf_dp import UnsupportedLayerError
@@ -189,6 +189,11 @@ def test_affine_with_parameter_free_term_is_exact_and_non_affine_refused():
         model(torch.randn(3, 5, 3)).sum().backward()
 
 
+# The gated delta-net reads `linear_attn.conv1d.weight` directly (causal_conv1d_fn), outside the Conv1d's forward: the
+# hooks-vs-autograd check refuses it, naming it, until the enclosing-module fallback covers such reads (branch cover).
+CONV = "linear_attn.conv1d"
+
+
 def qwen3_next(cls=tf.Qwen3NextForCausalLM, cfg_cls=tf.Qwen3NextConfig, **kw):
     base = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=1,
@@ -204,19 +209,20 @@ def test_qwen3_next_is_exact(tmp_path, clipping):
     torch.manual_seed(0)
     model = qwen3_next(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8,
                        shared_expert_intermediate_size=8, experts_implementation="eager")
-    check_exact(model, decoder_data(), tmp_path, clipping=clipping)
+    check_exact(freeze(model, CONV), decoder_data(), tmp_path, clipping=clipping, rtol=1e-5)  # (1 + w) norm in float32
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_qwen3_5_is_exact(tmp_path, clipping):
     torch.manual_seed(0)
-    check_exact(qwen3_next(tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig), decoder_data(), tmp_path, clipping=clipping)
+    model = qwen3_next(tf.Qwen3_5ForCausalLM, tf.Qwen3_5TextConfig)
+    check_exact(freeze(model, CONV), decoder_data(), tmp_path, clipping=clipping, rtol=1e-5)
 
 
 def test_convnext_v2_is_exact(tmp_path):
     torch.manual_seed(0)
     model = tf.ConvNextV2ForImageClassification(tf.ConvNextV2Config(
-        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2, image_size=8, num_labels=3,
+        num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], patch_size=2, image_size=8, num_labels=3,
         drop_path_rate=0.0))
     check_exact(model, image_cls(), tmp_path)
 
@@ -270,5 +276,6 @@ def test_whisper_seq2seq_is_exact(tmp_path):
     model = tf.WhisperForConditionalGeneration(cfg)
     g = torch.Generator().manual_seed(0)
     labels = seq2seq_dataset(N)["labels"]
-    data = [{"input_features": torch.randn(8, 16, generator=g), "labels": torch.tensor(t)} for t in labels]
+    feats = torch.randn(N, 8, 16, generator=g, dtype=torch.float64)
+    data = [{"input_features": f, "labels": torch.tensor(t)} for f, t in zip(feats, labels)]
     check_exact(model, data, tmp_path)
