@@ -254,16 +254,19 @@ def test_embedding_lookup_by_indexing_is_exact(ids_shape):
     check_engine(PosLM(ids_shape), torch.randint(0, 11, (3, 5)))
 
 
-class MaskedRead(nn.Embedding):
+class StridedRead(nn.Embedding):
     def forward(self, ids):
-        return self.weight[self.weight > 0].sum() + super().forward(ids)  # not a row lookup
+        return self.weight[1::2].sum(0) + super().forward(ids)  # every other row: not a lookup of ids
 
 
 def test_other_indexing_of_embedding_weight_is_refused():
-    model = Seq(MaskedRead(11, 4), nn.Linear(4, 2))
-    engine = ClippingEngine(model)
-    with pytest.raises(UnsupportedLayerError, match="other than through F.embedding"), engine.record(3):
-        model(torch.randint(0, 11, (3, 5))).sum().backward()
+    """Only row lookups are embedding lookups; with a padding_idx even those are refused (indexing gives the padding
+    row a gradient, F.embedding does not)."""
+    for emb in (StridedRead(11, 4), IndexedPositions(8, 4, padding_idx=0)):
+        model = Seq(emb, nn.Linear(4, 2))
+        engine = ClippingEngine(model)
+        with pytest.raises(UnsupportedLayerError, match="other than through F.embedding"), engine.record(3):
+            model(torch.randint(0, 8, (3, 5))).sum().backward()
 
 
 def test_whisper_seq2seq_is_exact(tmp_path):
