@@ -287,9 +287,9 @@ def _verify_affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor) ->
                 _AFFINE_FORM[module] = (offset, axis, additive)
                 return
     raise UnsupportedLayerError(
-        f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but is not affine in them "
-        "(y = weight * x_hat + bias + y0, with x_hat and y0 independent of its parameters and of the other examples; "
-        "checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
+        f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
+        "weight * x_hat + bias + y0 (not affine in them, or x_hat / y0 depend on its parameters or on the other "
+        "examples; checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
         "(param.requires_grad_(False)) or train it through a PEFT adapter."
     )
 
