@@ -207,12 +207,14 @@ def _affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor, grad: tor
     ``GRN``), with ``x̂`` the output's derivative in ``w`` computed by the layer itself: ``G_w = Σ_t g ⊙ x̂``,
     ``G_b = Σ_t g``. The form and the axis the parameters run along were verified on real activations
     (:func:`_verify_affine_norm`). Gated norms (``all_inputs``) may see tokens flattened example-major
-    (``(B·T·H, d)``: Qwen3-Next / Qwen3.5), so their uses are ``token_rows`` (regrouped per example).
+    (``(B·T·H, d)``: Qwen3-Next / Qwen3.5), so their 2-D inputs' uses are ``token_rows`` (regrouped per example).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     offset, axis, additive = _AFFINE_FORM.get(module, (0.0, -1, False))
     d = (w if w is not None else b).numel()
-    rows = isinstance(inp, tuple)
+    # Rows flattened example-major ((B·T·H, d), as reshape(-1, d) of a batch-first tensor gives; the first-step probe
+    # proves layouts for single-input layers only): regrouped per example. Other inputs keep their batch axis first.
+    rows = isinstance(inp, tuple) and inp[0].dim() == 2
     g = _as_btd(grad.movedim(axis, -1), d)
     uses = []
     if w is not None:
