@@ -294,3 +294,24 @@ def test_llama4_router_is_exact(tmp_path):
                               pad_token_id=0, bos_token_id=0, eos_token_id=0)
     model = freeze(tf.Llama4ForCausalLM(cfg), "feed_forward.experts")
     check_exact(model, decoder_data(), tmp_path)
+
+
+class BiasedRouter(nn.Module):
+    def __init__(self, d=4, n_exp=3, bias_in_call=True):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(n_exp, d)), nn.Parameter(torch.randn(n_exp))
+        self.top_k, self.num_experts, self.bias_in_call = 1, n_exp, bias_in_call
+
+    def forward(self, x):
+        if self.bias_in_call:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight) + 2 * self.bias  # the rule's Σ g would miss the 2
+
+
+def test_router_bias_outside_its_call_is_refused():
+    torch.manual_seed(0)
+    check_engine(Seq(BiasedRouter(), nn.Tanh()), torch.randn(3, 5, 4))
+    model = Seq(BiasedRouter(bias_in_call=False), nn.Tanh())
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match="without its bias"), engine.record(3):
+        model(torch.randn(3, 5, 4)).sum().backward()

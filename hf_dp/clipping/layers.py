@@ -454,7 +454,39 @@ class _EmbeddingCalls(_WeightCalls):
 class _RouterCalls(_WeightCalls):
     """A MoE router (a module with a 2-D ``weight`` scoring tokens for experts): its ``F.linear(x, self.weight, b)``
     call gets the linear rule. Routers see the tokens flattened example-major (``(B·T, d)``); the call is made on
-    the ``(B, T, d)`` view so each row stays with its example."""
+    the ``(B, T, d)`` view so each row stays with its example. A ``bias`` parameter must be that call's bias (the
+    rule's ``G_b = Σ_t g``): any other use of it, or the weight applied without it, is refused."""
+
+    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach: Attach):
+        super().__init__(module, name, batch_size, attach)
+        bias = getattr(module, "bias", None)
+        self.biases = [bias] if isinstance(bias, nn.Parameter) else []  # the bias and its dtype casts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.biases:
+            fname = getattr(func, "__name__", "")
+            linear = func is self.functional and len(args) >= 2 and any(args[1] is w for w in self.aliases)
+            bias_arg = (args[2] if len(args) > 2 else kwargs.get("bias")) if linear else None
+            with_bias = any(bias_arg is b for b in self.biases)
+            if linear and not with_bias:
+                self._refuse_bias("applies its weight without its bias")
+            if not linear and any(a is b for a in (*args, *kwargs.values()) for b in self.biases):
+                result = func(*args, **kwargs)
+                if fname in self._CASTS and args and any(args[0] is b for b in self.biases) and \
+                        isinstance(result, torch.Tensor) and result.shape == self.biases[0].shape:
+                    self.biases.append(result)
+                    return result
+                if fname == "__get__" and not isinstance(result, torch.Tensor):
+                    return result  # metadata
+                self._refuse_bias(f"uses its bias other than as F.linear's bias ({fname or func})")
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _refuse_bias(self, what: str) -> None:
+        raise UnsupportedLayerError(
+            f"{self.name} ({type(self.module).__name__}) {what}, so hf_dp's router rule (bias gradient = the sum of "
+            "the F.linear output's gradient) does not hold for it. Freeze its bias (requires_grad_(False)) or train "
+            "the model through a PEFT adapter (LoRA).")
 
     def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         x, b = args[0], self.batch_size
