@@ -286,6 +286,28 @@ def _patch(owner: nn.Module, method: str, wrapped: Callable):
     return _Restore
 
 
+def _hook_target(output: torch.Tensor) -> torch.Tensor | None:
+    """The tensor on which a hook receives the gradient of ``output`` as the layer returned it, even if the model
+    then modifies ``output`` in place; ``None`` when there is no such tensor (the caller then hooks a copy).
+
+    A hook registered on a tensor that is not a view survives a later in-place operation on it (it stays on the
+    tensor's old autograd node and receives the gradient of the value before the operation). A hook registered on a
+    *view* does not: an in-place operation on a view rebases the view onto ``CopySlices`` of its base, and its old
+    node (with the hook) leaves the graph, so the hook never fires. ``F.linear`` on a 3-D input returns such a view
+    (a 2-D ``addmm`` reshaped), and Longformer's global attention divides the query projection's output in place
+    (``global_query_vectors_only_global /= ...``): its hook was lost. A view that is the whole of a base computed by
+    the layer itself (its autograd node feeds the view's) is hooked on that base, whose gradient is the output's.
+    """
+    base = output._base
+    if base is None:
+        return output
+    node = output.grad_fn
+    if (node is not None and base.grad_fn is not None and base.numel() == output.numel() and output.is_contiguous()
+            and base.is_contiguous() and any(n is base.grad_fn for n, _ in node.next_functions)):
+        return base
+    return None
+
+
 def _rows(x: torch.Tensor) -> int | None:
     """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
     return x.shape[0] if x.dim() >= 2 else None
@@ -846,6 +868,10 @@ class ClippingEngine:
             # output, so none is passed).
             box = [inp]
             del inp
+            target = _hook_target(output)
+            if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
+                output = target = output.clone()
+            shape = output.shape
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
@@ -853,7 +879,7 @@ class ClippingEngine:
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
-                grad = grad.detach()
+                grad = grad.detach().reshape(shape)
                 if flat:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
                 elif axis:
@@ -865,7 +891,7 @@ class ClippingEngine:
             if self._groups is not None:
                 for n in owned:
                     self._pending[n] = self._pending.get(n, 0) + 1
-            output.register_hook(grad_hook)
+            target.register_hook(grad_hook)
             return output
 
         return hook
