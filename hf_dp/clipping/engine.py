@@ -308,6 +308,29 @@ def _hook_target(output: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _parent(name: str) -> str | None:
+    """The qualified name of a module's parent (``""`` for the model), ``None`` for the model itself."""
+    return None if not name else name.rpartition(".")[0]
+
+
+def _common_ancestor(names: list[str]) -> str:
+    """The qualified name of the smallest module containing all of ``names`` (one of them, or an ancestor)."""
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _with_enclosable(err: UnsupportedLayerError, names: list[str]) -> UnsupportedLayerError:
+    """Mark a first-step refusal that re-running an enclosing module per example might resolve
+    (``ClippingEngine._replan``): the qualified names of the parameters concerned."""
+    err.enclosable = list(names)
+    return err
+
+
 def _rows(x: torch.Tensor) -> int | None:
     """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
     return x.shape[0] if x.dim() >= 2 else None
@@ -328,47 +351,16 @@ class ClippingEngine:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._modules: list[tuple[str, nn.Module, Rule]] = []
-        self._fallbacks: dict[int, Fallback] = {}
         self.params: dict[str, nn.Parameter] = {}
-        problems: list[str] = []
-        batch_stats: list[str] = []
-        self._owners: dict[int, list[str]] = {}
-        for name, module in model.named_modules():
-            if _uses_batch_statistics(module):
-                batch_stats.append(f"{name} ({type(module).__name__})")
-            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            if not own:
-                continue
-            for _n, p in own:
-                self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
-            rule = find_rule(module)
-            if rule is None and module is model:
-                problems.append(
-                    f"{', '.join(n for n, _ in own)} ({type(module).__name__}: parameters of the model itself; hf_dp's "
-                    "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
-                    "them)")
-                continue
-            if rule is None and isinstance(module, nn.RNNBase):
-                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
-                             "torch.func has no batching rule for them, which the generic fallback needs)"
-                             for n, _ in own]
-                continue
-            if rule is None:
-                names = tuple(n for n, _ in own)
-                rule = Rule("fallback", _no_uses, names)
-                self._fallbacks[id(module)] = Fallback(module, name, names)
-                self._modules.append((name, module, rule))
-                continue
-            if rule.check is not None:
-                rule.check(module, name)
-            ruled = rule_parameters(rule, module)
-            for n, _ in own:
-                if n not in ruled:
-                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
-                                    f"{', '.join(rule.params)} only)")
-            if ruled:
-                self._modules.append((name, module, rule))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.params[name] = p
+        self._names = {id(p): n for n, p in self.params.items()}
+        #: param id -> qualified name of the module whose forward re-run per example gives its per-example gradient
+        #: (the enclosing-module fallback: :meth:`_enclose`); its owner's rule then no longer records it
+        self._enclosure: dict[int, str] = {}
+        self._static_enclosures()
+        problems, batch_stats = self._plan()
         if batch_stats:
             raise UnsupportedLayerError(
                 "These layers compute statistics over the batch: " + ", ".join(batch_stats) + ". In train mode (which "
@@ -379,9 +371,6 @@ class ClippingEngine:
                 "torchvision.ops.FrozenBatchNorm2d, built from the trained BatchNorm's running statistics) or by "
                 "per-example normalisations (GroupNorm, LayerNorm)."
             )
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.params[name] = p
         if problems:
             listing = "\n  ".join(problems)
             raise UnsupportedLayerError(
@@ -390,15 +379,8 @@ class ClippingEngine:
                 "Freeze them before training, e.g. `model.get_parameter(name).requires_grad_(False)`, or train the "
                 "model through a PEFT adapter (LoRA)."
             )
-        self._names = {id(p): n for n, p in self.params.items()}
-        if self._fallbacks:
-            logger.warning(
-                "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
-                "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
-                "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
-                "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
-                "; ".join(fb.describe() for fb in self._fallbacks.values()),
-            )
+        self._logged: set[str] = set()
+        self._log_fallbacks(list(self._fallbacks.values()))
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
         self._units: torch.Tensor | None = None
@@ -421,9 +403,152 @@ class ClippingEngine:
         self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
         self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
         self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
+        self.summed_grads: dict[str, torch.Tensor] = {}
+
+    def _plan(self) -> tuple[list[str], list[str]]:
+        """Which hook computes which parameter's per-example gradients: every module that owns a trainable parameter
+        gets its rule (``layers.py``) or, with none, the generic fallback (``fallback.py``); a parameter in
+        :attr:`_enclosure` is left out of its owner's rule and given to the fallback of its enclosing module instead.
+        Returns the coverage problems and the batch-statistics layers (the caller refuses them)."""
+        model = self.model
+        self._modules: list[tuple[str, nn.Module, Rule]] = []
+        self._fallbacks: dict[int, Fallback] = {}
+        self._dormant: set[int] = set()  # modules whose every trainable parameter is enclosed: not hooked
+        self._enclosed = set(self._enclosure)
+        problems: list[str] = []
+        batch_stats: list[str] = []
+        self._owners: dict[int, list[str]] = {}
+        extra: dict[str, list[str]] = {}  # enclosing module -> paths (relative to it) of the parameters it computes
+        for pid, mname in self._enclosure.items():
+            module = model.get_submodule(mname)
+            path = next(n for n, q in module.named_parameters(remove_duplicate=False) if id(q) == pid)
+            if path not in extra.setdefault(mname, []):
+                extra[mname].append(path)
+        for name, module in model.named_modules():
+            if _uses_batch_statistics(module):
+                batch_stats.append(f"{name} ({type(module).__name__})")
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            for _n, p in own:
+                self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
+            kept = [(n, p) for n, p in own if id(p) not in self._enclosed]
+            inner = tuple(extra.get(name, ()))
+            if not own and not inner:
+                continue
+            rule = find_rule(module)
+            if inner:  # an enclosing module (never ruled, never the model: see _enclose)
+                fb = Fallback(module, name, tuple(n for n, _ in kept) + inner)
+                self._fallbacks[id(module)] = fb
+                # its Rule lists its own parameters only: groups (modes.py) keep an enclosed parameter in its owner's
+                self._modules.append((name, module, Rule("fallback", _no_uses, tuple(n for n, _ in own))))
+                continue
+            if rule is None and module is model:
+                problems.append(
+                    f"{', '.join(n for n, _ in own)} ({type(module).__name__}: parameters of the model itself; hf_dp's "
+                    "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
+                    "them)")
+                continue
+            if rule is None and isinstance(module, nn.RNNBase) and kept:
+                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
+                             "torch.func has no batching rule for them, which the generic fallback needs)"
+                             for n, _ in kept]
+                continue
+            if rule is None:
+                rule = Rule("fallback", _no_uses, tuple(n for n, _ in own))
+                if kept:
+                    self._fallbacks[id(module)] = Fallback(module, name, tuple(n for n, _ in kept))
+                else:
+                    self._dormant.add(id(module))
+                self._modules.append((name, module, rule))
+                continue
+            if rule.check is not None:
+                rule.check(module, name)
+            ruled = rule_parameters(rule, module)
+            for n, _ in kept:
+                if n not in ruled:
+                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
+                                    f"{', '.join(rule.params)} only)")
+            if ruled:
+                if not kept:
+                    self._dormant.add(id(module))
+                self._modules.append((name, module, rule))
         self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
                               and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
-        self.summed_grads: dict[str, torch.Tensor] = {}
+        return problems, batch_stats
+
+    def _log_fallbacks(self, fallbacks: list[Fallback]) -> None:
+        """Say once in the log which modules the generic fallback re-runs, and what it costs."""
+        if not fallbacks:
+            return
+        self._logged.update(fb.describe() for fb in fallbacks)
+        logger.warning(
+            "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
+            "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
+            "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
+            "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
+            "; ".join(fb.describe() for fb in fallbacks),
+        )
+
+    def _static_enclosures(self) -> None:
+        """Parameters whose uses no layer hook can see, known without running the model: a parametrization's
+        ``original*`` tensors (weight norm: read through the parametrized module's attribute, computed by a
+        ``ParametrizationList`` that is called with no input) and the children of ``nn.MultiheadAttention`` (its
+        forward applies ``out_proj.weight`` with a functional call). They go to the fallback of the smallest
+        enclosing module that can be re-run per example (verified on the first step like any fallback)."""
+        from torch.nn.utils.parametrize import ParametrizationList
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, ParametrizationList) or isinstance(module, nn.MultiheadAttention):
+                inner = [(n, p) for n, p in module.named_parameters() if id(p) in self._names]
+                if isinstance(module, nn.MultiheadAttention):
+                    inner = [(n, p) for n, p in inner if "." in n]  # its children's (out_proj), not its own
+                for _n, p in inner:
+                    if id(p) not in self._enclosure:
+                        target = self._enclosing_candidate(name if isinstance(module, nn.MultiheadAttention)
+                                                           else _parent(name), start_inclusive=True)
+                        if target is not None:
+                            self._enclosure[id(p)] = target
+
+    def _enclosing_candidate(self, name: str | None, start_inclusive: bool = False) -> str | None:
+        """The nearest module at or above ``name`` (above it unless ``start_inclusive``) that can host an enclosing
+        fallback: called with the examples (not a container: ``ModuleList``, ``ModuleDict``, ``ParametrizationList``),
+        without a layer rule (a rule factors its own parameters only), not recurrent, and not the model itself
+        (re-running the whole model per example is refused: :class:`ClippingEngine`)."""
+        from torch.nn.utils.parametrize import ParametrizationList
+
+        if name is None:
+            return None
+        if not start_inclusive:
+            name = _parent(name)
+        while name:
+            module = self.model.get_submodule(name)
+            if not isinstance(module, (nn.ModuleList, nn.ModuleDict, ParametrizationList, nn.RNNBase)) \
+                    and find_rule(module) is None:
+                return name
+            name = _parent(name)
+        return None
+
+    def _enclose(self, names: list[str]) -> bool:
+        """Move each named parameter's per-example gradient one enclosing module up (:meth:`_enclosing_candidate`):
+        from its owners' rule to their smallest common ancestor's fallback, or from its current enclosing module to
+        the next. Returns ``False`` (nothing changed) when some parameter has no enclosing module left."""
+        moves = {}
+        for full in names:
+            p = self.params.get(full)
+            if p is None:
+                return False
+            current = self._enclosure.get(id(p))
+            if current is None:
+                owners = [n for n, m in self.model.named_modules()
+                          if any(q is p for q in m.parameters(recurse=False))]
+                common = _common_ancestor(owners)
+                target = self._enclosing_candidate(common, start_inclusive=common not in owners)
+            else:
+                target = self._enclosing_candidate(current)
+            if target is None:
+                return False
+            moves[id(p)] = target
+        self._enclosure.update(moves)
+        return True
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
@@ -454,6 +579,8 @@ class ClippingEngine:
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
+            if id(m) in self._dormant:  # every parameter it owns is computed by an enclosing module's fallback
+                continue
             if id(m) in self._fallbacks:
                 handles.append(m.register_forward_hook(self._fallback_hook(n, m), with_kwargs=True))
             elif r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
@@ -551,13 +678,48 @@ class ClippingEngine:
         Raises :class:`UnsupportedLayerError` naming the layer and the cause.
         """
         saved = self._saved_state()
+        first = None
         try:
-            if batch_size >= 2:
-                self._probe_layout(run_losses, batch_size)
-            self._check_against_autograd(run_losses, min(batch_size, 2), rtol)
+            while True:
+                try:
+                    if batch_size >= 2:
+                        self._probe_layout(run_losses, batch_size)
+                    self._check_against_autograd(run_losses, min(batch_size, 2), rtol)
+                    break
+                except UnsupportedLayerError as err:
+                    first = first or err
+                    if not self._replan(getattr(err, "enclosable", None)):
+                        if err is not first:
+                            raise first from err
+                        raise
         finally:
             self._probe = None
             self._restore_state(saved)
+        self._log_fallbacks([fb for fb in self._fallbacks.values() if fb.describe() not in self._logged])
+
+    def _replan(self, names: list[str] | None) -> bool:
+        """After a first-step refusal naming ``names``: compute their per-example gradients one enclosing module up
+        (:meth:`_enclose`) and plan again; ``False`` when there is nothing left to try (the refusal stands).
+
+        The enclosing-module fallback: a parameter that its owner's rule cannot see whole (read directly or applied
+        functionally by an ancestor's forward, e.g. Mamba's ``conv1d.weight``; used with no batch axis, e.g. Swin's
+        relative position table or DeBERTa's position projections applied once per batch) gets its per-example
+        gradient from the smallest enclosing module whose forward contains all its uses and treats examples
+        independently: the generic fallback (``fallback.py``) re-runs that module per example with the parameter
+        replaced by its path, and the owner's rule no longer records it. The enclosing module is verified like any
+        fallback (the per-example re-run must reproduce its batched output, no dropout), and the whole first-step
+        check runs again on the new plan: it must pass for every parameter, or the first refusal is raised.
+        """
+        if not names:
+            return False
+        before = dict(self._enclosure)
+        if not self._enclose(names) or self._plan()[0]:
+            self._enclosure = before
+            self._plan()
+            return False
+        self._verified = set()
+        self._layout, self._mapped = {}, {}
+        return True
 
     def _probe_layout(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int) -> None:
         seen = {}
@@ -569,7 +731,8 @@ class ClippingEngine:
             seen[b] = self._probe
         self._probe = None
         names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
-        problems = []
+        rules = {id(m): (m, r) for _, m, r in self._modules}
+        problems, concerned = [], []
         for key, two in seen[big].items():
             one = seen[1].get(key)
             if one is None or two is None:
@@ -588,6 +751,7 @@ class ClippingEngine:
                 continue
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
+            n_before = len(problems)
             if key[0] in self._fallbacks:
                 self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
@@ -624,9 +788,11 @@ class ClippingEngine:
                 problems.append(
                     f"{call}: the first axis of its input has {r2} rows for {big} examples but {r1} for one, so hf_dp "
                     "cannot tell which rows belong to which example. Freeze the layer.")
+            if len(problems) > n_before:
+                concerned += self._owned(*rules[key[0]])
         if problems:
-            raise UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
-                                        + "\n  ".join(problems))
+            raise _with_enclosable(UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
+                                                         + "\n  ".join(problems)), concerned)
 
     @contextlib.contextmanager
     def _stand_ins(self) -> Iterator[dict[str, nn.Parameter]]:
@@ -683,17 +849,18 @@ class ClippingEngine:
             if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
                 escaped.append(f"{name} (owned by {', '.join(self._owners.get(id(p), ['?']))})")
         if escaped:
-            raise UnsupportedLayerError(
+            raise _with_enclosable(UnsupportedLayerError(
                 "The hooks' sum of per-example gradients differs from autograd's gradient for these trainable "
                 "parameters, so their gradient could not be clipped per example:\n  " + "\n  ".join(escaped)
                 + "\nTypical cause: a use outside the forward of the module that owns them, which the per-layer "
                 "hooks do not see (a parent module reads `child.weight` directly, or applies it with a functional "
-                "call). Seen also with Longformer's global attention "
-                "projections (query_global). Freeze these parameters "
+                "call), and re-running a module that encloses those uses per example (hf_dp's generic fallback) "
+                "failed or was not possible (the last attempt's refusal, if any, is chained as this error's cause). "
+                "Freeze these parameters "
                 "(`model.get_parameter(name).requires_grad_(False)`; a parameter tied to another, like an input "
                 "embedding tied to the LM head, is then frozen in both places) or train "
                 "the model through a PEFT adapter (LoRA)."
-            )
+            ), [e.split(" (owned by")[0] for e in escaped])
 
     def check_single_examples(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int,
                               num_single: int = 2, rtol: float = 1e-3, mode: str = "") -> None:
@@ -751,7 +918,11 @@ class ClippingEngine:
 
     def _owned(self, module: nn.Module, rule: Rule) -> list[str]:
         return [self._names[id(getattr(module, n))] for n in rule.params
-                if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+                if getattr(module, n, None) is not None and self._keeps(getattr(module, n))]
+
+    def _keeps(self, param) -> bool:
+        """Whether a rule records this parameter: trainable, and not computed by an enclosing module's fallback."""
+        return id(param) in self._names and id(param) not in self._enclosed
 
     def _add_uses(self, name: str, uses: list[Use]) -> None:
         """Store one hooked call's uses (called from the gradient hooks); clip completed groups (fused mode)."""
@@ -768,8 +939,9 @@ class ClippingEngine:
                 else:
                     cause = ("its input has no batch axis (computed once and shared by all examples): freeze its "
                              "parameters or use LoRA on the other layers")
-                raise UnsupportedLayerError(
-                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}.")
+                raise _with_enclosable(UnsupportedLayerError(
+                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}."),
+                    [self._names[id(v.param)] for v in uses if id(v.param) in self._names])
         if self._segments is not None:  # padding-free packed rows: one block per example
             uses = [self._segment_use(u) for u in uses]
         touched = set()
@@ -885,7 +1057,7 @@ class ClippingEngine:
                 elif axis:
                     grad = grad.movedim(axis, 0)
                 uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
-                        if id(u.param) in self._names]
+                        if self._keeps(u.param)]
                 self._add_uses(name, uses)
 
             if self._groups is not None:
@@ -940,7 +1112,7 @@ class ClippingEngine:
                     if per_example is None:
                         per_example = out.new_zeros(b, *out.shape)
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, per_example)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
 
             expanded.register_hook(grad_hook)
             return expanded
@@ -987,7 +1159,7 @@ class ClippingEngine:
             called = {id(c[1]) for c in captured}
             reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
             direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
-                      if id(m) not in called and id(s) in reached]
+                      if id(m) not in called and id(s) in reached and self._keeps(p)]
             if self._groups is not None:
                 for n, _p, _s in direct:
                     self._pending[n] = self._pending.get(n, 0) + 1
@@ -1011,7 +1183,7 @@ class ClippingEngine:
                 for (name, module, rule, inp, out), g in zip(captured, acc):
                     g = out.new_zeros(b, *out.shape) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
                 for (name, p, _s), g in zip(direct, acc[len(captured):]):
                     g = p.new_zeros(b, p.numel()) if g is None else g.reshape(b, -1)
                     self._add_uses(name, [Use(p, None, g.unsqueeze(1), 1, name)])
@@ -1100,7 +1272,7 @@ class ClippingEngine:
                 for (name, module, rule, inp, out), g in zip(calls, per):
                     g = out.new_zeros(b, *out.shape) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
                 k = len(calls)
                 for r in shared:
                     for j in range(len(r["acc"])):
@@ -1117,7 +1289,7 @@ class ClippingEngine:
     def _fallback_hook(self, name: str, module: nn.Module):
         """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
         fb = self._fallbacks[id(module)]
-        owned = [self._names[id(getattr(module, n))] for n in fb.param_names]
+        owned = [self._names[id(fb.param(n))] for n in fb.param_names]
 
         def hook(mod, args, kwargs, output):
             if self._replaying:
@@ -1134,19 +1306,21 @@ class ClippingEngine:
             if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
                 return None
             b = self._batch_size
+            fb.check_dropout()  # every call: the first-step checks run with dropout off, training does not
             saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
             mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
             if id(module) not in self._verified:
                 with self._replay():
                     fb.verify(*saved_args, output, b, mapped)
                 self._verified.add(id(module))
-            # Each float output is returned as a fresh alias (a leaf if nothing upstream is trainable), so that its
+            # Each float output is returned as a fresh copy (a leaf if nothing upstream is trainable), so that its
             # gradient holds only the uses *after* the module: an output that is also an intermediate of another
             # output (eager attention returns its weights, from which it computes its output) would otherwise pass
-            # the other output's gradient twice through the vector-Jacobian product.
+            # the other output's gradient twice through the vector-Jacobian product. A copy, not a view: an in-place
+            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook (_hook_target).
             for i, t in enumerate(leaves):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    leaves[i] = t.view_as(t) if t.requires_grad else t.detach().requires_grad_(True)
+                    leaves[i] = t.clone() if t.requires_grad else t.detach().requires_grad_(True)
             outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
             likes = [t.detach() for t in outs]
             box = [saved_args]
@@ -1160,7 +1334,7 @@ class ClippingEngine:
                 a, k = box.pop()
                 with self._replay():
                     per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
-                uses = [Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                uses = [Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if self._groups is not None:

@@ -48,12 +48,23 @@ class Fallback:
         #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
         self.out_axes: list[int] | None = None
 
+    def param(self, name: str) -> nn.Parameter:
+        """One of ``param_names``: the module's own (``"weight"``) or, for an enclosing module, a descendant's
+        (``"conv1d.weight"``, ``"conv.parametrizations.weight.original0"``: the path ``functional_call`` replaces)."""
+        return self.module.get_parameter(name)
+
     def describe(self) -> str:
-        numel = sum(getattr(self.module, n).numel() for n in self.param_names)
-        return f"{self.name} ({type(self.module).__name__}: {', '.join(self.param_names)}; {numel} values)"
+        numel = sum(self.param(n).numel() for n in self.param_names)
+        inner = [n for n in self.param_names if "." in n]
+        what = f"{', '.join(self.param_names)}; {numel} values"
+        if inner:
+            what += (f"; enclosing module of {', '.join(inner)}, which are used in its forward outside their own "
+                     "module's (read directly, applied functionally, or broadcast over the batch), so the whole "
+                     "module is re-run per example")
+        return f"{self.name} ({type(self.module).__name__}: {what})"
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self.module, n).detach() for n in self.param_names}
+        return {n: self.param(n).detach() for n in self.param_names}
 
     def _runner(self, args: tuple, kwargs: dict, mapped: list[str | None], batch_size: int, squeeze: bool = True):
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
@@ -111,6 +122,41 @@ class Fallback:
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
+    def _enclosable(self, err: UnsupportedLayerError) -> UnsupportedLayerError:
+        """Mark a refusal that re-running a larger module might resolve (the engine's first-step re-planning tries
+        the enclosing modules before refusing): the qualified names of the parameters concerned."""
+        err.enclosable = [f"{self.name}.{n}" if self.name else n for n in self.param_names]
+        return err
+
+    def check_dropout(self) -> None:
+        """Refuse (``UnsupportedLayerError``) if the module applies dropout in this call: its random mask cannot be
+        reproduced by the per-example re-run, so the re-run's gradient would not be the example's. Checked on every
+        call (the first-step checks run with dropout off, training does not): ``nn.Dropout`` modules in train mode
+        with ``p > 0``, and float attributes named ``*dropout*`` (``attention_dropout``, passed to ``F.dropout`` or
+        sdpa when ``self.training``) on modules in train mode. Dropout read elsewhere (e.g. from the config at
+        forward time) is caught by :meth:`verify`'s comparison."""
+        active = []
+        for n, m in self.module.named_modules():
+            if not m.training:
+                continue
+            where = f"{self.name}.{n}" if n else self.name
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                if m.p > 0:
+                    active.append(f"{where} (p={m.p})")
+                continue
+            active += [f"{where}.{k}={v}" for k, v in vars(m).items()
+                       if "dropout" in k and isinstance(v, float) and v > 0]
+        if active:
+            inner = [n for n in self.param_names if "." in n]
+            raise UnsupportedLayerError(
+                f"{self.name} ({type(self.module).__name__}) is re-run per example by hf_dp's generic fallback to get "
+                f"the per-example gradients of {', '.join(self.param_names)}"
+                + (" (used in its forward outside their own module's)" if inner else "")
+                + f", but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
+                "Set that dropout probability to 0 (in the config, e.g. attention_dropout=0.0 / "
+                "hidden_dropout_prob=0.0, or on the module), freeze these parameters, or use a PEFT adapter (LoRA)."
+            )
+
     def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: list[str | None]) -> None:
         """Refuse (``UnsupportedLayerError``) unless the per-example re-run reproduces the batched output."""
         outs = float_outputs(output)
@@ -126,43 +172,37 @@ class Fallback:
             bad = [tuple(t.shape) for t, ax in zip(outs, axes) if ax is None]
             self.out_axes = axes
         if bad:
-            raise UnsupportedLayerError(
+            raise self._enclosable(UnsupportedLayerError(
                 f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
                 f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
                 "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
                 "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
-            )
-        active = [n for n, m in self.module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
-                  and m.training and m.p > 0]
-        if active:
-            raise UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters that hf_dp computes per example by re-running the "
-                f"module, but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
-                "Set that dropout probability to 0, freeze the parameters, or use a PEFT adapter (LoRA)."
-            )
+            ))
         run, per_example = self._runner(args, kwargs, mapped, batch_size)
         outs = self.per_example_outputs(outs, batch_size, mapped)
         try:
             with torch.no_grad():
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
-            raise UnsupportedLayerError(
+            raise self._enclosable(UnsupportedLayerError(
                 f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
                 f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
                 "(LoRA)."
-            ) from err
+            )) from err
         tol = 1e-2 if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs) else 1e-4
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
-                raise UnsupportedLayerError(
+                raise self._enclosable(UnsupportedLayerError(
                     f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no "
                     "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
                     "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
-                    "batch) or is random. Per-example clipping cannot bound an example's contribution through it. "
-                    "Freeze these parameters (requires_grad_(False)) or use a PEFT adapter (LoRA)."
-                )
+                    "batch), or it is random (e.g. dropout applied functionally with a probability hf_dp cannot see, "
+                    "such as one read from the config in the forward: set it to 0). Per-example clipping cannot bound "
+                    "an example's contribution through it. Freeze these parameters (requires_grad_(False)) or use a "
+                    "PEFT adapter (LoRA)."
+                ))
 
     def per_example_grads(self, args: tuple, kwargs: dict, grads: list[torch.Tensor | None], outputs_like:
                           list[torch.Tensor], mapped: list[str | None], batch_size: int) -> dict[str, torch.Tensor]:
