@@ -174,7 +174,7 @@ _SHARED_METHODS = ("get_rel_embedding",)
 #: whose first axis holds the examples (``B·k`` rows, example-major; DeBERTa-v2's position-to-content and
 #: content-to-position scores; MPNet's relative position bias, looked up with ``(T, T)`` ids and expanded to the batch
 #: inside the method); see _mixing_point
-_MIXING_METHODS = ("disentangled_attention_bias", "compute_position_bias")
+_MIXING_METHODS = ("disentangled_attention_bias", "disentangled_att_bias", "compute_position_bias")
 _ALL_POINTS = _BROADCAST_METHODS + _SHARED_METHODS + _MIXING_METHODS
 
 
@@ -689,9 +689,11 @@ class ClippingEngine:
                 except UnsupportedLayerError as err:
                     first = first or err
                     if not self._replan(getattr(err, "enclosable", None)):
-                        if err is not first:
-                            raise first from err
-                        raise
+                        if err is first:
+                            raise
+                        raise UnsupportedLayerError(
+                            f"{first}\nhf_dp then tried to compute them by re-running an enclosing module per example "
+                            f"(the generic fallback), which was refused too:\n{err}") from err
         finally:
             self._probe = None
             self._restore_state(saved)
@@ -854,9 +856,10 @@ class ClippingEngine:
                 "parameters, so their gradient could not be clipped per example:\n  " + "\n  ".join(escaped)
                 + "\nTypical cause: a use outside the forward of the module that owns them, which the per-layer "
                 "hooks do not see (a parent module reads `child.weight` directly, or applies it with a functional "
-                "call), and re-running a module that encloses those uses per example (hf_dp's generic fallback) "
-                "failed or was not possible (the last attempt's refusal, if any, is chained as this error's cause). "
-                "Freeze these parameters "
+                "call; its uses are then covered by re-running the smallest enclosing module per example when "
+                "one can be, which is not the case here), or random operations hf_dp cannot switch off for this "
+                "check (dropout applied functionally with a probability read from the config). Freeze these "
+                "parameters "
                 "(`model.get_parameter(name).requires_grad_(False)`; a parameter tied to another, like an input "
                 "embedding tied to the LM head, is then frozen in both places) or train "
                 "the model through a PEFT adapter (LoRA)."
