@@ -1031,9 +1031,12 @@ class ClippingEngine:
                 seen = output.reshape(b, -1, *output.shape[1:]) if flat else output.movedim(axis, 0)
                 rule.verify(module, name, inp, seen)
                 self._verified.add(id(module))
+            target = None
             if not output.requires_grad:
-                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
-                output = output.detach().requires_grad_(True)
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook; the
+                # forward goes on with a copy (not the leaf itself, which the model may modify in place).
+                target = output.detach().requires_grad_(True)
+                output = target.clone()
 
             # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
             # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
@@ -1043,7 +1046,7 @@ class ClippingEngine:
             # output, so none is passed).
             box = [inp]
             del inp
-            target = _hook_target(output)
+            target = target if target is not None else _hook_target(output)
             if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
                 output = target = output.clone()
             shape = output.shape
