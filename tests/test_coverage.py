@@ -387,7 +387,7 @@ class ReadsChildWeightAndMixes(ReadsChildWeight):
     per example, so the use stays refused."""
 
     def forward(self, x):
-        return super().forward(x) + x.mean(0, keepdim=True)
+        return super().forward(x) + self.lin.weight.sum() * x.mean(0, keepdim=True)
 
 
 def test_use_outside_the_owning_forward_is_refused_when_no_enclosing_module_works(tmp_path):
@@ -399,6 +399,26 @@ def test_use_outside_the_owning_forward_is_refused_when_no_enclosing_module_work
                                                     r"\(ReadsChildWeightAndMixes\).*differs from its output on each "
                                                     r"example alone: it mixes examples"):
         train_toy(ReadsChildWeightAndMixes(), tmp_path, dp_self_check=False)
+
+
+class RootReadsToo(Toy):
+    """``lin.weight`` used by its parent's forward (enclosable) and again by the model's own forward (not: the model is
+    never re-run per example)."""
+
+    def forward(self, x, labels=None):
+        return Out(self.head(self.body(x)).mean(1) * self.body.lin.weight.sum())
+
+
+def test_enclosing_module_that_misses_a_use_is_refused(tmp_path):
+    """After re-planning, the first-step check runs again on the new plan: the parent's fallback covers the parent's
+    uses only, the model's own use of the weight still escapes, and there is no enclosing module left: refused
+    (without the re-check, that use would be silently dropped)."""
+    model = RootReadsToo(ReadsChildWeight()).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=toy_rows(4),
+                        per_example_loss=toy_loss)
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
+                                                    r"a use outside the forward of the module that owns them"):
+        trainer.train()
 
 
 class AttentionLike(nn.Module):
