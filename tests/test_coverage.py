@@ -510,8 +510,8 @@ def test_batchless_input_is_found_even_when_seq_len_equals_batch_size(tmp_path):
     """The first step proves batch axes: the (T, T) lookup has none although T == B, so the embedding's rule would
     split its gradient by position, not by example (their sum is the same: the hooks-vs-autograd check alone would not
     see it). Found, the table's per-example gradient comes from re-running its enclosing module per example: exact."""
-    trainer = check_exact(LossToy(BatchlessBias()), toy_rows(4, seq_len=4), tmp_path, per_example_loss=toy_loss,
-                          dp_self_check=False)
+    trainer = check_exact(LossToy(BatchlessBias()), toy_rows(4, seq_len=2), tmp_path, ga=2, per_example_loss=toy_loss,
+                          dp_self_check=False)  # micro-batches of 2 examples of 2 positions
     engine = trainer.clipping_engine
     assert engine._enclosure == {id(trainer.model.body.bias.weight): "body"}
 
