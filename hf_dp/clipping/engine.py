@@ -472,7 +472,8 @@ class ClippingEngine:
                     self._dormant.add(id(module))
                 self._modules.append((name, module, rule))
         self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
-                              and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
+                              and any(r is not m and id(r) not in self._dormant and _is_descendant(r, m)
+                                      for _, r, _ in self._modules)]
         return problems, batch_stats
 
     def _log_fallbacks(self, fallbacks: list[Fallback]) -> None:
@@ -1029,7 +1030,10 @@ class ClippingEngine:
                 inp = inp.movedim(axis, 0)  # the batch axis proven at the first step comes first for the rule
             if rule.verify is not None and id(module) not in self._verified:
                 seen = output.reshape(b, -1, *output.shape[1:]) if flat else output.movedim(axis, 0)
-                rule.verify(module, name, inp, seen)
+                try:
+                    rule.verify(module, name, inp, seen)
+                except UnsupportedLayerError as err:  # not the form its rule assumes: its parent may be re-run
+                    raise _with_enclosable(err, owned) from None
                 self._verified.add(id(module))
             target = None
             if not output.requires_grad:
@@ -1100,10 +1104,11 @@ class ClippingEngine:
             if not captured:
                 return result
             if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != 1:
-                raise UnsupportedLayerError(
+                raise _with_enclosable(UnsupportedLayerError(
                     f"{type(owner).__name__}.{method} returned shape "
                     f"{tuple(getattr(result, 'shape', ()))}, not a bias with a leading broadcast axis of 1: hf_dp "
-                    "cannot give its layers per-example gradients. Freeze " + ", ".join(c[0] for c in captured) + ".")
+                    "cannot give its layers per-example gradients. Freeze " + ", ".join(c[0] for c in captured) + "."),
+                    [n for c in captured for n in self._owned(c[1], c[2])])
             expanded = result.expand(b, *result.shape[1:])
             if not result.requires_grad:
                 return expanded
