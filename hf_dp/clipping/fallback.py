@@ -122,6 +122,15 @@ class Fallback:
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
+    def _whose(self) -> str:
+        """How the refusals name the parameters: the module's own, or used in its forward outside their module's."""
+        own = [n for n in self.param_names if "." not in n]
+        inner = [n for n in self.param_names if "." in n]
+        parts = ([f"owns trainable parameters ({', '.join(own)})"] if own else []) + (
+            [f"uses trainable parameters of its submodules outside their own forward ({', '.join(inner)})"]
+            if inner else [])
+        return " and ".join(parts)
+
     def _enclosable(self, err: UnsupportedLayerError) -> UnsupportedLayerError:
         """Mark a refusal that re-running a larger module might resolve (the engine's first-step re-planning tries
         the enclosing modules before refusing): the qualified names of the parameters concerned."""
@@ -173,7 +182,7 @@ class Fallback:
             self.out_axes = axes
         if bad:
             raise self._enclosable(UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
                 f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
                 "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
                 "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
@@ -185,7 +194,7 @@ class Fallback:
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
             raise self._enclosable(UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
                 f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
@@ -195,7 +204,7 @@ class Fallback:
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
                 raise self._enclosable(UnsupportedLayerError(
-                    f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no "
+                    f"{self.name} ({cls}) {self._whose()} that hf_dp has no "
                     "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
                     "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
                     "batch), or it is random (e.g. dropout applied functionally with a probability hf_dp cannot see, "
