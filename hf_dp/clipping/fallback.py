@@ -193,13 +193,14 @@ class Fallback:
             with torch.no_grad():
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
-            raise self._enclosable(UnsupportedLayerError(
+            # not enclosable: a larger module would run the same operation under vmap
+            raise UnsupportedLayerError(
                 f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
                 f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
                 "(LoRA)."
-            )) from err
+            ) from err
         tol = 1e-2 if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs) else 1e-4
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
