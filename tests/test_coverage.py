@@ -421,6 +421,19 @@ def test_enclosing_module_that_misses_a_use_is_refused(tmp_path):
         trainer.train()
 
 
+class DoubledLinear(nn.Linear):
+    """A Linear subclass whose forward is not the parent's (the Linear rule's first-batch form check refuses it)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_layer_that_fails_its_rules_form_check_is_exact_by_the_enclosing_module(tmp_path):
+    trainer = check_exact(LossToy(nn.Sequential(DoubledLinear(3, 3), nn.Tanh())), toy_rows(4), tmp_path,
+                          per_example_loss=toy_loss, dp_self_check=False)
+    assert set(trainer.clipping_engine._enclosure.values()) == {"body"}
+
+
 class AttentionLike(nn.Module):
     """A module that reads its child's weight directly and applies dropout, as attention does."""
 

@@ -47,6 +47,7 @@ class Fallback:
         self.param_names = param_names
         #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
         self.out_axes: list[int] | None = None
+        self._dropout_sites: list | None = None  # see check_dropout
 
     def param(self, name: str) -> nn.Parameter:
         """One of ``param_names``: the module's own (``"weight"``) or, for an enclosing module, a descendant's
@@ -144,17 +145,20 @@ class Fallback:
         with ``p > 0``, and float attributes named ``*dropout*`` (``attention_dropout``, passed to ``F.dropout`` or
         sdpa when ``self.training``) on modules in train mode. Dropout read elsewhere (e.g. from the config at
         forward time) is caught by :meth:`verify`'s comparison."""
+        if self._dropout_sites is None:  # the modules and attributes to look at, found once
+            self._dropout_sites = [(f"{self.name}.{n}" if n else self.name, m,
+                                    [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)])
+                                   for n, m in self.module.named_modules()]
         active = []
-        for n, m in self.module.named_modules():
+        for where, m, keys in self._dropout_sites:
             if not m.training:
                 continue
-            where = f"{self.name}.{n}" if n else self.name
             if isinstance(m, nn.modules.dropout._DropoutNd):
                 if m.p > 0:
                     active.append(f"{where} (p={m.p})")
                 continue
-            active += [f"{where}.{k}={v}" for k, v in vars(m).items()
-                       if "dropout" in k and isinstance(v, float) and v > 0]
+            active += [f"{where}.{k}={getattr(m, k)}" for k in keys
+                       if isinstance(getattr(m, k, None), float) and getattr(m, k) > 0]
         if active:
             inner = [n for n in self.param_names if "." in n]
             raise UnsupportedLayerError(
