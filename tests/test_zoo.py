@@ -693,3 +693,22 @@ def test_lora_on_deberta_v3_position_projections_is_exact(tmp_path):
     model = get_peft_model(make().double(), LoraConfig(r=2, target_modules=["query_proj", "key_proj"],
                                                        task_type="SEQ_CLS", init_lora_weights=False))
     check_exact(model, data(), tmp_path, rtol=rtol_of("deberta_v3"))
+
+
+def test_longformer_batch_dependent_global_rows_are_refused_without_self_check(tmp_path):
+    """query_global's input holds one row per global token, padded to the largest count in the batch, with the
+    examples on axis 1. With 1 and 2 global tokens in the first micro-batch, (2, 2, d) for 2 examples and (1, 1, d)
+    for the first alone: both axes grow with the examples, so the batch axis cannot be proven (taking the first would
+    split the gradient by global slot, silently: the micro-batches here always have 2 rows). Refused at the first
+    step, also with dp_self_check=False (the enclosing attention cannot be re-run under vmap either)."""
+    data = encoder_data()
+    rows = [dict(data[i]) for i in range(N)]
+    for i, r in enumerate(rows):
+        r["global_attention_mask"] = [1] * (1 + (i in (1, 2))) + [0] * (len(r["input_ids"]) - 1 - (i in (1, 2)))
+    model = ENCODERS["longformer"]()
+    args = zoo_args(tmp_path, 1.0, "flat")
+    args.dp_self_check = False
+    trainer = DPTrainer(model=model.double(), args=args, train_dataset=Dataset.from_list(rows))
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)query_global \(Linear, call 1 in the forward\): both the "
+                                                    r"first axis and axis 1.*cannot tell which axis holds"):
+        trainer.train()

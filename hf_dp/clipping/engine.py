@@ -764,6 +764,19 @@ class ClippingEngine:
                 continue
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
+                later = [j for j in range(1, two.dim()) if two.dim() == one.dim() and two.shape[j] == big
+                         and one.shape[j] == 1]
+                if r1 == 1 and later and two.shape[1:] != one.shape[1:]:
+                    problems.append(
+                        f"{call}: both the first axis and axis {later[0]} of its input grow from 1 to {big} with the "
+                        f"examples ({tuple(one.shape)} for the first alone, {tuple(two.shape)} for {big}), and its "
+                        "other axes change with the batch, so hf_dp cannot tell which axis holds the examples (e.g. "
+                        "Longformer's global-attention rows, one per global token, padded to the largest number of "
+                        "global tokens in the batch, with the examples on axis 1). Give every example the same "
+                        "number of global tokens (the classification default: the first token only), or freeze the "
+                        "layer (requires_grad_(False)) or use LoRA on the other layers.")
+                    concerned += self._owned(*rules[key[0]])
+                    continue
                 if r1 == 1:
                     self._layout.pop(key, None)
                     continue
