@@ -344,7 +344,11 @@ class ClippingEngine:
             in ``layers.py`` that covers it, or get the generic exact fallback (``fallback.py``: modules with no rule,
             re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover is
             refused with a message naming it; nothing is skipped silently, and a parameter is never "covered" because
-            another module that shares it has a rule (each owner's forward is its own use). Layers that compute batch
+            another module that shares it has a rule (each owner's forward is its own use). A parameter whose uses its
+            owner's rule cannot see whole (read directly by an ancestor's forward, looked up with no batch axis, a
+            parametrization) is computed by the fallback of its smallest enclosing module that treats examples
+            independently (the enclosing-module fallback: :meth:`_replan`, found by :meth:`first_step_check`, or
+            statically: :meth:`_static_enclosures`). Layers that compute batch
             statistics (BatchNorm, InstanceNorm with running statistics) are refused: they mix examples in train mode
             and write statistics of private data into the checkpoint.
     """

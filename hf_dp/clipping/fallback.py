@@ -17,7 +17,14 @@ size; the others are shared by all examples. Submodules keep their own rules: th
 (a parameter the module shares with a submodule is replaced only as the module's own attribute), and the engine's
 hooks are silenced during the re-run. Before first use the module is verified on real activations: the per-example
 re-run must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the
-batch) is refused instead of being clipped with a wrong gradient.
+batch) is refused instead of being clipped with a wrong gradient, and a module that applies dropout in training is
+refused on every call (its mask cannot be replayed; the first-step checks run with dropout off).
+
+The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
+parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
+(``conv1d.weight``, ``conv.parametrizations.weight.original0``), which ``functional_call`` replaces in the re-run, so
+every use of the parameter inside the enclosing module's forward is differentiated; the owner's rule no longer records
+it.
 """
 
 from __future__ import annotations
