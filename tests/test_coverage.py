@@ -678,9 +678,6 @@ def test_statically_refused_parameters():
     with pytest.raises(UnsupportedLayerError, match=r"body\.temperature \(LinearWithTemperature: its 'linear' rule "
                                                     r"covers weight, bias only\)"):
         ClippingEngine(Toy(LinearWithTemperature()))
-    with pytest.raises(UnsupportedLayerError, match=r"body\.weight_ih_l0 \(GRU: recurrent layers have no per-layer "
-                                                    r"rule, and torch\.func has no batching rule"):
-        ClippingEngine(Toy(nn.GRU(3, 3, batch_first=True)))
     model = Toy(nn.Identity())
     model.register_parameter("scale", nn.Parameter(torch.ones(())))
     with pytest.raises(UnsupportedLayerError, match=r"scale \(Toy: parameters of the model itself"):

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .fallback import Fallback
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
+from .recurrent import fallback_for
 
 __all__ = ["ClippingEngine", "GroupHandler", "use_ghost_norm", "UnsupportedLayerError", "train_without_dropout"]
 
@@ -451,15 +452,10 @@ class ClippingEngine:
                     "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
                     "them)")
                 continue
-            if rule is None and isinstance(module, nn.RNNBase) and kept:
-                problems += [f"{name}.{n} ({type(module).__name__}: recurrent layers have no per-layer rule, and "
-                             "torch.func has no batching rule for them, which the generic fallback needs)"
-                             for n, _ in kept]
-                continue
             if rule is None:
                 rule = Rule("fallback", _no_uses, tuple(n for n, _ in own))
-                if kept:
-                    self._fallbacks[id(module)] = Fallback(module, name, tuple(n for n, _ in kept))
+                if kept:  # recurrent.py for RNNs
+                    self._fallbacks[id(module)] = fallback_for(module, name, tuple(n for n, _ in kept), self)
                 else:
                     self._dormant.add(id(module))
                 self._modules.append((name, module, rule))
@@ -482,6 +478,7 @@ class ClippingEngine:
 
     def _log_fallbacks(self, fallbacks: list[Fallback]) -> None:
         """Say once in the log which modules the generic fallback re-runs, and what it costs."""
+        fallbacks = [fb for fb in fallbacks if type(fb) is Fallback]  # recurrent.py logs its own
         if not fallbacks:
             return
         self._logged.update(fb.describe() for fb in fallbacks)
@@ -760,7 +757,9 @@ class ClippingEngine:
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             n_before = len(problems)
             if key[0] in self._fallbacks:
-                self._mapped[key] = [_leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
+                self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
+                    _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
             axis = _later_batch_axis(two, one, big)
             if axis:
@@ -1334,7 +1333,8 @@ class ClippingEngine:
             if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
                 return None
             b = self._batch_size
-            fb.check_dropout()  # every call: the first-step checks run with dropout off, training does not
+            if type(fb) is Fallback:  # every call: the first-step checks run with dropout off, training does not
+                fb.check_dropout()  # (recurrent.py refuses recurrent dropout itself)
             saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
             mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
             if id(module) not in self._verified:
@@ -1362,7 +1362,8 @@ class ClippingEngine:
                 a, k = box.pop()
                 with self._replay():
                     per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
-                uses = [Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
+                    Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if self._groups is not None:
