@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -529,6 +530,17 @@ class ClippingEngine:
             name = _parent(name)
         return None
 
+    def _same_role(self, names: list[str]) -> list[str]:
+        """``names`` and the parameters in the same role elsewhere (the same qualified name up to the indices of
+        repeated blocks, at the same stage of enclosure): a refusal raised during the forward names the first offending
+        module only (Swin's relative position table of block 0), and its twins in the other blocks would otherwise each
+        cost one more round of first-step checks. The re-run check verifies every one of them."""
+        def role(n: str) -> tuple[str, bool]:
+            return re.sub(r"(?<=\.)\d+(?=\.)", "*", "." + n), self._enclosure.get(id(self.params[n])) is None
+
+        roles = {role(n) for n in names if n in self.params}
+        return list(names) + [n for n in self.params if n not in names and role(n) in roles]
+
     def _enclose(self, names: list[str]) -> bool:
         """Move each named parameter's per-example gradient one enclosing module up (:meth:`_enclosing_candidate`):
         from its owners' rule to their smallest common ancestor's fallback, or from its current enclosing module to
@@ -717,7 +729,7 @@ class ClippingEngine:
         if not names:
             return False
         before = dict(self._enclosure)
-        if not self._enclose(names) or self._plan()[0]:
+        if not self._enclose(self._same_role(names)) or self._plan()[0]:
             self._enclosure = before
             self._plan()
             return False
