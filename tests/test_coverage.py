@@ -434,6 +434,39 @@ def test_layer_that_fails_its_rules_form_check_is_exact_by_the_enclosing_module(
     assert set(trainer.clipping_engine._enclosure.values()) == {"body"}
 
 
+class TableBias(nn.Module):
+    """Swin's pattern: a table read with no input (its output has no per-example axis), added by the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3))
+
+    def forward(self):
+        return self.table
+
+
+class TableBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = TableBias()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.bias())
+
+
+def test_batchless_module_output_in_repeated_blocks_is_exact_by_the_enclosing_blocks(tmp_path, monkeypatch):
+    """The table's own fallback is refused (no per-example axis) at the first block; the re-plan moves every block's
+    table to its block's fallback at once (one extra round of first-step checks, not one per block); exact."""
+    rounds = []
+    replan = ClippingEngine._replan
+    monkeypatch.setattr(ClippingEngine, "_replan", lambda self, names: rounds.append(names) or replan(self, names))
+    trainer = check_exact(LossToy(nn.Sequential(TableBlock(), TableBlock())), toy_rows(4), tmp_path,
+                          per_example_loss=toy_loss, dp_self_check=False)
+    assert sorted(trainer.clipping_engine._enclosure.values()) == ["body.0", "body.1"]
+    assert len(rounds) == 1
+
+
 class AttentionLike(nn.Module):
     """A module that reads its child's weight directly and applies dropout, as attention does."""
 
