@@ -36,6 +36,7 @@ __all__ = [
     "question_answering_loss",
     "default_per_example_loss",
     "decoder_input_ids_from_labels",
+    "decoder_attention_mask_from_labels",
     "is_seq2seq_lm",
 ]
 
@@ -197,6 +198,28 @@ def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> tor
     """
     shift = _decoder_shift(model)
     return None if shift is None else shift(labels)
+
+
+def decoder_attention_mask_from_labels(model: nn.Module, decoder_input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The decoder attention mask an encoder-decoder's own forward builds when it builds the decoder inputs from
+    ``labels`` (and none is passed), or ``None`` if its forward builds none.
+
+    ``EncoderDecoderModel`` masks the shifted labels' pad tokens (``decoder_input_ids != pad_token_id``, which also
+    masks the start token when it equals the pad token); Pix2Struct does the same and then always attends to the
+    first token. Passing ``decoder_input_ids`` alone would skip that mask and train another objective than the
+    model's own loss on a batch of one. Read from the forward's code, as :func:`_causal_loss_kind` does.
+    """
+    base = _base_model(model)
+    code = _forward_code(type(base))
+    pad = getattr(getattr(base, "config", None), "pad_token_id", None)
+    if code is None or pad is None or not any(
+            p in code for p in ("decoder_input_ids != self.config.pad_token_id",
+                                "decoder_input_ids.ne(self.config.pad_token_id)")):
+        return None
+    mask = decoder_input_ids.ne(pad).long()
+    if "decoder_attention_mask[:, 0] = 1" in code:
+        mask[:, 0] = 1
+    return mask
 
 
 def _names(*kinds: str) -> set[str]:

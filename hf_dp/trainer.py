@@ -46,7 +46,13 @@ from .guarantee import (
     overriding_class,
     trainable_set_difference,
 )
-from .losses import PerExampleLoss, decoder_input_ids_from_labels, default_per_example_loss, is_seq2seq_lm
+from .losses import (
+    PerExampleLoss,
+    decoder_attention_mask_from_labels,
+    decoder_input_ids_from_labels,
+    default_per_example_loss,
+    is_seq2seq_lm,
+)
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
@@ -590,8 +596,9 @@ class DPTrainer(Trainer):
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
         """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
         decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
-        so the model is not asked for its batch loss; a model with no such function gets ``labels=`` and builds them
-        itself (its batch loss is then computed, unused)."""
+        so the model is not asked for its batch loss, with the decoder attention mask the model builds with them
+        (``losses.decoder_attention_mask_from_labels``: EncoderDecoderModel, Pix2Struct); a model with no such function
+        gets ``labels=`` and builds them itself (its batch loss is then computed, unused)."""
         inputs = dict(inputs)
         seq2seq = getattr(self, "_seq2seq_lm", None)
         if seq2seq is None:
@@ -602,6 +609,10 @@ class DPTrainer(Trainer):
                 inputs["labels"] = labels
             else:
                 inputs["decoder_input_ids"] = decoder_input_ids
+                if "decoder_attention_mask" not in inputs:  # the mask the model builds with them (EncoderDecoder)
+                    mask = decoder_attention_mask_from_labels(model, decoder_input_ids)
+                    if mask is not None:
+                        inputs["decoder_attention_mask"] = mask
         return inputs
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:

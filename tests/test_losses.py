@@ -122,6 +122,28 @@ def test_custom_loss_on_seq2seq_still_gets_decoder_inputs_from_labels(tmp_path):
     assert trainer.task == "custom"
 
 
+def tiny_bert2bert():
+    """``EncoderDecoderModel`` (bert2bert): its forward builds ``decoder_attention_mask`` from the shifted labels'
+    pad tokens when it builds the decoder inputs from ``labels``."""
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+
+    bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    cfg = EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(**bert), BertConfig(**bert))
+    cfg.pad_token_id, cfg.decoder_start_token_id = 0, 2
+    return EncoderDecoderModel(config=cfg)
+
+
+def test_encoder_decoder_model_gets_the_decoder_mask_it_builds_from_labels(tmp_path):
+    """A target with an ignored token in the middle (-100, shifted to the pad id): EncoderDecoderModel's own loss
+    masks it as a key of the later positions, so the per-example loss must too (it did not: decoder_input_ids alone)."""
+    data = seq2seq_dataset(4)
+    data = data.map(lambda row: {"labels": [row["labels"][0], -100, *row["labels"][2:]]})
+    torch.manual_seed(6)
+    trainer = check_losses(tiny_bert2bert(), data, tmp_path)
+    assert trainer.task == "seq2seq_lm"
+
+
 # ----------------------------------------------------------------------------------------------- vision / audio
 @pytest.fixture
 def float64_default():

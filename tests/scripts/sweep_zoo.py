@@ -153,7 +153,8 @@ def build(model_type: str, task: str):
     cfg_cls = CONFIG_MAPPING[model_type]
     cfg = cfg_cls()
     kw = tiny_kwargs(cfg)
-    if task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False):  # real checkpoints' configs carry these; some config classes default them to None
+    if task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False):
+        # real checkpoints' configs carry these; some config classes default them to None
         for key, value in (("decoder_start_token_id", 0), ("pad_token_id", 0), ("eos_token_id", 1)):
             if getattr(cfg, key, None) is None:
                 kw[key] = value
@@ -222,7 +223,10 @@ def _where(tb_exc: BaseException) -> tuple[str, str]:
     frames = traceback.extract_tb(tb_exc.__traceback__)
     last = frames[-1] if frames else None
     ours = [f for f in frames if "/hf_dp/" in f.filename]
-    fmt = (lambda f: f"{f.filename.split('/site-packages/')[-1].split('/wt/')[-1]}:{f.lineno} {f.name}")
+
+    def fmt(f):
+        return f"{f.filename.split('/site-packages/')[-1].split('/wt/')[-1]}:{f.lineno} {f.name}"
+
     return (fmt(last) if last else "?"), (fmt(ours[-1]) if ours else "")
 
 
