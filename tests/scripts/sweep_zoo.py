@@ -39,6 +39,7 @@ TESTS = HERE.parent
 TASKS = [  # (task, mapping) in priority order: a model type's primary task is the first that lists it
     ("causal_lm", "CAUSAL_LM"),
     ("seq2seq", "SEQ_TO_SEQ_CAUSAL_LM"),
+    ("speech_seq2seq", "SPEECH_SEQ_2_SEQ"),
     ("image_cls", "IMAGE_CLASSIFICATION"),
     ("audio_cls", "AUDIO_CLASSIFICATION"),
     ("seq_cls", "SEQUENCE_CLASSIFICATION"),
@@ -129,7 +130,7 @@ def tiny_kwargs(cfg) -> dict:
             if value is None and key not in ("head_dim",):
                 continue
             out[key] = SCALAR[key]
-        elif key == "vocab_size" and isinstance(value, int):
+        elif "vocab_size" in key and isinstance(value, int) and value > SMALL_TOKEN:
             out[key] = SMALL_TOKEN
         elif key.endswith("_token_id") and isinstance(value, int) and value >= SMALL_TOKEN:
             out[key] = 1
@@ -218,6 +219,11 @@ def make_data(model, task: str):
         return lm_dataset(N, seq_len=SEQ)
     if task == "seq2seq":
         return seq2seq_dataset(N)
+    if task == "speech_seq2seq":  # audio inputs as for audio classification, token labels as for seq2seq
+        audio = make_data(model, "audio_cls")
+        labels = seq2seq_dataset(N)["labels"]
+        return [{**{k: v for k, v in a.items() if k != "labels"}, "labels": torch.tensor(t)}
+                for a, t in zip(audio, labels)]
     if task == "seq_cls":
         return cls_dataset(N, num_labels=3, seq_len=SEQ)
     if task == "token_cls":
@@ -227,7 +233,7 @@ def make_data(model, task: str):
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (N,), generator=g)
     if task == "image_cls":
-        size = getattr(cfg, "image_size", 16)
+        size = getattr(cfg, "image_size", 64)  # CNNs without one: big enough to keep 2x2 maps at the end
         size = size if isinstance(size, (list, tuple)) else (size, size)
         ch = getattr(cfg, "num_channels", 3)
         x = torch.randn(N, ch, *size, generator=g, dtype=torch.float64)
@@ -361,7 +367,7 @@ def child(jobs: list[list[str]], out: str, progress: str, timeout: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- parent
-def all_jobs(all_tasks: bool, only: list[str] | None) -> list[list[str]]:
+def all_jobs(all_tasks: bool, only: list[str] | None, task_filter: list[str] | None = None) -> list[list[str]]:
     from transformers.models.auto import modeling_auto as auto
 
     seen: dict[str, list[str]] = {}
@@ -374,14 +380,15 @@ def all_jobs(all_tasks: bool, only: list[str] | None) -> list[list[str]]:
             continue
         # primary task: seq2seq LM for encoder-decoders, sequence classification for encoders (they also have
         # LM heads), else the first mapping listing the type
-        if "seq2seq" in tasks:
-            primary = "seq2seq"
+        if "seq2seq" in tasks or "speech_seq2seq" in tasks:
+            primary = "seq2seq" if "seq2seq" in tasks else "speech_seq2seq"
         elif "masked_lm" in tasks and "seq_cls" in tasks:
             primary = "seq_cls"
         else:
             primary = tasks[0]
         for t in (sorted(tasks, key=lambda t: t != primary) if all_tasks else [primary]):
-            jobs.append([mt, t])
+            if not task_filter or t in task_filter:
+                jobs.append([mt, t])
     order = {t: i for i, (t, _) in enumerate(TASKS)}
     return sorted(jobs, key=lambda j: (order[j[1]], j[0]))
 
@@ -393,7 +400,8 @@ def done_jobs(out: str) -> set[tuple[str, str]]:
 
 
 def parent(args) -> None:
-    jobs = all_jobs(args.all_tasks, args.only.split(",") if args.only else None)
+    jobs = all_jobs(args.all_tasks, args.only.split(",") if args.only else None,
+                    args.tasks.split(",") if args.tasks else None)
     if args.skip:
         jobs = [j for j in jobs if j[0] not in args.skip.split(",")]
     deadline = time.time() + args.budget * 60
@@ -461,6 +469,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/sweep.jsonl")
     ap.add_argument("--only")
     ap.add_argument("--skip")
+    ap.add_argument("--tasks", help="only these tasks (comma-separated)")
     ap.add_argument("--all-tasks", action="store_true")
     ap.add_argument("--timeout", type=int, default=90)
     ap.add_argument("--budget", type=float, default=60, help="minutes")
