@@ -157,6 +157,9 @@ def tiny_kwargs(cfg) -> dict:
         out["conv_dim"] = [H] * len(d["conv_dim"])
     if "tdnn_dim" in d and isinstance(d["tdnn_dim"], list):
         out["tdnn_dim"] = [H] * len(d["tdnn_dim"])
+    for key, value in d.items():  # dropout probabilities left None (classifier_dropout: the heads then use 0.1)
+        if value is None and ("dropout" in key or "pdrop" in key):
+            out[key] = 0.0
     for key in ("mask_time_prob", "mask_feature_prob"):
         if key in d:
             out[key] = 0.0
