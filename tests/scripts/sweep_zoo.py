@@ -174,6 +174,7 @@ def tiny_kwargs(cfg) -> dict:
     if "max_length" in d and "num_mel_bins" in d:  # AST: (frames, mel) spectrograms
         out["max_length"] = 32
     out["num_labels"] = 3
+    out["classifier_dropout"] = 0.0  # GPT-2 / Llama token-classification heads default to 0.1 without it
     return out
 
 
