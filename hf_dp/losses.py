@@ -324,7 +324,8 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "batch, which hf_dp's default per-example loss does not include. Set `model.config.z_loss_coefficient "
             "= 0.0` or pass `per_example_loss=fn` that adds each example's own z-loss, shape (batch,)."
         )
-    if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
+    # (A "...LMHeadModel" that transformers lists as a masked LM only, e.g. FlaubertWithLMHeadModel, is one.)
+    if cls in _names("CAUSAL_LM") or (cls.endswith(("LMHeadModel", "ForCausalLM")) and cls not in _names("MASKED_LM")):
         kind = _causal_loss_kind(base)
         if kind == "shifted":
             return causal_lm_loss, "causal_lm"

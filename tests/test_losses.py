@@ -144,6 +144,20 @@ def test_encoder_decoder_model_gets_the_decoder_mask_it_builds_from_labels(tmp_p
     assert trainer.task == "seq2seq_lm"
 
 
+def test_masked_lm_named_like_a_causal_head_gets_the_token_loss(tmp_path):
+    """FlaubertWithLMHeadModel is listed only as a masked LM but its name ends with "LMHeadModel": its own loss is
+    the unshifted token cross-entropy (it was refused as a causal LM whose loss hf_dp could not identify)."""
+    from helpers import token_dataset
+    from transformers import FlaubertConfig, FlaubertWithLMHeadModel
+
+    torch.manual_seed(7)
+    model = FlaubertWithLMHeadModel(FlaubertConfig(
+        vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, pad_index=0))
+    trainer = check_losses(model, token_dataset(4, num_labels=VOCAB, seq_len=6), tmp_path)
+    assert trainer.task == "masked_lm"
+
+
 # ----------------------------------------------------------------------------------------------- vision / audio
 @pytest.fixture
 def float64_default():
