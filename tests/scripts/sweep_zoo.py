@@ -419,6 +419,9 @@ def done_jobs(out: str) -> set[tuple[str, str]]:
 def parent(args) -> None:
     jobs = all_jobs(args.all_tasks, args.only.split(",") if args.only else None,
                     args.tasks.split(",") if args.tasks else None)
+    if args.redo:  # the (model type, task) pairs of an earlier run that were not exact
+        latest = {(r["model_type"], r["task"]): r for r in map(json.loads, open(args.redo).read().splitlines())}
+        jobs = [list(k) for k, r in latest.items() if r["status"] not in ("exact", "skipped")]
     if args.skip:
         jobs = [j for j in jobs if j[0] not in args.skip.split(",")]
     deadline = time.time() + args.budget * 60
@@ -486,6 +489,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/sweep.jsonl")
     ap.add_argument("--only")
     ap.add_argument("--skip")
+    ap.add_argument("--redo", help="a results file: re-run its pairs that were not exact")
     ap.add_argument("--tasks", help="only these tasks (comma-separated)")
     ap.add_argument("--all-tasks", action="store_true")
     ap.add_argument("--timeout", type=int, default=90)
