@@ -210,7 +210,16 @@ def build(model_type: str, task: str):
     return model, cls_name
 
 
-OVERRIDES: dict[str, dict] = {}
+MAMBA2 = dict(num_heads=4, head_dim=8, expand=2, n_groups=1, state_size=8, conv_kernel=4, chunk_size=8)
+OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own constraints
+    "codegen": dict(n_head=4),
+    "deepseek_v2": dict(num_experts_per_tok=2),
+    "mamba2": MAMBA2,
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
+                  mamba_chunk_size=8),
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
+                             mamba_chunk_size=8),
+}
 
 
 # ------------------------------------------------------------------------------------------------ tiny data
