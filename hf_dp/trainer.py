@@ -264,6 +264,10 @@ class DPTrainer(Trainer):
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
         self._nonfinite_in_step: torch.Tensor | int = 0
         self._hyperparameter_trials = 0
+        if not self.label_names:
+            # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
+            # lists (plus label_names), and a forward taking **kwargs (Qwen3.5's classification head) lists none.
+            self.label_names = ["labels"]
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         if self.train_dataset is not None:
@@ -632,7 +636,11 @@ class DPTrainer(Trainer):
         if not _is_empty(inputs):
             inputs = self._prepare_inputs(inputs)
             if "labels" not in inputs:
-                raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+                raise ValueError(
+                    "DPTrainer needs `labels` in every batch to compute per-example losses. If your dataset has the "
+                    "targets under another name, rename that column to `labels` (and keep it with "
+                    "`DPTrainingArguments(..., label_names=['labels'])`, since the Trainer drops columns the model's "
+                    "forward does not list).")
             labels = inputs.pop("labels")
             units_all = inputs.pop(_UNIT, None)
             net = self.accelerator.unwrap_model(model)

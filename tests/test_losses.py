@@ -158,6 +158,21 @@ def test_masked_lm_named_like_a_causal_head_gets_the_token_loss(tmp_path):
     assert trainer.task == "masked_lm"
 
 
+def test_labels_column_is_kept_when_the_forward_takes_them_as_kwargs(tmp_path):
+    """A head whose forward takes ``labels`` through ``**kwargs`` (Qwen3.5's sequence classification): the Trainer
+    keeps only the columns the forward lists, so the labels were dropped and DPTrainer refused ("needs labels")."""
+    from helpers import cls_dataset, tiny_bert
+    from transformers import BertForSequenceClassification
+
+    class KwargsBertForSequenceClassification(BertForSequenceClassification):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    torch.manual_seed(8)
+    model = KwargsBertForSequenceClassification(tiny_bert().config)
+    check_update(model, cls_dataset(4, num_labels=3, seq_len=6), tmp_path, per_device=2, ga=2)
+
+
 # ----------------------------------------------------------------------------------------------- vision / audio
 @pytest.fixture
 def float64_default():
