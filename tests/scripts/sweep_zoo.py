@@ -199,6 +199,8 @@ def build(model_type: str, task: str):
                 kw[key] = value
     if task in ("seq_cls", "token_cls") and getattr(cfg, "pad_token_id", None) is None:
         kw["pad_token_id"] = 0  # decoders' sequence classification finds the last token by the pad id
+        if isinstance(kw.get("text_config"), dict):
+            kw["text_config"]["pad_token_id"] = 0
     kw.update(OVERRIDES.get(model_type, {}))
     try:
         cfg = cfg_cls(**kw, experts_implementation="eager")
