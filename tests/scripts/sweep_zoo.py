@@ -215,6 +215,8 @@ def build(model_type: str, task: str):
 MAMBA2 = dict(num_heads=4, head_dim=8, expand=2, n_groups=1, state_size=8, conv_kernel=4, chunk_size=8)
 OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own constraints
     "codegen": dict(n_head=4),
+    "perceiver": dict(d_latents=16, num_latents=4, num_self_attends_per_block=1, num_self_attention_heads=2,
+                      num_cross_attention_heads=1, d_model=16),
     "deepseek_v2": dict(num_experts_per_tok=2),
     "mamba2": MAMBA2,
     "bamba": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
