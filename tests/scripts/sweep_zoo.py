@@ -324,7 +324,7 @@ def run_one(model_type: str, task: str) -> dict:
         for rtol, label in ((1e-7, "exact"), (1e-4, "exact~")):
             try:
                 with tempfile.TemporaryDirectory() as tmp:
-                    check_exact(model, data, tmp, rtol=rtol)
+                    check_exact(model, data, tmp, clipping=os.environ.get("SWEEP_CLIPPING", "flat"), rtol=rtol)
                 rec["status"] = label
                 break
             except AssertionError as e:
@@ -432,6 +432,11 @@ def done_jobs(out: str) -> set[tuple[str, str]]:
 def parent(args) -> None:
     jobs = all_jobs(args.all_tasks, args.only.split(",") if args.only else None,
                     args.tasks.split(",") if args.tasks else None)
+    if args.clipping:  # inherited by the child processes
+        os.environ["SWEEP_CLIPPING"] = args.clipping
+    if args.redo_exact:  # the pairs of an earlier run that were exact (e.g. to re-run them per layer)
+        latest = {(r["model_type"], r["task"]): r for r in map(json.loads, open(args.redo_exact).read().splitlines())}
+        jobs = [list(k) for k, r in latest.items() if r["status"] in ("exact", "exact~")]
     if args.redo:  # the (model type, task) pairs of an earlier run that were not exact
         latest = {(r["model_type"], r["task"]): r for r in map(json.loads, open(args.redo).read().splitlines())}
         jobs = [list(k) for k, r in latest.items() if r["status"] not in ("exact", "skipped")]
@@ -503,6 +508,8 @@ def main() -> None:
     ap.add_argument("--only")
     ap.add_argument("--skip")
     ap.add_argument("--redo", help="a results file: re-run its pairs that were not exact")
+    ap.add_argument("--redo-exact", help="a results file: re-run its pairs that were exact")
+    ap.add_argument("--clipping", help="flat (default) or per_layer")
     ap.add_argument("--tasks", help="only these tasks (comma-separated)")
     ap.add_argument("--all-tasks", action="store_true")
     ap.add_argument("--timeout", type=int, default=90)
