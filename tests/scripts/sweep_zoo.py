@@ -257,9 +257,10 @@ def make_data(model, task: str):
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (N,), generator=g)
     if task == "image_cls":
-        size = getattr(cfg, "image_size", 64)  # CNNs without one: big enough to keep 2x2 maps at the end
+        vision = getattr(cfg, "vision_config", None) or cfg  # CLIP / SigLIP classifiers: the vision sub-config
+        size = getattr(vision, "image_size", 64)  # CNNs without one: big enough to keep 2x2 maps at the end
         size = size if isinstance(size, (list, tuple)) else (size, size)
-        ch = getattr(cfg, "num_channels", 3)
+        ch = getattr(vision, "num_channels", 3)
         x = torch.randn(N, ch, *size, generator=g, dtype=torch.float64)
         return [{"pixel_values": x[i], "labels": y[i]} for i in range(N)]
     if task == "audio_cls":
