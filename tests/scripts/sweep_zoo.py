@@ -226,6 +226,17 @@ OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own
 }
 
 
+def lora(model, task: str):
+    """LoRA (r = 2, random B so the adapter's gradients are not trivially zero) on every linear layer but the head:
+    the way forward most refusals name."""
+    from peft import LoraConfig, get_peft_model
+
+    kind = {"causal_lm": "CAUSAL_LM", "seq2seq": "SEQ_2_SEQ_LM", "speech_seq2seq": "SEQ_2_SEQ_LM", "seq_cls": "SEQ_CLS",
+            "token_cls": "TOKEN_CLS"}.get(task)
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False, task_type=kind)
+    return get_peft_model(model, cfg)
+
+
 # ------------------------------------------------------------------------------------------------ tiny data
 def make_data(model, task: str):
     import torch
@@ -319,6 +330,8 @@ def run_one(model_type: str, task: str) -> dict:
         model, cls_name = build(model_type, task)
         rec["class"] = cls_name
         rec["params"] = sum(p.numel() for p in model.parameters())
+        if os.environ.get("SWEEP_PEFT") == "lora":
+            model = lora(model, task)
         phase = "data"
         data = make_data(model, task)
         phase = "dp"
@@ -337,6 +350,8 @@ def run_one(model_type: str, task: str) -> dict:
                 torch.set_default_dtype(torch.float64)
                 torch.manual_seed(0)
                 model, _ = build(model_type, task)
+                if os.environ.get("SWEEP_PEFT") == "lora":
+                    model = lora(model, task)
                 data = make_data(model, task)
     except Timeout:
         rec["status"] = "crash" if phase == "dp" else "harness"
@@ -433,6 +448,8 @@ def done_jobs(out: str) -> set[tuple[str, str]]:
 def parent(args) -> None:
     jobs = all_jobs(args.all_tasks, args.only.split(",") if args.only else None,
                     args.tasks.split(",") if args.tasks else None)
+    if args.peft:
+        os.environ["SWEEP_PEFT"] = args.peft
     if args.clipping:  # inherited by the child processes
         os.environ["SWEEP_CLIPPING"] = args.clipping
     if args.redo_exact:  # the pairs of an earlier run that were exact (e.g. to re-run them per layer)
@@ -511,6 +528,7 @@ def main() -> None:
     ap.add_argument("--redo", help="a results file: re-run its pairs that were not exact")
     ap.add_argument("--redo-exact", help="a results file: re-run its pairs that were exact")
     ap.add_argument("--clipping", help="flat (default) or per_layer")
+    ap.add_argument("--peft", help="lora: train LoRA adapters on every linear layer instead of the full model")
     ap.add_argument("--tasks", help="only these tasks (comma-separated)")
     ap.add_argument("--all-tasks", action="store_true")
     ap.add_argument("--timeout", type=int, default=90)
