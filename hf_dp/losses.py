@@ -337,6 +337,14 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "`fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it for a "
             "batch of one."
         )
+    if is_seq2seq_lm(base) and "self._compute_loss(" in (_forward_code(type(base)) or ""):
+        raise ValueError(
+            f"{cls}'s own loss is computed by its `_compute_loss` (ProphetNet: the main stream's and the n-gram "
+            "streams' predictions of future tokens, with label smoothing config.eps), not a token cross-entropy of "
+            "`logits`, so hf_dp has no default per-example loss for it. Pass `per_example_loss=fn` to DPTrainer, "
+            "where `fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it "
+            "for a batch of one."
+        )
     if is_seq2seq_lm(base) and _decoder_shift(base) is not None:
         # (An encoder-decoder with no teacher-forcing shift of its own, e.g. Dia's multi-codebook audio decoder,
         # trains some other loss: refused below.)

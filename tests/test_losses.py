@@ -173,6 +173,28 @@ def test_labels_column_is_kept_when_the_forward_takes_them_as_kwargs(tmp_path):
     check_update(model, cls_dataset(4, num_labels=3, seq_len=6), tmp_path, per_device=2, ga=2)
 
 
+def test_prophetnet_ngram_loss_is_refused(tmp_path):
+    """ProphetNet's own loss adds its n-gram streams (and label smoothing) to the main stream's cross-entropy: the
+    seq2seq token loss of ``logits`` trained another objective, silently (the sweep's LoRA run: wrong)."""
+    from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
+
+    from hf_dp.losses import token_loss
+
+    torch.manual_seed(9)
+    model = ProphetNetForConditionalGeneration(ProphetNetConfig(
+        vocab_size=VOCAB, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24, num_encoder_layers=1,
+        num_decoder_layers=1, num_encoder_attention_heads=2, num_decoder_attention_heads=2, ngram=2,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+        decoder_start_token_id=0, eos_token_id=1)).eval()
+    batch = {k: v[:1] for k, v in batch_of(seq2seq_dataset(1)).items()}
+    own = model(**batch).loss  # float32: ProphetNet's loss computes in float32
+    labels = batch.pop("labels")
+    logits = model(**batch, decoder_input_ids=model._shift_right(labels)).logits
+    assert not torch.allclose(token_loss({"logits": logits}, labels), own)  # why a default would be wrong
+    with pytest.raises(ValueError, match="_compute_loss.*per_example_loss=fn"):
+        DPTrainer(model=model, args=dp_args(tmp_path, 1, 1, 1.0), train_dataset=seq2seq_dataset(2))
+
+
 # ----------------------------------------------------------------------------------------------- vision / audio
 @pytest.fixture
 def float64_default():
