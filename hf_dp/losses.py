@@ -36,6 +36,7 @@ __all__ = [
     "question_answering_loss",
     "default_per_example_loss",
     "decoder_input_ids_from_labels",
+    "decoder_attention_mask_from_labels",
     "is_seq2seq_lm",
 ]
 
@@ -199,6 +200,28 @@ def decoder_input_ids_from_labels(model: nn.Module, labels: torch.Tensor) -> tor
     return None if shift is None else shift(labels)
 
 
+def decoder_attention_mask_from_labels(model: nn.Module, decoder_input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The decoder attention mask an encoder-decoder's own forward builds when it builds the decoder inputs from
+    ``labels`` (and none is passed), or ``None`` if its forward builds none.
+
+    ``EncoderDecoderModel`` masks the shifted labels' pad tokens (``decoder_input_ids != pad_token_id``, which also
+    masks the start token when it equals the pad token); Pix2Struct does the same and then always attends to the
+    first token. Passing ``decoder_input_ids`` alone would skip that mask and train another objective than the
+    model's own loss on a batch of one. Read from the forward's code, as :func:`_causal_loss_kind` does.
+    """
+    base = _base_model(model)
+    code = _forward_code(type(base))
+    pad = getattr(getattr(base, "config", None), "pad_token_id", None)
+    if code is None or pad is None or not any(
+            p in code for p in ("decoder_input_ids != self.config.pad_token_id",
+                                "decoder_input_ids.ne(self.config.pad_token_id)")):
+        return None
+    mask = decoder_input_ids.ne(pad).long()
+    if "decoder_attention_mask[:, 0] = 1" in code:
+        mask[:, 0] = 1
+    return mask
+
+
 def _names(*kinds: str) -> set[str]:
     names: set[str] = set()
     for kind in kinds:
@@ -301,7 +324,8 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "batch, which hf_dp's default per-example loss does not include. Set `model.config.z_loss_coefficient "
             "= 0.0` or pass `per_example_loss=fn` that adds each example's own z-loss, shape (batch,)."
         )
-    if cls in _names("CAUSAL_LM") or cls.endswith(("LMHeadModel", "ForCausalLM")):
+    # (A "...LMHeadModel" that transformers lists as a masked LM only, e.g. FlaubertWithLMHeadModel, is one.)
+    if cls in _names("CAUSAL_LM") or (cls.endswith(("LMHeadModel", "ForCausalLM")) and cls not in _names("MASKED_LM")):
         kind = _causal_loss_kind(base)
         if kind == "shifted":
             return causal_lm_loss, "causal_lm"
@@ -312,6 +336,14 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             "hf_dp has no default per-example loss for it. Pass `per_example_loss=fn` to DPTrainer, where "
             "`fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it for a "
             "batch of one."
+        )
+    if is_seq2seq_lm(base) and "self._compute_loss(" in (_forward_code(type(base)) or ""):
+        raise ValueError(
+            f"{cls}'s own loss is computed by its `_compute_loss` (ProphetNet: the main stream's and the n-gram "
+            "streams' predictions of future tokens, with label smoothing config.eps), not a token cross-entropy of "
+            "`logits`, so hf_dp has no default per-example loss for it. Pass `per_example_loss=fn` to DPTrainer, "
+            "where `fn(outputs, labels)` returns each example's own loss, shape (batch,), as the model computes it "
+            "for a batch of one."
         )
     if is_seq2seq_lm(base) and _decoder_shift(base) is not None:
         # (An encoder-decoder with no teacher-forcing shift of its own, e.g. Dia's multi-codebook audio decoder,

@@ -46,7 +46,13 @@ from .guarantee import (
     overriding_class,
     trainable_set_difference,
 )
-from .losses import PerExampleLoss, decoder_input_ids_from_labels, default_per_example_loss, is_seq2seq_lm
+from .losses import (
+    PerExampleLoss,
+    decoder_attention_mask_from_labels,
+    decoder_input_ids_from_labels,
+    default_per_example_loss,
+    is_seq2seq_lm,
+)
 from .noise import NoiseGenerator, group_noise_stds, privatize
 from .peft_support import apply_peft_config, per_example_prompts
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
@@ -258,6 +264,10 @@ class DPTrainer(Trainer):
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
         self._nonfinite_in_step: torch.Tensor | int = 0
         self._hyperparameter_trials = 0
+        if not self.label_names:
+            # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
+            # lists (plus label_names), and a forward taking **kwargs (Qwen3.5's classification head) lists none.
+            self.label_names = ["labels"]
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         if self.train_dataset is not None:
@@ -590,8 +600,9 @@ class DPTrainer(Trainer):
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
         """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
         decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
-        so the model is not asked for its batch loss; a model with no such function gets ``labels=`` and builds them
-        itself (its batch loss is then computed, unused)."""
+        so the model is not asked for its batch loss, with the decoder attention mask the model builds with them
+        (``losses.decoder_attention_mask_from_labels``: EncoderDecoderModel, Pix2Struct); a model with no such function
+        gets ``labels=`` and builds them itself (its batch loss is then computed, unused)."""
         inputs = dict(inputs)
         seq2seq = getattr(self, "_seq2seq_lm", None)
         if seq2seq is None:
@@ -602,6 +613,10 @@ class DPTrainer(Trainer):
                 inputs["labels"] = labels
             else:
                 inputs["decoder_input_ids"] = decoder_input_ids
+                if "decoder_attention_mask" not in inputs:  # the mask the model builds with them (EncoderDecoder)
+                    mask = decoder_attention_mask_from_labels(model, decoder_input_ids)
+                    if mask is not None:
+                        inputs["decoder_attention_mask"] = mask
         return inputs
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -621,7 +636,11 @@ class DPTrainer(Trainer):
         if not _is_empty(inputs):
             inputs = self._prepare_inputs(inputs)
             if "labels" not in inputs:
-                raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
+                raise ValueError(
+                    "DPTrainer needs `labels` in every batch to compute per-example losses. If your dataset has the "
+                    "targets under another name, rename that column to `labels` (and keep it with "
+                    "`DPTrainingArguments(..., label_names=['labels'])`, since the Trainer drops columns the model's "
+                    "forward does not list).")
             labels = inputs.pop("labels")
             units_all = inputs.pop(_UNIT, None)
             net = self.accelerator.unwrap_model(model)

@@ -357,11 +357,185 @@ class ReadsChildWeight(nn.Module):
         return self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
 
 
-def test_use_outside_the_owning_forward_is_refused_without_self_check(tmp_path):
-    """The hooks-vs-autograd comparison is always on: dp_self_check=False does not turn it off."""
+class LossOut(Out):
+    def __init__(self, logits, loss):
+        super().__init__(logits)
+        self.loss = loss
+
+
+class LossToy(Toy):
+    """``Toy`` with the model's own loss (mean cross-entropy over the batch: on a batch of one, the example's)."""
+
+    def forward(self, x, labels=None):
+        logits = self.head(self.body(x)).mean(1)
+        return LossOut(logits, None if labels is None else torch.nn.functional.cross_entropy(logits, labels))
+
+
+def test_use_outside_the_owning_forward_is_exact_by_the_enclosing_module(tmp_path, caplog):
+    """``lin.weight`` used a second time by the parent's forward: the first-step check finds the escaped use, and the
+    weight's per-example gradient is then computed by re-running the parent per example (the enclosing-module
+    fallback), which the check then accepts; exact against the oracle, and said once in the log with its cost."""
+    with caplog.at_level("WARNING", logger="hf_dp.clipping.engine"):
+        check_exact(LossToy(ReadsChildWeight()), toy_rows(4), tmp_path, per_example_loss=toy_loss,
+                    dp_self_check=False)
+    said = [r.getMessage() for r in caplog.records if "enclosing module of lin.weight" in r.getMessage()]
+    assert len(said) == 1 and "body (ReadsChildWeight" in said[0] and "one extra forward and backward" in said[0]
+
+
+class ReadsChildWeightAndMixes(ReadsChildWeight):
+    """The same escaped use, in a forward that also mixes examples (a batch mean): no enclosing module can be re-run
+    per example, so the use stays refused."""
+
+    def forward(self, x):
+        return super().forward(x) + self.lin.weight.sum() * x.mean(0, keepdim=True)
+
+
+def test_use_outside_the_owning_forward_is_refused_when_no_enclosing_module_works(tmp_path):
+    """The hooks-vs-autograd comparison is always on (dp_self_check=False does not turn it off); the enclosing module
+    is tried, refused by its verification (it mixes examples), and the refusal names both causes."""
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
+                                                    r"a use outside the forward of the module that owns them.*"
+                                                    r"re-running an enclosing module per example.*body "
+                                                    r"\(ReadsChildWeightAndMixes\).*differs from its output on each "
+                                                    r"example alone: it mixes examples"):
+        train_toy(ReadsChildWeightAndMixes(), tmp_path, dp_self_check=False)
+
+
+class RootReadsToo(Toy):
+    """``lin.weight`` used by its parent's forward (enclosable) and again by the model's own forward (not: the model is
+    never re-run per example)."""
+
+    def forward(self, x, labels=None):
+        return Out(self.head(self.body(x)).mean(1) * self.body.lin.weight.sum())
+
+
+def test_enclosing_module_that_misses_a_use_is_refused(tmp_path):
+    """After re-planning, the first-step check runs again on the new plan: the parent's fallback covers the parent's
+    uses only, the model's own use of the weight still escapes, and there is no enclosing module left: refused
+    (without the re-check, that use would be silently dropped)."""
+    model = RootReadsToo(ReadsChildWeight()).double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=toy_rows(4),
+                        per_example_loss=toy_loss)
     with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
                                                     r"a use outside the forward of the module that owns them"):
-        train_toy(ReadsChildWeight(), tmp_path, dp_self_check=False)
+        trainer.train()
+
+
+class DoubledLinear(nn.Linear):
+    """A Linear subclass whose forward is not the parent's (the Linear rule's first-batch form check refuses it)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_layer_that_fails_its_rules_form_check_is_exact_by_the_enclosing_module(tmp_path):
+    trainer = check_exact(LossToy(nn.Sequential(DoubledLinear(3, 3), nn.Tanh())), toy_rows(4), tmp_path,
+                          per_example_loss=toy_loss, dp_self_check=False)
+    assert set(trainer.clipping_engine._enclosure.values()) == {"body"}
+
+
+class TableBias(nn.Module):
+    """Swin's pattern: a table read with no input (its output has no per-example axis), added by the parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(3))
+
+    def forward(self):
+        return self.table
+
+
+class TableBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = TableBias()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.bias())
+
+
+def test_batchless_module_output_in_repeated_blocks_is_exact_by_the_enclosing_blocks(tmp_path, monkeypatch):
+    """The table's own fallback is refused (no per-example axis) at the first block; the re-plan moves every block's
+    table to its block's fallback at once (one extra round of first-step checks, not one per block); exact."""
+    rounds = []
+    replan = ClippingEngine._replan
+    monkeypatch.setattr(ClippingEngine, "_replan", lambda self, names: rounds.append(names) or replan(self, names))
+    trainer = check_exact(LossToy(nn.Sequential(TableBlock(), TableBlock())), toy_rows(4), tmp_path,
+                          per_example_loss=toy_loss, dp_self_check=False)
+    assert sorted(trainer.clipping_engine._enclosure.values()) == ["body.0", "body.1"]
+    assert len(rounds) == 1
+
+
+class AttentionLike(nn.Module):
+    """A module that reads its child's weight directly and applies dropout, as attention does."""
+
+    def __init__(self, p: float = 0.0, attention_dropout: float = 0.0):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.drop = nn.Dropout(p)
+        self.attention_dropout = attention_dropout
+
+    def forward(self, x):
+        h = torch.nn.functional.linear(x, self.lin.weight) + self.lin.bias
+        h = torch.nn.functional.dropout(h, p=self.attention_dropout, training=self.training)
+        return self.drop(h)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(p=0.5), r"body\.0\.drop \(p=0\.5\)"),
+                                      (dict(attention_dropout=0.5), r"body\.0\.attention_dropout=0\.5")],
+                         ids=["module", "functional"])
+def test_enclosing_module_with_dropout_is_refused_in_training(tmp_path, kw, match):
+    """The first-step checks run with dropout off, so the enclosing module's verification passes; in training its
+    dropout is on, and a per-example re-run cannot reproduce the mask: refused at the first training forward (every
+    fallback call checks), naming the dropout and what to set to 0."""
+    body = AttentionLike(**kw)
+    body.drop = nn.Identity() if "p" not in kw else body.drop
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.0 \(AttentionLike\) is re-run per example.*"
+                                                    rf"lin\.weight.*applies dropout \({match}.*"
+                                                    r"Set that dropout probability to 0"):
+        train_toy(nn.Sequential(body), tmp_path, dp_self_check=False)
+
+
+class OwnParamDropout(nn.Module):
+    """A parameter used directly (own: generic fallback), then dropout: ViT-embeddings style."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.dropout(x * self.scale)
+
+
+def test_fallback_module_with_dropout_is_refused_in_training(tmp_path):
+    """Before dropout was checked on every call, the check ran once, in the first-step checks (dropout off), and
+    training then re-ran the module with a different dropout mask: a silently wrong per-example gradient."""
+    with pytest.raises(UnsupportedLayerError, match=r"body\.0 \(OwnParamDropout\) is re-run per example.*scale.*"
+                                                    r"applies dropout \(body\.0\.dropout \(p=0\.5\)\)"):
+        train_toy(nn.Sequential(OwnParamDropout(), nn.Linear(3, 3)), tmp_path, dp_self_check=False)
+
+
+class ConfigDropout(ReadsChildWeight):
+    """Dropout with a probability hf_dp cannot see or switch off (not a ``*dropout*`` attribute: read from a config
+    object at forward time)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = type("Cfg", (), {"p_drop": 0.5})()
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(super().forward(x), p=self.cfg.p_drop, training=self.training)
+
+
+def test_hidden_functional_dropout_is_refused_with_its_cause(tmp_path):
+    """Caught by the comparison only (the hooked and autograd runs draw different masks, so every parameter up to
+    the head differs, and the head has no enclosing module but the model): the refusal names randomness hf_dp cannot
+    switch off (dropout read from the config) among its causes."""
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight.*head\.weight.*random operations hf_dp "
+                                                    r"cannot switch off for this check \(dropout applied functionally"):
+        train_toy(ConfigDropout(), tmp_path, dp_self_check=False)
 
 
 class BatchlessBias(nn.Module):
@@ -378,9 +552,14 @@ class BatchlessBias(nn.Module):
         return x + self.bias(rel).mean(0)  # (T, 3), broadcast over the batch
 
 
-def test_batchless_input_is_refused_even_when_seq_len_equals_batch_size(tmp_path):
-    with pytest.raises(UnsupportedLayerError, match=r"body\.bias .*no batch axis"):
-        train_toy(BatchlessBias(), tmp_path, n=4, seq_len=4, dp_self_check=False)
+def test_batchless_input_is_found_even_when_seq_len_equals_batch_size(tmp_path):
+    """The first step proves batch axes: the (T, T) lookup has none although T == B, so the embedding's rule would
+    split its gradient by position, not by example (their sum is the same: the hooks-vs-autograd check alone would not
+    see it). Found, the table's per-example gradient comes from re-running its enclosing module per example: exact."""
+    trainer = check_exact(LossToy(BatchlessBias()), toy_rows(4, seq_len=2), tmp_path, ga=2, per_example_loss=toy_loss,
+                          dp_self_check=False)  # micro-batches of 2 examples of 2 positions
+    engine = trainer.clipping_engine
+    assert engine._enclosure == {id(trainer.model.body.bias.weight): "body"}
 
 
 def test_deberta_v2_shared_relative_embeddings_pass_both_checks(tmp_path):

@@ -122,6 +122,79 @@ def test_custom_loss_on_seq2seq_still_gets_decoder_inputs_from_labels(tmp_path):
     assert trainer.task == "custom"
 
 
+def tiny_bert2bert():
+    """``EncoderDecoderModel`` (bert2bert): its forward builds ``decoder_attention_mask`` from the shifted labels'
+    pad tokens when it builds the decoder inputs from ``labels``."""
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+
+    bert = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0)
+    cfg = EncoderDecoderConfig.from_encoder_decoder_configs(BertConfig(**bert), BertConfig(**bert))
+    cfg.pad_token_id, cfg.decoder_start_token_id = 0, 2
+    return EncoderDecoderModel(config=cfg)
+
+
+def test_encoder_decoder_model_gets_the_decoder_mask_it_builds_from_labels(tmp_path):
+    """A target with an ignored token in the middle (-100, shifted to the pad id): EncoderDecoderModel's own loss
+    masks it as a key of the later positions, so the per-example loss must too (it did not: decoder_input_ids alone)."""
+    data = seq2seq_dataset(4)
+    data = data.map(lambda row: {"labels": [row["labels"][0], -100, *row["labels"][2:]]})
+    torch.manual_seed(6)
+    trainer = check_losses(tiny_bert2bert(), data, tmp_path)
+    assert trainer.task == "seq2seq_lm"
+
+
+def test_masked_lm_named_like_a_causal_head_gets_the_token_loss(tmp_path):
+    """FlaubertWithLMHeadModel is listed only as a masked LM but its name ends with "LMHeadModel": its own loss is
+    the unshifted token cross-entropy (it was refused as a causal LM whose loss hf_dp could not identify)."""
+    from helpers import token_dataset
+    from transformers import FlaubertConfig, FlaubertWithLMHeadModel
+
+    torch.manual_seed(7)
+    model = FlaubertWithLMHeadModel(FlaubertConfig(
+        vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, pad_index=0))
+    trainer = check_losses(model, token_dataset(4, num_labels=VOCAB, seq_len=6), tmp_path)
+    assert trainer.task == "masked_lm"
+
+
+def test_labels_column_is_kept_when_the_forward_takes_them_as_kwargs(tmp_path):
+    """A head whose forward takes ``labels`` through ``**kwargs`` (Qwen3.5's sequence classification): the Trainer
+    keeps only the columns the forward lists, so the labels were dropped and DPTrainer refused ("needs labels")."""
+    from helpers import cls_dataset, tiny_bert
+    from transformers import BertForSequenceClassification
+
+    class KwargsBertForSequenceClassification(BertForSequenceClassification):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    torch.manual_seed(8)
+    model = KwargsBertForSequenceClassification(tiny_bert().config)
+    check_update(model, cls_dataset(4, num_labels=3, seq_len=6), tmp_path, per_device=2, ga=2)
+
+
+def test_prophetnet_ngram_loss_is_refused(tmp_path):
+    """ProphetNet's own loss adds its n-gram streams (and label smoothing) to the main stream's cross-entropy: the
+    seq2seq token loss of ``logits`` trained another objective, silently (the sweep's LoRA run: wrong)."""
+    from transformers import ProphetNetConfig, ProphetNetForConditionalGeneration
+
+    from hf_dp.losses import token_loss
+
+    torch.manual_seed(9)
+    model = ProphetNetForConditionalGeneration(ProphetNetConfig(
+        vocab_size=VOCAB, hidden_size=16, encoder_ffn_dim=24, decoder_ffn_dim=24, num_encoder_layers=1,
+        num_decoder_layers=1, num_encoder_attention_heads=2, num_decoder_attention_heads=2, ngram=2,
+        max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0,
+        decoder_start_token_id=0, eos_token_id=1)).eval()
+    batch = {k: v[:1] for k, v in batch_of(seq2seq_dataset(1)).items()}
+    own = model(**batch).loss  # float32: ProphetNet's loss computes in float32
+    labels = batch.pop("labels")
+    logits = model(**batch, decoder_input_ids=model._shift_right(labels)).logits
+    assert not torch.allclose(token_loss({"logits": logits}, labels), own)  # why a default would be wrong
+    with pytest.raises(ValueError, match="_compute_loss.*per_example_loss=fn"):
+        DPTrainer(model=model, args=dp_args(tmp_path, 1, 1, 1.0), train_dataset=seq2seq_dataset(2))
+
+
 # ----------------------------------------------------------------------------------------------- vision / audio
 @pytest.fixture
 def float64_default():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from collections.abc import Callable, Iterator
 
 import torch
@@ -175,7 +176,7 @@ _SHARED_METHODS = ("get_rel_embedding",)
 #: whose first axis holds the examples (``B·k`` rows, example-major; DeBERTa-v2's position-to-content and
 #: content-to-position scores; MPNet's relative position bias, looked up with ``(T, T)`` ids and expanded to the batch
 #: inside the method); see _mixing_point
-_MIXING_METHODS = ("disentangled_attention_bias", "compute_position_bias")
+_MIXING_METHODS = ("disentangled_attention_bias", "disentangled_att_bias", "compute_position_bias")
 _ALL_POINTS = _BROADCAST_METHODS + _SHARED_METHODS + _MIXING_METHODS
 
 
@@ -287,6 +288,51 @@ def _patch(owner: nn.Module, method: str, wrapped: Callable):
     return _Restore
 
 
+def _hook_target(output: torch.Tensor) -> torch.Tensor | None:
+    """The tensor on which a hook receives the gradient of ``output`` as the layer returned it, even if the model
+    then modifies ``output`` in place; ``None`` when there is no such tensor (the caller then hooks a copy).
+
+    A hook registered on a tensor that is not a view survives a later in-place operation on it (it stays on the
+    tensor's old autograd node and receives the gradient of the value before the operation). A hook registered on a
+    *view* does not: an in-place operation on a view rebases the view onto ``CopySlices`` of its base, and its old
+    node (with the hook) leaves the graph, so the hook never fires. ``F.linear`` on a 3-D input returns such a view
+    (a 2-D ``addmm`` reshaped), and Longformer's global attention divides the query projection's output in place
+    (``global_query_vectors_only_global /= ...``): its hook was lost. A view that is the whole of a base computed by
+    the layer itself (its autograd node feeds the view's) is hooked on that base, whose gradient is the output's.
+    """
+    base = output._base
+    if base is None:
+        return output
+    node = output.grad_fn
+    if (node is not None and base.grad_fn is not None and base.numel() == output.numel() and output.is_contiguous()
+            and base.is_contiguous() and any(n is base.grad_fn for n, _ in node.next_functions)):
+        return base
+    return None
+
+
+def _parent(name: str) -> str | None:
+    """The qualified name of a module's parent (``""`` for the model), ``None`` for the model itself."""
+    return None if not name else name.rpartition(".")[0]
+
+
+def _common_ancestor(names: list[str]) -> str:
+    """The qualified name of the smallest module containing all of ``names`` (one of them, or an ancestor)."""
+    parts = [n.split(".") if n else [] for n in names]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _with_enclosable(err: UnsupportedLayerError, names: list[str]) -> UnsupportedLayerError:
+    """Mark a first-step refusal that re-running an enclosing module per example might resolve
+    (``ClippingEngine._replan``): the qualified names of the parameters concerned."""
+    err.enclosable = list(names)
+    return err
+
+
 def _rows(x: torch.Tensor) -> int | None:
     """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
     return x.shape[0] if x.dim() >= 2 else None
@@ -300,49 +346,27 @@ class ClippingEngine:
             in ``layers.py`` that covers it, or get the generic exact fallback (``fallback.py``: modules with no rule,
             re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover is
             refused with a message naming it; nothing is skipped silently, and a parameter is never "covered" because
-            another module that shares it has a rule (each owner's forward is its own use). Layers that compute batch
+            another module that shares it has a rule (each owner's forward is its own use). A parameter whose uses its
+            owner's rule cannot see whole (read directly by an ancestor's forward, looked up with no batch axis, a
+            parametrization) is computed by the fallback of its smallest enclosing module that treats examples
+            independently (the enclosing-module fallback: :meth:`_replan`, found by :meth:`first_step_check`, or
+            statically: :meth:`_static_enclosures`). Layers that compute batch
             statistics (BatchNorm, InstanceNorm with running statistics) are refused: they mix examples in train mode
             and write statistics of private data into the checkpoint.
     """
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._modules: list[tuple[str, nn.Module, Rule]] = []
-        self._fallbacks: dict[int, Fallback] = {}
         self.params: dict[str, nn.Parameter] = {}
-        problems: list[str] = []
-        batch_stats: list[str] = []
-        self._owners: dict[int, list[str]] = {}
-        for name, module in model.named_modules():
-            if _uses_batch_statistics(module):
-                batch_stats.append(f"{name} ({type(module).__name__})")
-            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-            if not own:
-                continue
-            for _n, p in own:
-                self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
-            rule = find_rule(module)
-            if rule is None and module is model:
-                problems.append(
-                    f"{', '.join(n for n, _ in own)} ({type(module).__name__}: parameters of the model itself; hf_dp's "
-                    "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
-                    "them)")
-                continue
-            if rule is None:
-                names = tuple(n for n, _ in own)
-                rule = Rule("fallback", _no_uses, names)
-                self._fallbacks[id(module)] = fallback_for(module, name, names, self)  # recurrent.py for RNNs
-                self._modules.append((name, module, rule))
-                continue
-            if rule.check is not None:
-                rule.check(module, name)
-            ruled = rule_parameters(rule, module)
-            for n, _ in own:
-                if n not in ruled:
-                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
-                                    f"{', '.join(rule.params)} only)")
-            if ruled:
-                self._modules.append((name, module, rule))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.params[name] = p
+        self._names = {id(p): n for n, p in self.params.items()}
+        #: param id -> qualified name of the module whose forward re-run per example gives its per-example gradient
+        #: (the enclosing-module fallback: :meth:`_enclose`); its owner's rule then no longer records it
+        self._enclosure: dict[int, str] = {}
+        self._static_enclosures()
+        problems, batch_stats = self._plan()
         if batch_stats:
             raise UnsupportedLayerError(
                 "These layers compute statistics over the batch: " + ", ".join(batch_stats) + ". In train mode (which "
@@ -353,9 +377,6 @@ class ClippingEngine:
                 "torchvision.ops.FrozenBatchNorm2d, built from the trained BatchNorm's running statistics) or by "
                 "per-example normalisations (GroupNorm, LayerNorm)."
             )
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.params[name] = p
         if problems:
             listing = "\n  ".join(problems)
             raise UnsupportedLayerError(
@@ -364,16 +385,8 @@ class ClippingEngine:
                 "Freeze them before training, e.g. `model.get_parameter(name).requires_grad_(False)`, or train the "
                 "model through a PEFT adapter (LoRA)."
             )
-        self._names = {id(p): n for n, p in self.params.items()}
-        generic = [fb for fb in self._fallbacks.values() if type(fb) is Fallback]  # recurrent.py logs its own
-        if generic:
-            logger.warning(
-                "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
-                "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
-                "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
-                "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
-                "; ".join(fb.describe() for fb in generic),
-            )
+        self._logged: set[str] = set()
+        self._log_fallbacks(list(self._fallbacks.values()))
         self._uses: dict[str, list[Use]] = {}
         self._pending: dict[str, int] = {}
         self._units: torch.Tensor | None = None
@@ -396,9 +409,160 @@ class ClippingEngine:
         self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
         self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
         self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
-        self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
-                              and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
         self.summed_grads: dict[str, torch.Tensor] = {}
+
+    def _plan(self) -> tuple[list[str], list[str]]:
+        """Which hook computes which parameter's per-example gradients: every module that owns a trainable parameter
+        gets its rule (``layers.py``) or, with none, the generic fallback (``fallback.py``); a parameter in
+        :attr:`_enclosure` is left out of its owner's rule and given to the fallback of its enclosing module instead.
+        Returns the coverage problems and the batch-statistics layers (the caller refuses them)."""
+        model = self.model
+        self._modules: list[tuple[str, nn.Module, Rule]] = []
+        self._fallbacks: dict[int, Fallback] = {}
+        self._dormant: set[int] = set()  # modules whose every trainable parameter is enclosed: not hooked
+        self._enclosed = set(self._enclosure)
+        problems: list[str] = []
+        batch_stats: list[str] = []
+        self._owners: dict[int, list[str]] = {}
+        extra: dict[str, list[str]] = {}  # enclosing module -> paths (relative to it) of the parameters it computes
+        for pid, mname in self._enclosure.items():
+            module = model.get_submodule(mname)
+            path = next(n for n, q in module.named_parameters(remove_duplicate=False) if id(q) == pid)
+            if path not in extra.setdefault(mname, []):
+                extra[mname].append(path)
+        for name, module in model.named_modules():
+            if _uses_batch_statistics(module):
+                batch_stats.append(f"{name} ({type(module).__name__})")
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+            for _n, p in own:
+                self._owners.setdefault(id(p), []).append(f"{name} ({type(module).__name__})")
+            kept = [(n, p) for n, p in own if id(p) not in self._enclosed]
+            inner = tuple(extra.get(name, ()))
+            if not own and not inner:
+                continue
+            rule = find_rule(module)
+            if inner:  # an enclosing module (never ruled, never the model: see _enclose)
+                fb = Fallback(module, name, tuple(n for n, _ in kept) + inner)
+                self._fallbacks[id(module)] = fb
+                # its Rule lists its own parameters only: groups (modes.py) keep an enclosed parameter in its owner's
+                self._modules.append((name, module, Rule("fallback", _no_uses, tuple(n for n, _ in own))))
+                continue
+            if rule is None and module is model:
+                problems.append(
+                    f"{', '.join(n for n, _ in own)} ({type(module).__name__}: parameters of the model itself; hf_dp's "
+                    "generic fallback would re-run the whole model per example. Move them into a submodule or freeze "
+                    "them)")
+                continue
+            if rule is None:
+                rule = Rule("fallback", _no_uses, tuple(n for n, _ in own))
+                if kept:  # recurrent.py for RNNs
+                    self._fallbacks[id(module)] = fallback_for(module, name, tuple(n for n, _ in kept), self)
+                else:
+                    self._dormant.add(id(module))
+                self._modules.append((name, module, rule))
+                continue
+            if rule.check is not None:
+                rule.check(module, name)
+            ruled = rule_parameters(rule, module)
+            for n, _ in kept:
+                if n not in ruled:
+                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
+                                    f"{', '.join(rule.params)} only)")
+            if ruled:
+                if not kept:
+                    self._dormant.add(id(module))
+                self._modules.append((name, module, rule))
+        self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
+                              and any(r is not m and id(r) not in self._dormant and _is_descendant(r, m)
+                                      for _, r, _ in self._modules)]
+        return problems, batch_stats
+
+    def _log_fallbacks(self, fallbacks: list[Fallback]) -> None:
+        """Say once in the log which modules the generic fallback re-runs, and what it costs."""
+        fallbacks = [fb for fb in fallbacks if type(fb) is Fallback]  # recurrent.py logs its own
+        if not fallbacks:
+            return
+        self._logged.update(fb.describe() for fb in fallbacks)
+        logger.warning(
+            "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
+            "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
+            "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
+            "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
+            "; ".join(fb.describe() for fb in fallbacks),
+        )
+
+    def _static_enclosures(self) -> None:
+        """Parameters whose uses no layer hook can see, known without running the model: a parametrization's
+        ``original*`` tensors (weight norm: read through the parametrized module's attribute, computed by a
+        ``ParametrizationList`` that is called with no input) and the children of ``nn.MultiheadAttention`` (its
+        forward applies ``out_proj.weight`` with a functional call). They go to the fallback of the smallest
+        enclosing module that can be re-run per example (verified on the first step like any fallback)."""
+        from torch.nn.utils.parametrize import ParametrizationList
+
+        for name, module in self.model.named_modules():
+            if isinstance(module, ParametrizationList) or isinstance(module, nn.MultiheadAttention):
+                inner = [(n, p) for n, p in module.named_parameters() if id(p) in self._names]
+                if isinstance(module, nn.MultiheadAttention):
+                    inner = [(n, p) for n, p in inner if "." in n]  # its children's (out_proj), not its own
+                for _n, p in inner:
+                    if id(p) not in self._enclosure:
+                        target = self._enclosing_candidate(name if isinstance(module, nn.MultiheadAttention)
+                                                           else _parent(name), start_inclusive=True)
+                        if target is not None:
+                            self._enclosure[id(p)] = target
+
+    def _enclosing_candidate(self, name: str | None, start_inclusive: bool = False) -> str | None:
+        """The nearest module at or above ``name`` (above it unless ``start_inclusive``) that can host an enclosing
+        fallback: called with the examples (not a container: ``ModuleList``, ``ModuleDict``, ``ParametrizationList``),
+        without a layer rule (a rule factors its own parameters only), not recurrent, and not the model itself
+        (re-running the whole model per example is refused: :class:`ClippingEngine`)."""
+        from torch.nn.utils.parametrize import ParametrizationList
+
+        if name is None:
+            return None
+        if not start_inclusive:
+            name = _parent(name)
+        while name:
+            module = self.model.get_submodule(name)
+            if not isinstance(module, (nn.ModuleList, nn.ModuleDict, ParametrizationList, nn.RNNBase)) \
+                    and find_rule(module) is None:
+                return name
+            name = _parent(name)
+        return None
+
+    def _same_role(self, names: list[str]) -> list[str]:
+        """``names`` and the parameters in the same role elsewhere (the same qualified name up to the indices of
+        repeated blocks, at the same stage of enclosure): a refusal raised during the forward names the first offending
+        module only (Swin's relative position table of block 0), and its twins in the other blocks would otherwise each
+        cost one more round of first-step checks. The re-run check verifies every one of them."""
+        def role(n: str) -> tuple[str, bool]:
+            return re.sub(r"(?<=\.)\d+(?=\.)", "*", "." + n), self._enclosure.get(id(self.params[n])) is None
+
+        roles = {role(n) for n in names if n in self.params}
+        return list(names) + [n for n in self.params if n not in names and role(n) in roles]
+
+    def _enclose(self, names: list[str]) -> bool:
+        """Move each named parameter's per-example gradient one enclosing module up (:meth:`_enclosing_candidate`):
+        from its owners' rule to their smallest common ancestor's fallback, or from its current enclosing module to
+        the next. Returns ``False`` (nothing changed) when some parameter has no enclosing module left."""
+        moves = {}
+        for full in names:
+            p = self.params.get(full)
+            if p is None:
+                return False
+            current = self._enclosure.get(id(p))
+            if current is None:
+                owners = [n for n, m in self.model.named_modules()
+                          if any(q is p for q in m.parameters(recurse=False))]
+                common = _common_ancestor(owners)
+                target = self._enclosing_candidate(common, start_inclusive=common not in owners)
+            else:
+                target = self._enclosing_candidate(current)
+            if target is None:
+                return False
+            moves[id(p)] = target
+        self._enclosure.update(moves)
+        return True
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
@@ -429,6 +593,8 @@ class ClippingEngine:
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
+            if id(m) in self._dormant:  # every parameter it owns is computed by an enclosing module's fallback
+                continue
             if id(m) in self._fallbacks:
                 handles.append(m.register_forward_hook(self._fallback_hook(n, m), with_kwargs=True))
             elif r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
@@ -526,13 +692,50 @@ class ClippingEngine:
         Raises :class:`UnsupportedLayerError` naming the layer and the cause.
         """
         saved = self._saved_state()
+        first = None
         try:
-            if batch_size >= 2:
-                self._probe_layout(run_losses, batch_size)
-            self._check_against_autograd(run_losses, min(batch_size, 2), rtol)
+            while True:
+                try:
+                    if batch_size >= 2:
+                        self._probe_layout(run_losses, batch_size)
+                    self._check_against_autograd(run_losses, min(batch_size, 2), rtol)
+                    break
+                except UnsupportedLayerError as err:
+                    first = first or err
+                    if not self._replan(getattr(err, "enclosable", None)):
+                        if err is first:
+                            raise
+                        raise UnsupportedLayerError(
+                            f"{first}\nhf_dp then tried to compute them by re-running an enclosing module per example "
+                            f"(the generic fallback), which was refused too:\n{err}") from err
         finally:
             self._probe = None
             self._restore_state(saved)
+        self._log_fallbacks([fb for fb in self._fallbacks.values() if fb.describe() not in self._logged])
+
+    def _replan(self, names: list[str] | None) -> bool:
+        """After a first-step refusal naming ``names``: compute their per-example gradients one enclosing module up
+        (:meth:`_enclose`) and plan again; ``False`` when there is nothing left to try (the refusal stands).
+
+        The enclosing-module fallback: a parameter that its owner's rule cannot see whole (read directly or applied
+        functionally by an ancestor's forward, e.g. Mamba's ``conv1d.weight``; used with no batch axis, e.g. Swin's
+        relative position table or DeBERTa's position projections applied once per batch) gets its per-example
+        gradient from the smallest enclosing module whose forward contains all its uses and treats examples
+        independently: the generic fallback (``fallback.py``) re-runs that module per example with the parameter
+        replaced by its path, and the owner's rule no longer records it. The enclosing module is verified like any
+        fallback (the per-example re-run must reproduce its batched output, no dropout), and the whole first-step
+        check runs again on the new plan: it must pass for every parameter, or the first refusal is raised.
+        """
+        if not names:
+            return False
+        before = dict(self._enclosure)
+        if not self._enclose(self._same_role(names)) or self._plan()[0]:
+            self._enclosure = before
+            self._plan()
+            return False
+        self._verified = set()
+        self._layout, self._mapped = {}, {}
+        return True
 
     def _probe_layout(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int) -> None:
         seen = {}
@@ -544,7 +747,8 @@ class ClippingEngine:
             seen[b] = self._probe
         self._probe = None
         names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
-        problems = []
+        rules = {id(m): (m, r) for _, m, r in self._modules}
+        problems, concerned = [], []
         for key, two in seen[big].items():
             one = seen[1].get(key)
             if one is None or two is None:
@@ -563,6 +767,7 @@ class ClippingEngine:
                 continue
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
+            n_before = len(problems)
             if key[0] in self._fallbacks:
                 fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
                 self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
@@ -574,6 +779,19 @@ class ClippingEngine:
                 continue
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
+                later = [j for j in range(1, two.dim()) if two.dim() == one.dim() and two.shape[j] == big
+                         and one.shape[j] == 1]
+                if r1 == 1 and later and two.shape[1:] != one.shape[1:]:
+                    problems.append(
+                        f"{call}: both the first axis and axis {later[0]} of its input grow from 1 to {big} with the "
+                        f"examples ({tuple(one.shape)} for the first alone, {tuple(two.shape)} for {big}), and its "
+                        "other axes change with the batch, so hf_dp cannot tell which axis holds the examples (e.g. "
+                        "Longformer's global-attention rows, one per global token, padded to the largest number of "
+                        "global tokens in the batch, with the examples on axis 1). Give every example the same "
+                        "number of global tokens (the classification default: the first token only), or freeze the "
+                        "layer (requires_grad_(False)) or use LoRA on the other layers.")
+                    concerned += self._owned(*rules[key[0]])
+                    continue
                 if r1 == 1:
                     self._layout.pop(key, None)
                     continue
@@ -601,9 +819,11 @@ class ClippingEngine:
                 problems.append(
                     f"{call}: the first axis of its input has {r2} rows for {big} examples but {r1} for one, so hf_dp "
                     "cannot tell which rows belong to which example. Freeze the layer.")
+            if len(problems) > n_before:
+                concerned += self._owned(*rules[key[0]])
         if problems:
-            raise UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
-                                        + "\n  ".join(problems))
+            raise _with_enclosable(UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
+                                                         + "\n  ".join(problems)), concerned)
 
     @contextlib.contextmanager
     def _stand_ins(self) -> Iterator[dict[str, nn.Parameter]]:
@@ -663,17 +883,19 @@ class ClippingEngine:
             if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
                 escaped.append(f"{name} (owned by {', '.join(self._owners.get(id(p), ['?']))})")
         if escaped:
-            raise UnsupportedLayerError(
+            raise _with_enclosable(UnsupportedLayerError(
                 "The hooks' sum of per-example gradients differs from autograd's gradient for these trainable "
                 "parameters, so their gradient could not be clipped per example:\n  " + "\n  ".join(escaped)
                 + "\nTypical cause: a use outside the forward of the module that owns them, which the per-layer "
                 "hooks do not see (a parent module reads `child.weight` directly, or applies it with a functional "
-                "call). Seen also with Longformer's global attention "
-                "projections (query_global). Freeze these parameters "
+                "call; its uses are then covered by re-running the smallest enclosing module per example when "
+                "one can be, which is not the case here), or random operations hf_dp cannot switch off for this "
+                "check (dropout applied functionally with a probability read from the config). Freeze these "
+                "parameters "
                 "(`model.get_parameter(name).requires_grad_(False)`; a parameter tied to another, like an input "
                 "embedding tied to the LM head, is then frozen in both places) or train "
                 "the model through a PEFT adapter (LoRA)."
-            )
+            ), [e.split(" (owned by")[0] for e in escaped])
 
     def check_single_examples(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int,
                               num_single: int = 2, rtol: float = 1e-3, mode: str = "") -> None:
@@ -731,7 +953,11 @@ class ClippingEngine:
 
     def _owned(self, module: nn.Module, rule: Rule) -> list[str]:
         return [self._names[id(getattr(module, n))] for n in rule.params
-                if getattr(module, n, None) is not None and id(getattr(module, n)) in self._names]
+                if getattr(module, n, None) is not None and self._keeps(getattr(module, n))]
+
+    def _keeps(self, param) -> bool:
+        """Whether a rule records this parameter: trainable, and not computed by an enclosing module's fallback."""
+        return id(param) in self._names and id(param) not in self._enclosed
 
     def _add_uses(self, name: str, uses: list[Use]) -> None:
         """Store one hooked call's uses (called from the gradient hooks); clip completed groups (fused mode)."""
@@ -748,8 +974,9 @@ class ClippingEngine:
                 else:
                     cause = ("its input has no batch axis (computed once and shared by all examples): freeze its "
                              "parameters or use LoRA on the other layers")
-                raise UnsupportedLayerError(
-                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}.")
+                raise _with_enclosable(UnsupportedLayerError(
+                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}."),
+                    [self._names[id(v.param)] for v in uses if id(v.param) in self._names])
         if self._segments is not None:  # padding-free packed rows: one block per example
             uses = [self._segment_use(u) for u in uses]
         touched = set()
@@ -840,11 +1067,17 @@ class ClippingEngine:
                 inp = inp.movedim(axis, 0)  # the batch axis proven at the first step comes first for the rule
             if rule.verify is not None and id(module) not in self._verified:
                 seen = output.reshape(b, -1, *output.shape[1:]) if flat else output.movedim(axis, 0)
-                rule.verify(module, name, inp, seen)
+                try:
+                    rule.verify(module, name, inp, seen)
+                except UnsupportedLayerError as err:  # not the form its rule assumes: its parent may be re-run
+                    raise _with_enclosable(err, owned) from None
                 self._verified.add(id(module))
+            target = None
             if not output.requires_grad:
-                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
-                output = output.detach().requires_grad_(True)
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook; the
+                # forward goes on with a copy (not the leaf itself, which the model may modify in place).
+                target = output.detach().requires_grad_(True)
+                output = target.clone()
 
             # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
             # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
@@ -854,6 +1087,10 @@ class ClippingEngine:
             # output, so none is passed).
             box = [inp]
             del inp
+            target = target if target is not None else _hook_target(output)
+            if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
+                output = target = output.clone()
+            shape = output.shape
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
@@ -861,19 +1098,19 @@ class ClippingEngine:
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
-                grad = grad.detach()
+                grad = grad.detach().reshape(shape)
                 if flat:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
                 elif axis:
                     grad = grad.movedim(axis, 0)
                 uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
-                        if id(u.param) in self._names]
+                        if self._keeps(u.param)]
                 self._add_uses(name, uses)
 
             if self._groups is not None:
                 for n in owned:
                     self._pending[n] = self._pending.get(n, 0) + 1
-            output.register_hook(grad_hook)
+            target.register_hook(grad_hook)
             return output
 
         return hook
@@ -904,10 +1141,11 @@ class ClippingEngine:
             if not captured:
                 return result
             if not isinstance(result, torch.Tensor) or result.dim() == 0 or result.shape[0] != 1:
-                raise UnsupportedLayerError(
+                raise _with_enclosable(UnsupportedLayerError(
                     f"{type(owner).__name__}.{method} returned shape "
                     f"{tuple(getattr(result, 'shape', ()))}, not a bias with a leading broadcast axis of 1: hf_dp "
-                    "cannot give its layers per-example gradients. Freeze " + ", ".join(c[0] for c in captured) + ".")
+                    "cannot give its layers per-example gradients. Freeze " + ", ".join(c[0] for c in captured) + "."),
+                    [n for c in captured for n in self._owned(c[1], c[2])])
             expanded = result.expand(b, *result.shape[1:])
             if not result.requires_grad:
                 return expanded
@@ -922,7 +1160,7 @@ class ClippingEngine:
                     if per_example is None:
                         per_example = out.new_zeros(b, *out.shape)
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, per_example)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
 
             expanded.register_hook(grad_hook)
             return expanded
@@ -969,7 +1207,7 @@ class ClippingEngine:
             called = {id(c[1]) for c in captured}
             reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
             direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
-                      if id(m) not in called and id(s) in reached]
+                      if id(m) not in called and id(s) in reached and self._keeps(p)]
             if self._groups is not None:
                 for n, _p, _s in direct:
                     self._pending[n] = self._pending.get(n, 0) + 1
@@ -993,7 +1231,7 @@ class ClippingEngine:
                 for (name, module, rule, inp, out), g in zip(captured, acc):
                     g = out.new_zeros(b, *out.shape) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
                 for (name, p, _s), g in zip(direct, acc[len(captured):]):
                     g = p.new_zeros(b, p.numel()) if g is None else g.reshape(b, -1)
                     self._add_uses(name, [Use(p, None, g.unsqueeze(1), 1, name)])
@@ -1082,7 +1320,7 @@ class ClippingEngine:
                 for (name, module, rule, inp, out), g in zip(calls, per):
                     g = out.new_zeros(b, *out.shape) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
-                    self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+                    self._add_uses(name, [u for u in uses if self._keeps(u.param)])
                 k = len(calls)
                 for r in shared:
                     for j in range(len(r["acc"])):
@@ -1099,7 +1337,7 @@ class ClippingEngine:
     def _fallback_hook(self, name: str, module: nn.Module):
         """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
         fb = self._fallbacks[id(module)]
-        owned = [self._names[id(getattr(module, n))] for n in fb.param_names]
+        owned = [self._names[id(fb.param(n))] for n in fb.param_names]
 
         def hook(mod, args, kwargs, output):
             if self._replaying:
@@ -1116,19 +1354,22 @@ class ClippingEngine:
             if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
                 return None
             b = self._batch_size
+            if type(fb) is Fallback:  # every call: the first-step checks run with dropout off, training does not
+                fb.check_dropout()  # (recurrent.py refuses recurrent dropout itself)
             saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
             mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
             if id(module) not in self._verified:
                 with self._replay():
                     fb.verify(*saved_args, output, b, mapped)
                 self._verified.add(id(module))
-            # Each float output is returned as a fresh alias (a leaf if nothing upstream is trainable), so that its
+            # Each float output is returned as a fresh copy (a leaf if nothing upstream is trainable), so that its
             # gradient holds only the uses *after* the module: an output that is also an intermediate of another
             # output (eager attention returns its weights, from which it computes its output) would otherwise pass
-            # the other output's gradient twice through the vector-Jacobian product.
+            # the other output's gradient twice through the vector-Jacobian product. A copy, not a view: an in-place
+            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook (_hook_target).
             for i, t in enumerate(leaves):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    leaves[i] = t.view_as(t) if t.requires_grad else t.detach().requires_grad_(True)
+                    leaves[i] = t.clone() if t.requires_grad else t.detach().requires_grad_(True)
             outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
             likes = [t.detach() for t in outs]
             box = [saved_args]
@@ -1143,7 +1384,7 @@ class ClippingEngine:
                 with self._replay():
                     per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
                 uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
-                    Use(getattr(module, n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                    Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if self._groups is not None:

@@ -17,7 +17,14 @@ size; the others are shared by all examples. Submodules keep their own rules: th
 (a parameter the module shares with a submodule is replaced only as the module's own attribute), and the engine's
 hooks are silenced during the re-run. Before first use the module is verified on real activations: the per-example
 re-run must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the
-batch) is refused instead of being clipped with a wrong gradient.
+batch) is refused instead of being clipped with a wrong gradient, and a module that applies dropout in training is
+refused on every call (its mask cannot be replayed; the first-step checks run with dropout off).
+
+The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
+parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
+(``conv1d.weight``, ``conv.parametrizations.weight.original0``), which ``functional_call`` replaces in the re-run, so
+every use of the parameter inside the enclosing module's forward is differentiated; the owner's rule no longer records
+it.
 """
 
 from __future__ import annotations
@@ -47,13 +54,25 @@ class Fallback:
         self.param_names = param_names
         #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
         self.out_axes: list[int] | None = None
+        self._dropout_sites: list | None = None  # see check_dropout
+
+    def param(self, name: str) -> nn.Parameter:
+        """One of ``param_names``: the module's own (``"weight"``) or, for an enclosing module, a descendant's
+        (``"conv1d.weight"``, ``"conv.parametrizations.weight.original0"``: the path ``functional_call`` replaces)."""
+        return self.module.get_parameter(name)
 
     def describe(self) -> str:
-        numel = sum(getattr(self.module, n).numel() for n in self.param_names)
-        return f"{self.name} ({type(self.module).__name__}: {', '.join(self.param_names)}; {numel} values)"
+        numel = sum(self.param(n).numel() for n in self.param_names)
+        inner = [n for n in self.param_names if "." in n]
+        what = f"{', '.join(self.param_names)}; {numel} values"
+        if inner:
+            what += (f"; enclosing module of {', '.join(inner)}, which are used in its forward outside their own "
+                     "module's (read directly, applied functionally, or broadcast over the batch), so the whole "
+                     "module is re-run per example")
+        return f"{self.name} ({type(self.module).__name__}: {what})"
 
     def _params(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self.module, n).detach() for n in self.param_names}
+        return {n: self.param(n).detach() for n in self.param_names}
 
     def _runner(self, args: tuple, kwargs: dict, mapped: list[str | None], batch_size: int, squeeze: bool = True):
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
@@ -111,6 +130,53 @@ class Fallback:
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
+    def _whose(self) -> str:
+        """How the refusals name the parameters: the module's own, or used in its forward outside their module's."""
+        own = [n for n in self.param_names if "." not in n]
+        inner = [n for n in self.param_names if "." in n]
+        parts = ([f"owns trainable parameters ({', '.join(own)})"] if own else []) + (
+            [f"uses trainable parameters of its submodules outside their own forward ({', '.join(inner)})"]
+            if inner else [])
+        return " and ".join(parts)
+
+    def _enclosable(self, err: UnsupportedLayerError) -> UnsupportedLayerError:
+        """Mark a refusal that re-running a larger module might resolve (the engine's first-step re-planning tries
+        the enclosing modules before refusing): the qualified names of the parameters concerned."""
+        err.enclosable = [f"{self.name}.{n}" if self.name else n for n in self.param_names]
+        return err
+
+    def check_dropout(self) -> None:
+        """Refuse (``UnsupportedLayerError``) if the module applies dropout in this call: its random mask cannot be
+        reproduced by the per-example re-run, so the re-run's gradient would not be the example's. Checked on every
+        call (the first-step checks run with dropout off, training does not): ``nn.Dropout`` modules in train mode
+        with ``p > 0``, and float attributes named ``*dropout*`` (``attention_dropout``, passed to ``F.dropout`` or
+        sdpa when ``self.training``) on modules in train mode. Dropout read elsewhere (e.g. from the config at
+        forward time) is caught by :meth:`verify`'s comparison."""
+        if self._dropout_sites is None:  # the modules and attributes to look at, found once
+            self._dropout_sites = [(f"{self.name}.{n}" if n else self.name, m,
+                                    [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)])
+                                   for n, m in self.module.named_modules()]
+        active = []
+        for where, m, keys in self._dropout_sites:
+            if not m.training:
+                continue
+            if isinstance(m, nn.modules.dropout._DropoutNd):
+                if m.p > 0:
+                    active.append(f"{where} (p={m.p})")
+                continue
+            active += [f"{where}.{k}={getattr(m, k)}" for k in keys
+                       if isinstance(getattr(m, k, None), float) and getattr(m, k) > 0]
+        if active:
+            inner = [n for n in self.param_names if "." in n]
+            raise UnsupportedLayerError(
+                f"{self.name} ({type(self.module).__name__}) is re-run per example by hf_dp's generic fallback to get "
+                f"the per-example gradients of {', '.join(self.param_names)}"
+                + (" (used in its forward outside their own module's)" if inner else "")
+                + f", but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
+                "Set that dropout probability to 0 (in the config, e.g. attention_dropout=0.0 / "
+                "hidden_dropout_prob=0.0, or on the module), freeze these parameters, or use a PEFT adapter (LoRA)."
+            )
+
     def verify(self, args: tuple, kwargs: dict, output, batch_size: int, mapped: list[str | None]) -> None:
         """Refuse (``UnsupportedLayerError``) unless the per-example re-run reproduces the batched output."""
         outs = float_outputs(output)
@@ -126,28 +192,21 @@ class Fallback:
             bad = [tuple(t.shape) for t, ax in zip(outs, axes) if ax is None]
             self.out_axes = axes
         if bad:
-            raise UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+            raise self._enclosable(UnsupportedLayerError(
+                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
                 f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
                 "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
                 "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
-            )
-        active = [n for n, m in self.module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd)
-                  and m.training and m.p > 0]
-        if active:
-            raise UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters that hf_dp computes per example by re-running the "
-                f"module, but it applies dropout ({', '.join(active)}), whose random mask a re-run cannot reproduce. "
-                "Set that dropout probability to 0, freeze the parameters, or use a PEFT adapter (LoRA)."
-            )
+            ))
         run, per_example = self._runner(args, kwargs, mapped, batch_size)
         outs = self.per_example_outputs(outs, batch_size, mapped)
         try:
             with torch.no_grad():
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
+            # not enclosable: a larger module would run the same operation under vmap
             raise UnsupportedLayerError(
-                f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no rule "
+                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
                 f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
@@ -156,13 +215,15 @@ class Fallback:
         tol = 1e-2 if any(t.dtype in (torch.float16, torch.bfloat16) for t in outs) else 1e-4
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
-                raise UnsupportedLayerError(
-                    f"{self.name} ({cls}) owns trainable parameters ({', '.join(self.param_names)}) that hf_dp has no "
+                raise self._enclosable(UnsupportedLayerError(
+                    f"{self.name} ({cls}) {self._whose()} that hf_dp has no "
                     "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
                     "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
-                    "batch) or is random. Per-example clipping cannot bound an example's contribution through it. "
-                    "Freeze these parameters (requires_grad_(False)) or use a PEFT adapter (LoRA)."
-                )
+                    "batch), or it is random (e.g. dropout applied functionally with a probability hf_dp cannot see, "
+                    "such as one read from the config in the forward: set it to 0). Per-example clipping cannot bound "
+                    "an example's contribution through it. Freeze these parameters (requires_grad_(False)) or use a "
+                    "PEFT adapter (LoRA)."
+                ))
 
     def per_example_grads(self, args: tuple, kwargs: dict, grads: list[torch.Tensor | None], outputs_like:
                           list[torch.Tensor], mapped: list[str | None], batch_size: int) -> dict[str, torch.Tensor]:
