@@ -1047,11 +1047,11 @@ class ClippingEngine:
             if not torch.is_grad_enabled():
                 return output
             if not isinstance(output, torch.Tensor):  # sweepfix: never skip a ruled call silently
-                raise UnsupportedLayerError(
+                raise _with_enclosable(UnsupportedLayerError(
                     f"{name} ({type(module).__name__}) returned a {type(output).__name__}, not a tensor, while its "
                     f"{rule.name!r} rule factors a layer whose call returns one tensor (e.g. nn.Linear's "
                     "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
-                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA).")
+                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             inp = _detached(inp)
             b = self._batch_size
             layout = self._layout.get(key)
