@@ -312,3 +312,19 @@ def test_router_bias_outside_its_call_is_refused():
     engine = ClippingEngine(model)
     with pytest.raises(UnsupportedLayerError, match="without its bias"), engine.record(3):
         model(torch.randn(3, 5, 4)).sum().backward()
+
+
+def test_tuple_returning_linear_subclass_is_exact_by_its_enclosing_module():
+    """After the first-step check, the refusal above is resolved by re-running the enclosing block per example."""
+    torch.manual_seed(0)
+    model = Seq(RoutedBlock(router=False), nn.Tanh()).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    engine = first_step(model, x)
+    with engine.record(3):
+        model(x).pow(2).flatten(1).sum(1).sum().backward()
+    norms = engine.per_example_norms_sq()
+    for i in range(3):
+        model.zero_grad()
+        model(x[i:i + 1]).pow(2).sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(norms[n][i], p.grad.pow(2).sum(), rtol=1e-9, atol=1e-12, msg=n)
