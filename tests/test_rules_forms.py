@@ -328,3 +328,21 @@ def test_tuple_returning_linear_subclass_is_exact_by_its_enclosing_module():
         model(x[i:i + 1]).pow(2).sum().backward()
         for n, p in model.named_parameters():
             torch.testing.assert_close(norms[n][i], p.grad.pow(2).sum(), rtol=1e-9, atol=1e-12, msg=n)
+
+
+class KeywordNorm(GatedRMSNorm):
+    def forward(self, x, groups: int = 1, gate=None):  # called with gate= only: a positional re-run puts it in groups
+        return super().forward(x.view(*x.shape[:-1], groups, -1).flatten(-2), gate)
+
+
+def test_affine_layer_that_cannot_be_re_run_is_refused_not_crashed():
+    class Block(GatedBlock):
+        def forward(self, x):
+            return self.out(self.norm(self.inp(x), gate=self.gate(x)))
+
+    model = Block()
+    model.norm = KeywordNorm(4)
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match=r"norm \(KeywordNorm\).*re-running it on this call's inputs"), \
+            engine.record(3):
+        model(torch.randn(3, 5, 3)).sum().backward()

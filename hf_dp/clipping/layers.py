@@ -232,7 +232,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool(torch.allclose(a.to(b.dtype), b, rtol=tol, atol=tol * scale))
 
 
-def _verify_affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor) -> None:
+def _verify_affine_form(module: nn.Module, name: str, inp, out: torch.Tensor) -> None:
     """Check once, on real activations, that this layer is affine in its parameters: ``y(w, b) = w ⊙ x̂ + b +
     y(0, 0)``, where ``x̂ = y(1, 0) - y(0, 0)`` and ``y(0, 0)`` depend neither on ``w`` / ``b`` nor on the other
     examples of the batch — the form whose per-example gradients are ``Σ_t g ⊙ x̂`` and ``Σ_t g``. The layer is re-run
@@ -294,6 +294,21 @@ def _verify_affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor) ->
         "examples; checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
         "(param.requires_grad_(False)) or train it through a PEFT adapter."
     )
+
+
+def _verify_affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor) -> None:
+    """:func:`_verify_affine_form`; a re-run that fails (inputs passed by keyword in another order than the
+    forward's signature, a forward needing more than its call's inputs) is a refusal with that cause, not a crash."""
+    try:
+        _verify_affine_form(module, name, inp, out)
+    except UnsupportedLayerError:
+        raise
+    except Exception as err:  # noqa: BLE001 - reported as the cause of the refusal
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer, but re-running it on "
+            f"this call's inputs with other parameter values failed ({type(err).__name__}: {err}), so hf_dp cannot "
+            "check that it computes weight * x_hat + bias + y0 and has no exact per-example rule for it. Freeze it "
+            "(param.requires_grad_(False)) or train it through a PEFT adapter.") from err
 
 
 # ----------------------------------------------------------------------------------------------------- convolutions
