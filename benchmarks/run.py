@@ -91,6 +91,7 @@ class Shape:
     batch_size: int
     num_labels: int = 2
     tied: bool = True  # gpt2: lm_head shares wte (GPT-2's layout); Opacus's ghost clipping refuses tied parameters
+    accum: int = 1  # gradient accumulation steps: a logical batch of batch_size × accum examples per optimizer step
 
     @property
     def task(self) -> str:
@@ -110,6 +111,19 @@ PRESETS: dict[str, list[Shape]] = {
         Shape("gpt2-4x768-T128-B8", "gpt2", 4, 768, 12, 50257, 128, 8),
         Shape("gpt2-4x768-T128-B8-untied", "gpt2", 4, 768, 12, 50257, 128, 8, tied=False),
         Shape("bert-4x768-cls-T128-B8", "bert", 4, 768, 12, 30522, 128, 8),
+    ],
+    # Issue 17's CPU targets: a BERT-like 4×256 classifier (vocab 8192) at B = 32, and the GPT-2 layouts of "cpu".
+    "issue17": [
+        Shape("bert-4x256-v8192-cls-T128-B32", "bert", 4, 256, 4, 8192, 128, 32),
+        Shape("gpt2-4x768-T128-B8", "gpt2", 4, 768, 12, 50257, 128, 8),
+        Shape("gpt2-4x768-T128-B8-untied", "gpt2", 4, 768, 12, 50257, 128, 8, tied=False),
+    ],
+    # Issue 17's scaling table (fixed per-step cost vs per-example cost): the BERT-like 4×256 classifier at
+    # B ∈ {8, 32, 128 = 4 × 32 by gradient accumulation} and T ∈ {64, 256}.
+    "scaling": [
+        Shape(f"bert-4x256-v8192-cls-T{t}-B{b * a}" + (f"-accum{a}" if a > 1 else ""), "bert", 4, 256, 4, 8192, t, b,
+              accum=a)
+        for t in (64, 256) for b, a in ((8, 1), (32, 1), (32, 4))
     ],
     # The issue's layouts (GPU).
     "gpu": [
@@ -169,10 +183,10 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def make_dataset(shape: Shape, num_batches: int = 4, seed: int = 1) -> ListDataset:
-    """``num_batches × batch_size`` fixed-length examples of random tokens (no padding)."""
+    """``num_batches × batch_size × accum`` fixed-length examples of random tokens (no padding)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for _ in range(num_batches * shape.batch_size):
+    for _ in range(num_batches * shape.batch_size * shape.accum):
         ids = torch.randint(0, shape.vocab, (shape.seq_len,), generator=gen)
         row = {"input_ids": ids, "attention_mask": torch.ones(shape.seq_len, dtype=torch.long)}
         if shape.task == "classification":
@@ -279,7 +293,7 @@ class TrainerRunner(Runner):
         self.model = model
         common = dict(
             output_dir=os.path.join(outdir, method), per_device_train_batch_size=shape.batch_size,
-            gradient_accumulation_steps=1, max_steps=1, learning_rate=lr, lr_scheduler_type="constant",
+            gradient_accumulation_steps=shape.accum, max_steps=1, learning_rate=lr, lr_scheduler_type="constant",
             warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=0.0, logging_strategy="no",
             save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True, seed=0,
             dataloader_num_workers=0, use_cpu=device.type == "cpu", remove_unused_columns=True,
@@ -335,6 +349,9 @@ class OpacusRunner(Runner):
     def __init__(self, method: str, model: torch.nn.Module, dataset, shape: Shape, device: torch.device, lr: float):
         from opacus import PrivacyEngine
         from transformers import default_data_collator
+
+        if shape.accum > 1:
+            raise NotImplementedError("gradient accumulation is not benchmarked for Opacus (virtual steps)")
 
         self.method = method
         self.shape = shape
@@ -744,8 +761,9 @@ def markdown(result: dict[str, Any], device_type: str) -> str:
     ms = result["methods"]
     base = ms.get("nonprivate", {})
     tied = "" if shape["arch"] != "gpt2" else (", tied wte/lm_head" if shape.get("tied", True) else ", untied lm_head")
+    accum = f" × {shape['accum']} accumulated" if shape.get("accum", 1) > 1 else ""
     lines = [f"#### {shape['name']}: {shape['arch']} {shape['layers']}×{shape['width']}, vocab {shape['vocab']}, "
-             f"T={shape['seq_len']}, B={shape['batch_size']}{tied} ({result.get('num_parameters', 0) / 1e6:.1f} M "
+             f"T={shape['seq_len']}, B={shape['batch_size']}{accum}{tied} ({result.get('num_parameters', 0) / 1e6:.1f} M "
              "params)", ""]
     ghost = ms.get("opacus_ghost", {})
     shown = [m for m in ALL_METHODS if m in ms or m in result["errors"]]
@@ -1051,6 +1069,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--accum", type=int, default=1,
+                   help="Gradient accumulation steps (logical batch = batch size × accum; DPTrainer and HF Trainer).")
     p.add_argument("--untied", action="store_true",
                    help="gpt2 with --arch: a separate lm_head instead of GPT-2's tied wte/lm_head (Opacus's ghost "
                         "clipping does not support tied parameters).")
@@ -1100,12 +1120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def selected_shapes(args: argparse.Namespace) -> list[Shape]:
     if args.arch:
-        name = f"{args.arch}-{args.layers}x{args.width}-T{args.seq_len}-B{args.batch_size}"
+        name = f"{args.arch}-{args.layers}x{args.width}-T{args.seq_len}-B{args.batch_size * args.accum}"
+        if args.accum > 1:
+            name += f"-accum{args.accum}"
         if args.untied and args.arch == "gpt2":
             name += "-untied"
         vocab = args.vocab if args.arch != "bert" or args.vocab != 50257 else 30522
         return [Shape(name, args.arch, args.layers, args.width, args.heads, vocab, args.seq_len, args.batch_size,
-                      tied=not args.untied)]
+                      tied=not args.untied, accum=args.accum)]
     preset = args.preset or ("gpu" if args.device.startswith("cuda") else "cpu-quick")
     shapes = PRESETS[preset]
     if args.shapes:

@@ -72,6 +72,32 @@ def _left_gram(u: Use, v: Use, dtype: torch.dtype) -> torch.Tensor:
     return torch.bmm(lu, _left_dense(v, dtype).transpose(1, 2))
 
 
+_GRAM_CACHE = 4
+
+
+def _self_gram(x: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    """``X_i X_iᵀ`` per example, ``(B, T, T)``, for a dense factor ``(B, T, d)``.
+
+    With ``cache`` (one norm pass over parameters whose factors are all alive), a tensor read by several layers —
+    the query, key and value projections' common input, whose parameters come one after another — has its Gram
+    computed once. The key is the storage address, shape, strides, dtype and version counter of ``x``; the entry holds
+    ``x`` itself, so its storage cannot be freed and reused by another tensor while the entry lives. Only the last
+    ``_GRAM_CACHE`` entries are kept (memory: a few ``(B, T, T)`` matrices).
+    """
+    if cache is not None:
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[1]
+    y = x.to(dtype)
+    gram = torch.bmm(y, y.transpose(1, 2))
+    if cache is not None:
+        cache[key] = (x, gram)
+        if len(cache) > _GRAM_CACHE:
+            del cache[next(iter(cache))]
+    return gram
+
+
 def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
     """Per-example gradients ``(B, d_L, d_R)`` of one use."""
     r = u.right.to(dtype)
@@ -97,26 +123,39 @@ def _as_ones(u: Use) -> Use:
     return Use(u.param, None, g.reshape(g.shape[0], 1, -1), 1, u.module_name)
 
 
-def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _scale_examples(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``x[i] · c_i`` for ``x`` of shape ``(B, ...)`` and ``c`` of shape ``(B,)``, as a 2-D broadcast: on CPU the same
+    product broadcast from ``(B, 1, 1)`` takes a slow path (≈ 6× slower at ``(32, 128, 256)``, benchmarks/RESULTS.md)."""
+    b = x.shape[0]
+    return (x.reshape(b, -1) * c.view(b, 1)).reshape(x.shape)
+
+
+def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype, zeroed: bool = True) -> torch.Tensor:
     """``Σ_i c_i L_iᵀ R_i`` as a ``(d_L, d_R)`` matrix: one matmul (or one ``index_add``) over all tokens.
 
-    The rows of an example with ``c_i = 0`` (a non-finite example, ``modes.clip_factors_from_norms``) are zeroed
-    rather than scaled: ``0 · NaN = NaN`` inside the matmul would poison every coordinate of the sum.
+    The factors scale the smaller operand (one pass over ``(B, T, min(d_L, d_R))``). The rows of an example with
+    ``c_i = 0`` (a non-finite example, ``modes.clip_factors_from_norms``) are zeroed rather than scaled: ``0 · NaN =
+    NaN`` inside the matmul would poison every coordinate of the sum. ``zeroed=False`` (the caller found no zero
+    factor) skips those two full passes: with every ``c_i ≠ 0`` they are the identity.
     """
     d_r = u.right.shape[-1]
-    c = factors.to(dtype).view(-1, 1, 1)
-    keep = c != 0
-    r = torch.where(keep, u.right.to(dtype), 0.0)
-    if u.left is None:
-        return (r * c).sum((0, 1)).unsqueeze(0)
+    c = factors.to(dtype)
+    r = u.right.to(dtype)
+    keep = c.view(-1, 1, 1) != 0 if zeroed else None
+    if keep is not None:
+        r = torch.where(keep, r, 0.0)
+    if u.left is None:  # Σ_i c_i Σ_t R_{i,t}
+        return (c.view(1, -1) @ r.sum(1)).view(1, d_r)
     if u.kind == "index":
         out = r.new_zeros(u.left_dim, d_r)
-        return out.index_add_(0, u.left.reshape(-1), (r * c).reshape(-1, d_r))
-    left = torch.where(keep, u.left.to(dtype), 0.0)
+        return out.index_add_(0, u.left.reshape(-1), _scale_examples(r, c).reshape(-1, d_r))
+    left = u.left.to(dtype)
+    if keep is not None:
+        left = torch.where(keep, left, 0.0)
     if left.shape[-1] <= d_r:
-        left = left * c
+        left = _scale_examples(left, c)
     else:
-        r = r * c
+        r = _scale_examples(r, c)
     return left.reshape(-1, u.left_dim).t() @ r.reshape(-1, d_r)
 
 
@@ -1237,38 +1276,45 @@ class ClippingEngine:
         c = unit_factors[self._units]
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
-    def _norm_sq_of(self, uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
-        instantiation if that was cheaper (per example only)."""
+        instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
+        norm pass (:func:`_self_gram`)."""
         if self._units is not None:
             return self._plain_norm_sq(self._unit_uses(uses))[0], None
-        return self._plain_norm_sq(uses)
+        return self._plain_norm_sq(uses, grams)
 
     @staticmethod
-    def _plain_norm_sq(uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plain_norm_sq(uses: list[Use], grams: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = _acc_dtype(*[u.right for u in uses])
         if use_ghost_norm(uses):
             total = None
             for i, u in enumerate(uses):
-                ru = u.right.to(dtype)
                 for v in uses[i:]:
-                    rv = v.right.to(dtype)
-                    term = (_left_gram(u, v, dtype) * torch.bmm(ru, rv.transpose(1, 2))).sum((1, 2))
-                    term = term if v is u else 2 * term
+                    if v is u:
+                        left = _self_gram(u.left, dtype, grams) if u.kind == "dense" else _left_gram(u, u, dtype)
+                        term = (left * _self_gram(u.right, dtype, grams)).sum((1, 2))
+                    else:
+                        right = torch.bmm(u.right.to(dtype), v.right.to(dtype).transpose(1, 2))
+                        term = 2 * (_left_gram(u, v, dtype) * right).sum((1, 2))
                     total = term if total is None else total + term
             return total, None
         g = sum(_instantiate(u, dtype) for u in uses)
         return g.pow(2).sum((1, 2)), g
 
-    def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None) -> None:
+    def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None,
+                     zeroed: bool = True) -> None:
+        """Add ``Σ_i c_i G_{i,name}`` into :attr:`summed_grads`. ``zeroed=False``: no factor is 0 (checked by the
+        caller once per micro-batch or group), so no row needs zeroing (:func:`_clipped_sum`)."""
         p = self.params[name]
         if inst is not None:  # rows of examples with factor 0 (non-finite) zeroed, not scaled: 0 · NaN = NaN
-            s = torch.einsum("b,blr->lr", c.to(inst.dtype), torch.where(c.view(-1, 1, 1) != 0, inst, 0.0))
+            g = torch.where(c.view(-1, 1, 1) != 0, inst, 0.0) if zeroed else inst
+            s = (c.to(inst.dtype).view(1, -1) @ g.reshape(g.shape[0], -1)).view(inst.shape[1:])
         else:
             dtype = _acc_dtype(*[u.right for u in uses])
-            s = _clipped_sum(uses[0], c, dtype)  # a fresh tensor (matmul / index_add_ / sum): safe to add into
+            s = _clipped_sum(uses[0], c, dtype, zeroed)  # a fresh tensor (matmul / index_add_ / sum): safe to add into
             for u in uses[1:]:  # e.g. a tied embedding and LM head: the shared parameter's gradient is their sum
-                s.add_(_clipped_sum(u, c, dtype))
+                s.add_(_clipped_sum(u, c, dtype, zeroed))
         s = s.reshape(p.shape)
         if name in self.summed_grads:
             self.summed_grads[name] += s
@@ -1283,8 +1329,9 @@ class ClippingEngine:
         """
         out: dict[str, torch.Tensor] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
+        grams: dict = {}  # every factor stays alive during this loop (self._uses), so the cache's keys stay valid
         for name, uses in self._uses_by_param().items():
-            out[name], inst = self._norm_sq_of(uses)
+            out[name], inst = self._norm_sq_of(uses, grams)
             if inst is not None:
                 self._instantiated[name] = inst
         return out
@@ -1298,9 +1345,12 @@ class ClippingEngine:
                 ``(U,)`` when the micro-batch was recorded with ``units``.
         """
         inst = getattr(self, "_instantiated", {})
+        shared = None if isinstance(factors, dict) else self.unit_factors(factors)
+        zeroed = None if shared is None else bool((shared == 0).any())  # one check for all parameters
         for name, uses in self._uses_by_param().items():
-            c = self.unit_factors(factors[name] if isinstance(factors, dict) else factors)
-            self._add_clipped(name, uses, c, inst.get(name))
+            c = shared if shared is not None else self.unit_factors(factors[name])
+            z = zeroed if zeroed is not None else bool((c == 0).any())
+            self._add_clipped(name, uses, c, inst.get(name), z)
         self._instantiated = {}
 
     # ------------------------------------------------------------------ clipping fused into back-propagation
@@ -1329,8 +1379,9 @@ class ClippingEngine:
         for n, uses in stored.items():
             norms[n], insts[n] = self._norm_sq_of(uses)
         factors = self.unit_factors(self._handler(k, norms))
+        zeroed = bool((factors == 0).any())
         for n, uses in stored.items():
-            self._add_clipped(n, uses, factors, insts[n])
+            self._add_clipped(n, uses, factors, insts[n], zeroed)
 
     def finish_fused(self) -> None:
         """After the backward pass: process the groups not completed during it (some use got no gradient)."""
