@@ -329,8 +329,15 @@ class TrainerRunner(Runner):
         finally:
             self.callback.times = None
         if self.method != "nonprivate":
-            # The self-check runs at the first step of the first train() call only (it is reported separately).
+            # The checks run once per training run, at its first step (reported separately as "first step"). The
+            # harness calls train() once per repeat, and DPTrainer.train() re-arms the always-on first-step check
+            # (ClippingEngine.first_step_check: several forwards and a backward) for every call, which would land in
+            # the first timed step of every later repeat. Later calls skip the checks (the model did not change).
             self.trainer.args.dp_self_check = False
+            self.trainer._self_check = self._skip_self_check
+
+    def _skip_self_check(self, *args, **kwargs) -> None:
+        self.trainer._self_checked = True
 
     def optimizer_states(self) -> list[dict]:
         opt = self.trainer.optimizer

@@ -36,14 +36,35 @@ GroupHandler = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 logger = logging.getLogger(__name__)
 
 
-def use_ghost_norm(uses: list[Use]) -> bool:
-    """Whether a parameter's per-example norms are cheaper by Gram matrices (ghost) than by instantiation.
+#: fused (per-layer) clipping: a dense layer is instantiated when its Grams cost more than ``_GHOST_TIME_RATIO`` × the
+#: size of its per-example gradient (``T² (d_L + d_R) ≥ 64 d_L d_R``), fitted to single-thread CPU timings
+#: (``benchmarks/rules.py``, table in benchmarks/RESULTS.md)
+_GHOST_TIME_RATIO = 64
+#: ... and only when its per-example gradients take at most this many times the memory of its stored factors
+_INSTANTIATE_MEMORY_RATIO = 2
+
+
+def use_ghost_norm(uses: list[Use], fused: bool = False) -> bool:
+    """Whether a parameter's per-example norms are computed by Gram matrices (ghost) rather than by instantiation.
 
     Ghost costs ``O(T²)`` per example and use pair (two ``T × T`` Grams), instantiation ``O(d_L · d_R)`` memory and
     ``O(T · d_L · d_R)`` time (Li et al. 2022, App. F: ghost wins when ``2T² < p · d``). The same rule holds for index
     (embedding) uses, with ``d_L`` the table size ``V``: a large vocabulary is ghost-normed, a tiny table (e.g. 32
-    relative-position buckets × heads) looked up at ``T²`` positions is instantiated.
+    relative-position buckets × heads) looked up at ``T²`` positions is instantiated. That rule is about memory: in
+    flat clipping the instantiated gradients are kept until the step's factors are known.
+
+    ``fused=True`` (per-layer clipping inside the backward pass, where an instantiation lives only while its layer is
+    clipped): a dense layer with one use is instantiated when that is faster — ghost then pays the Grams
+    ``2T²(d_L + d_R)`` *and* the book-keeping matmul ``2T d_L d_R`` per example, instantiation one batched matmul of the
+    same ``2T d_L d_R`` plus passes over ``d_L d_R`` values (norm, clipped sum), so instantiation wins unless the
+    per-example gradient is large against the Grams (``T²(d_L + d_R) < 64 d_L d_R``, measured) — and when its memory
+    stays within twice the layer's stored factors ``T (d_L + d_R)``.
     """
+    if fused and len(uses) == 1 and uses[0].kind == "dense":
+        u = uses[0]
+        t, d_l, d_r = u.seq_len, u.left_dim, u.right.shape[-1]
+        if d_l * d_r <= _INSTANTIATE_MEMORY_RATIO * t * (d_l + d_r):
+            return t * t * (d_l + d_r) < _GHOST_TIME_RATIO * d_l * d_r
     total_t = sum(u.seq_len for u in uses)
     return 2 * total_t * total_t < uses[0].left_dim * uses[0].right.shape[-1]
 
@@ -441,6 +462,9 @@ class ClippingEngine:
         self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
                               and any(r is not m and _is_descendant(r, m) for _, r, _ in self._modules)]
         self.summed_grads: dict[str, torch.Tensor] = {}
+        #: {parameter name: "ghost" | "instantiate"}, how its last per-example norms were computed
+        #: (use_ghost_norm; read by benchmarks/run.py)
+        self.norm_paths: dict[str, str] = {}
 
     # ------------------------------------------------------------------ capture
     @contextlib.contextmanager
@@ -1276,18 +1300,23 @@ class ClippingEngine:
         c = unit_factors[self._units]
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
-    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None,
+                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
         instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
-        norm pass (:func:`_self_gram`)."""
+        norm pass (:func:`_self_gram`); ``fused``: clipped right away (:func:`use_ghost_norm`)."""
         if self._units is not None:
-            return self._plain_norm_sq(self._unit_uses(uses))[0], None
-        return self._plain_norm_sq(uses, grams)
+            uses = self._unit_uses(uses)
+            self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses) else "instantiate"
+            return self._plain_norm_sq(uses)[0], None
+        self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses, fused) else "instantiate"
+        return self._plain_norm_sq(uses, grams, fused)
 
     @staticmethod
-    def _plain_norm_sq(uses: list[Use], grams: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plain_norm_sq(uses: list[Use], grams: dict | None = None,
+                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = _acc_dtype(*[u.right for u in uses])
-        if use_ghost_norm(uses):
+        if use_ghost_norm(uses, fused):
             total = None
             for i, u in enumerate(uses):
                 for v in uses[i:]:
@@ -1300,7 +1329,9 @@ class ClippingEngine:
                     total = term if total is None else total + term
             return total, None
         g = sum(_instantiate(u, dtype) for u in uses)
-        return g.pow(2).sum((1, 2)), g
+        # Norms of the rows, then their squares summed: one fast pass, each partial sum short (a flat pow().sum() over
+        # d_L·d_R values per example is ~20× slower on CPU; benchmarks/RESULTS.md).
+        return torch.linalg.vector_norm(g, dim=2).square().sum(1), g
 
     def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None,
                      zeroed: bool = True) -> None:
@@ -1376,8 +1407,12 @@ class ClippingEngine:
         if not stored:
             return
         norms, insts = {}, {}
+        # A group with one dense parameter (a layer: weight and bias) may instantiate it (use_ghost_norm, fused): it
+        # lives only until the group is clipped. Larger groups (group_wise, per_device) keep the memory rule, since
+        # all their instantiations would be alive together.
+        fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(uses)
+            norms[n], insts[n] = self._norm_sq_of(uses, fused=fused)
         factors = self.unit_factors(self._handler(k, norms))
         zeroed = bool((factors == 0).any())
         for n, uses in stored.items():
