@@ -770,8 +770,8 @@ def markdown(result: dict[str, Any], device_type: str) -> str:
     tied = "" if shape["arch"] != "gpt2" else (", tied wte/lm_head" if shape.get("tied", True) else ", untied lm_head")
     accum = f" × {shape['accum']} accumulated" if shape.get("accum", 1) > 1 else ""
     lines = [f"#### {shape['name']}: {shape['arch']} {shape['layers']}×{shape['width']}, vocab {shape['vocab']}, "
-             f"T={shape['seq_len']}, B={shape['batch_size']}{accum}{tied} ({result.get('num_parameters', 0) / 1e6:.1f} M "
-             "params)", ""]
+             f"T={shape['seq_len']}, B={shape['batch_size']}{accum}{tied} "
+             f"({result.get('num_parameters', 0) / 1e6:.1f} M params)", ""]
     ghost = ms.get("opacus_ghost", {})
     shown = [m for m in ALL_METHODS if m in ms or m in result["errors"]]
     if any("median_ms" in ms.get(m, {}) for m in shown):

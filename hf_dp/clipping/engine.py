@@ -146,7 +146,8 @@ def _as_ones(u: Use) -> Use:
 
 def _scale_examples(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """``x[i] · c_i`` for ``x`` of shape ``(B, ...)`` and ``c`` of shape ``(B,)``, as a 2-D broadcast: on CPU the same
-    product broadcast from ``(B, 1, 1)`` takes a slow path (≈ 6× slower at ``(32, 128, 256)``, benchmarks/RESULTS.md)."""
+    product broadcast from ``(B, 1, 1)`` takes a slow path (≈ 6× slower at ``(32, 128, 256)``; benchmarks/RESULTS.md).
+    """
     b = x.shape[0]
     return (x.reshape(b, -1) * c.view(b, 1)).reshape(x.shape)
 
