@@ -279,6 +279,11 @@ class DPTrainer(Trainer):
         self.group_clipper: GroupClipper | None = None
         if self.args.clipping != "flat":
             self._setup_group_clipping()
+        elif self._fsdp is None:
+            # Flat clipping: each layer's per-example norms are computed as its gradient arrives, keeping only what
+            # its clipped sum needs (ClippingEngine.set_fused_groups with no handler); the sums follow the backward.
+            groups = build_groups(self.clipping_engine, "per_layer")
+            self.clipping_engine.set_fused_groups([g.params for g in groups], None)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """``Trainer.call_model_init``, plus ``peft_config`` applied to the new model and, when ``train()`` builds a

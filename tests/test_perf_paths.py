@@ -33,3 +33,27 @@ def test_fused_rule_caps_memory():
     long_t = Use(w, torch.zeros(2, 256, 512), torch.zeros(2, 256, 512), 512, "big")  # T²(2·512) ≥ 64·512²
     assert not engine_mod.use_ghost_norm([long_t], fused=True)
     assert engine_mod.use_ghost_norm([long_t])  # flat: the memory rule (2T² < d_L d_R)
+
+
+@pytest.mark.parametrize("ratio", [10**9, 0], ids=["ghost", "instantiate"])
+def test_flat_norms_at_arrival_match_oracle(tmp_path, monkeypatch, ratio):
+    """Flat clipping computes each layer's norms as its gradient arrives (engine.set_fused_groups with no handler),
+    keeping the factors (ghost) or the per-example gradients in their place (ratio 0: every dense layer whose
+    instantiation is no larger than its factors); both equal the float64 oracle, over three accumulated chunks."""
+    from test_oracle import check_update
+
+    monkeypatch.setattr(engine_mod, "_GHOST_TIME_RATIO", ratio)
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    seen = []
+    orig = engine_mod.ClippingEngine._process_group
+
+    def spy(self, k):
+        seen.append(self)
+        return orig(self, k)
+
+    monkeypatch.setattr(engine_mod.ClippingEngine, "_process_group", spy)
+    check_update(model, lm_dataset(6), tmp_path, per_device=2, ga=3)
+    assert seen and all(e._handler is None for e in seen)  # the flat step went through the norms-at-arrival path
+    path = seen[-1].norm_paths["transformer.h.0.attn.c_proj.weight"]  # 16 × 16: 256 ≤ T (16 + 16)
+    assert path == ("instantiate" if ratio == 0 else "ghost")

@@ -44,7 +44,7 @@ _GHOST_TIME_RATIO = 64
 _INSTANTIATE_MEMORY_RATIO = 2
 
 
-def use_ghost_norm(uses: list[Use], fused: bool = False) -> bool:
+def use_ghost_norm(uses: list[Use], fused: bool = False, memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> bool:
     """Whether a parameter's per-example norms are computed by Gram matrices (ghost) rather than by instantiation.
 
     Ghost costs ``O(T²)`` per example and use pair (two ``T × T`` Grams), instantiation ``O(d_L · d_R)`` memory and
@@ -58,12 +58,13 @@ def use_ghost_norm(uses: list[Use], fused: bool = False) -> bool:
     ``2T²(d_L + d_R)`` *and* the book-keeping matmul ``2T d_L d_R`` per example, instantiation one batched matmul of the
     same ``2T d_L d_R`` plus passes over ``d_L d_R`` values (norm, clipped sum), so instantiation wins unless the
     per-example gradient is large against the Grams (``T²(d_L + d_R) < 64 d_L d_R``, measured) — and when its memory
-    stays within twice the layer's stored factors ``T (d_L + d_R)``.
+    stays within ``memory_ratio`` × the layer's stored factors ``T (d_L + d_R)`` (2; 1 when the instantiation is kept
+    to the end of the backward pass in place of the factors: flat clipping with norms at arrival).
     """
     if fused and len(uses) == 1 and uses[0].kind == "dense":
         u = uses[0]
         t, d_l, d_r = u.seq_len, u.left_dim, u.right.shape[-1]
-        if d_l * d_r <= _INSTANTIATE_MEMORY_RATIO * t * (d_l + d_r):
+        if d_l * d_r <= memory_ratio * t * (d_l + d_r):
             return t * t * (d_l + d_r) < _GHOST_TIME_RATIO * d_l * d_r
     total_t = sum(u.seq_len for u in uses)
     return 2 * total_t * total_t < uses[0].left_dim * uses[0].right.shape[-1]
@@ -1213,6 +1214,9 @@ class ClippingEngine:
         """Drop the stored factors of the last micro-batch."""
         self._uses = {}
         self._pending = {}
+        self._early_norms: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, list[Use]] = {}
+        self._instantiated: dict[str, torch.Tensor] = {}
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
         return self._uses
@@ -1301,8 +1305,8 @@ class ClippingEngine:
         c = unit_factors[self._units]
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
-    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None,
-                    fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None, fused: bool = False,
+                    memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
         instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
         norm pass (:func:`_self_gram`); ``fused``: clipped right away (:func:`use_ghost_norm`)."""
@@ -1310,14 +1314,15 @@ class ClippingEngine:
             uses = self._unit_uses(uses)
             self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses) else "instantiate"
             return self._plain_norm_sq(uses)[0], None
-        self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses, fused) else "instantiate"
-        return self._plain_norm_sq(uses, grams, fused)
+        ghost = use_ghost_norm(uses, fused, memory_ratio)
+        self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if ghost else "instantiate"
+        return self._plain_norm_sq(uses, grams, ghost)
 
     @staticmethod
     def _plain_norm_sq(uses: list[Use], grams: dict | None = None,
-                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       ghost: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = _acc_dtype(*[u.right for u in uses])
-        if use_ghost_norm(uses, fused):
+        if use_ghost_norm(uses) if ghost is None else ghost:
             total = None
             for i, u in enumerate(uses):
                 for v in uses[i:]:
@@ -1359,6 +1364,13 @@ class ClippingEngine:
 
         Parameters that no captured use touched (not reached by the loss) have zero gradient and are absent.
         """
+        if self._groups is not None and self._handler is None:  # norms computed at arrival (set_fused_groups)
+            for k in sorted({self._group_of[n] for n in self._uses}):  # groups some use of which got no gradient
+                self._process_group(k)
+            self._pending = {}
+            out, self._early_norms = self._early_norms, {}
+            self._uses, self._kept = self._kept, {}
+            return out
         out: dict[str, torch.Tensor] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
         grams: dict = {}  # every factor stays alive during this loop (self._uses), so the cache's keys stay valid
@@ -1394,6 +1406,12 @@ class ClippingEngine:
         ``(B,)`` clipping factors of group ``k``, adds the clipped sums, and frees that group's activations and
         output gradients. Nothing waits for the end of the backward pass except groups whose parameters are shared
         with a layer whose gradient arrives later (tied embeddings: the cross term needs both). ``None`` turns it off.
+
+        ``handler=None`` (flat clipping, whose factors need every norm): norms at arrival only. Each group's norms are
+        computed as soon as it is complete and kept, with what its clipped sum needs — the factors ``L, R``, or the
+        per-example gradients instead when that is faster and they take no more memory than the factors they
+        replace (:func:`use_ghost_norm` with ``memory_ratio=1``); :meth:`per_example_norms_sq` then returns them and
+        :meth:`accumulate_clipped` works as without groups.
         """
         self._groups = groups
         self._handler = handler
@@ -1412,8 +1430,16 @@ class ClippingEngine:
         # lives only until the group is clipped. Larger groups (group_wise, per_device) keep the memory rule, since
         # all their instantiations would be alive together.
         fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
+        deferred = self._handler is None
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(uses, fused=fused)
+            norms[n], insts[n] = self._norm_sq_of(uses, fused=fused, memory_ratio=1 if deferred else 2)
+        if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
+            for n, uses in stored.items():
+                self._early_norms[n] = norms[n]
+                if insts[n] is not None:
+                    self._instantiated[n] = insts[n]
+                self._kept[n] = [] if insts[n] is not None else uses  # the factors are freed when instantiated
+            return
         factors = self.unit_factors(self._handler(k, norms))
         zeroed = bool((factors == 0).any())
         for n, uses in stored.items():
