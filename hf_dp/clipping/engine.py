@@ -1441,7 +1441,9 @@ class ClippingEngine:
                 self._kept[n] = [] if insts[n] is not None else uses  # the factors are freed when instantiated
             return
         factors = self.unit_factors(self._handler(k, norms))
-        zeroed = bool((factors == 0).any())
+        # On CPU one check skips the zeroing passes; on an accelerator it would synchronise once per layer inside the
+        # backward pass, so the (cheap there) zeroing runs instead.
+        zeroed = bool((factors == 0).any()) if factors.device.type == "cpu" else True
         for n, uses in stored.items():
             self._add_clipped(n, uses, factors, insts[n], zeroed)
 
