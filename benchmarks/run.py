@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -702,6 +703,9 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
             }
             if rec["cuda_peak"]:
                 result["methods"][method]["cuda_peak_bytes"] = max(rec["cuda_peak"])
+            engine = getattr(getattr(runners[method], "trainer", None), "clipping_engine", None)
+            if engine is not None:  # per parameter: "ghost" or "instantiate" (engine.use_ghost_norm), last step
+                result["methods"][method]["norm_paths"] = dict(getattr(engine, "norm_paths", {}))
         del runners
         gc.collect()
 
@@ -727,7 +731,7 @@ def benchmark_shape(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
                 result["errors"].setdefault(method, "memory run: " + str(r.get("error")))
                 print(f"  {method}: memory run failed: {r.get('error')}", flush=True)
     if args.max_batch:
-        if device.type != "cuda":
+        if device.type != "cuda" and not args.tiny:
             print("  largest-batch search: skipped on CPU (no device memory limit to probe).", flush=True)
         else:
             result["max_batch"] = {}
@@ -828,6 +832,18 @@ def markdown(result: dict[str, Any], device_type: str) -> str:
             before = marks[i - 1] if i > 0 else marks[i]
             lines.append(f"| {method} | {_mib(marks[i]['peak_since_previous_mark_bytes'])} | {before['at']} → "
                          f"{marks[i]['at']} | {_mib(before['live_bytes'])} |")
+        lines.append("")
+    paths = {m: ms[m]["norm_paths"] for m in shown if ms.get(m, {}).get("norm_paths")}
+    if paths:
+        lines += ["Per-example norm path per parameter (`norm_paths`; parameter names with layer numbers as `*`):", "",
+                  "| method | ghost | instantiate |", "|---|---|---|"]
+        for method, by_param in paths.items():
+            cells = []
+            for path in ("ghost", "instantiate"):
+                names = sorted({re.sub(r"\.\d+\.", ".*.", n) for n, v in by_param.items() if v == path})
+                count = sum(v == path for v in by_param.values())
+                cells.append(f"{count}: " + ", ".join(f"`{n}`" for n in names) if count else "0")
+            lines.append(f"| {method} | {cells[0]} | {cells[1]} |")
         lines.append("")
     if result.get("max_batch"):
         lines += ["| method | largest batch |", "|---|---:|"]
@@ -1099,6 +1115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU memory subprocesses: also live tensor bytes at the start and end of each phase of the "
                         "first measured step (forward, loss, backward, norms, clipped sums, noise, optimizer) and the "
                         "peak between consecutive marks: where the peak happens.")
+    p.add_argument("--tiny", action="store_true",
+                   help="Dry run: every shape of the preset shrunk (1 layer, width 64, vocab 1000, T ≤ 32, B ≤ 4), so "
+                        "that e.g. `--preset gpu --device cpu --tiny --max-batch` runs every code path quickly; on CPU "
+                        "--max-batch then doubles the batch up to --max-batch-limit (no memory limit to hit).")
     p.add_argument("--offload", choices=("auto", "no"), default="auto",
                    help="GPU: keep only the running method's model/optimizer on the device (auto).")
     p.add_argument("--lr", type=float, default=1e-5)
@@ -1139,6 +1159,9 @@ def selected_shapes(args: argparse.Namespace) -> list[Shape]:
     shapes = PRESETS[preset]
     if args.shapes:
         shapes = [s for s in shapes if s.name in args.shapes]
+    if args.tiny:
+        shapes = [replace(s, name=s.name + "-tiny", layers=1, width=64, heads=2, vocab=1000,
+                          seq_len=min(s.seq_len, 32), batch_size=min(s.batch_size, 4)) for s in shapes]
     return shapes
 
 

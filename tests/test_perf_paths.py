@@ -30,7 +30,7 @@ def test_fused_rule_caps_memory():
     w = torch.nn.Parameter(torch.zeros(512, 512))
     small_t = Use(w, torch.zeros(2, 4, 512), torch.zeros(2, 4, 512), 512, "big")  # 512² > 2·4·1024
     assert engine_mod.use_ghost_norm([small_t], fused=True)
-    long_t = Use(w, torch.zeros(2, 256, 512), torch.zeros(2, 256, 512), 512, "big")  # T²(2·512) ≥ 64·512²
+    long_t = Use(w, torch.zeros(2, 256, 512), torch.zeros(2, 256, 512), 512, "big")  # T²(2·512) ≥ 100·512²
     assert not engine_mod.use_ghost_norm([long_t], fused=True)
     assert engine_mod.use_ghost_norm([long_t])  # flat: the memory rule (2T² < d_L d_R)
 
