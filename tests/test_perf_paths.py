@@ -57,3 +57,24 @@ def test_flat_norms_at_arrival_match_oracle(tmp_path, monkeypatch, ratio):
     assert seen and all(e._handler is None for e in seen)  # the flat step went through the norms-at-arrival path
     path = seen[-1].norm_paths["transformer.h.0.attn.c_proj.weight"]  # 16 × 16: 256 ≤ T (16 + 16)
     assert path == ("instantiate" if ratio == 0 else "ghost")
+
+
+def test_flat_shared_input_gram_reused_and_exact(tmp_path, monkeypatch):
+    """BERT's query, key and value read one input: flat clipping computes its Gram once (engine._self_gram cache)
+    and the update still equals the float64 oracle."""
+    from helpers import cls_dataset, tiny_bert
+    from test_oracle import check_update
+
+    calls = {"hit": 0, "miss": 0}
+    orig = engine_mod._self_gram
+
+    def spy(x, dtype, cache):
+        if cache is not None:
+            key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
+            calls["hit" if key in cache else "miss"] += 1
+        return orig(x, dtype, cache)
+
+    monkeypatch.setattr(engine_mod, "_self_gram", spy)
+    torch.manual_seed(1)
+    check_update(tiny_bert(num_labels=3), cls_dataset(6, num_labels=3), tmp_path, per_device=3, ga=2)
+    assert calls["hit"] > 0

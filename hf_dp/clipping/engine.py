@@ -100,11 +100,11 @@ _GRAM_CACHE = 4
 def _self_gram(x: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
     """``X_i X_iᵀ`` per example, ``(B, T, T)``, for a dense factor ``(B, T, d)``.
 
-    With ``cache`` (one norm pass over parameters whose factors are all alive), a tensor read by several layers —
-    the query, key and value projections' common input, whose parameters come one after another — has its Gram
-    computed once. The key is the storage address, shape, strides, dtype and version counter of ``x``; the entry holds
-    ``x`` itself, so its storage cannot be freed and reused by another tensor while the entry lives. Only the last
-    ``_GRAM_CACHE`` entries are kept (memory: a few ``(B, T, T)`` matrices).
+    With ``cache`` (one norm pass, or flat clipping's norms at arrival over one backward), a tensor read by several
+    layers — the query, key and value projections' common input, whose parameters come one after another — has its
+    Gram computed once. The key is the storage address, shape, strides, dtype and version counter of ``x``; the entry
+    holds ``x`` itself, so its storage cannot be freed and reused by another tensor while the entry lives. Only the
+    last ``_GRAM_CACHE`` entries are kept (memory: a few ``(B, T, T)`` matrices).
     """
     if cache is not None:
         key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
@@ -1217,6 +1217,7 @@ class ClippingEngine:
         self._early_norms: dict[str, torch.Tensor] = {}
         self._kept: dict[str, list[Use]] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
+        self._gram_cache: dict = {}
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
         return self._uses
@@ -1368,6 +1369,7 @@ class ClippingEngine:
             for k in sorted({self._group_of[n] for n in self._uses}):  # groups some use of which got no gradient
                 self._process_group(k)
             self._pending = {}
+            self._gram_cache = {}
             out, self._early_norms = self._early_norms, {}
             self._uses, self._kept = self._kept, {}
             return out
@@ -1431,8 +1433,9 @@ class ClippingEngine:
         # all their instantiations would be alive together.
         fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
         deferred = self._handler is None
+        grams = self._gram_cache if deferred else None  # flat: factors stay alive anyway (q/k/v share an input)
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(uses, fused=fused, memory_ratio=1 if deferred else 2)
+            norms[n], insts[n] = self._norm_sq_of(uses, grams, fused=fused, memory_ratio=1 if deferred else 2)
         if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
             for n, uses in stored.items():
                 self._early_norms[n] = norms[n]
