@@ -24,15 +24,18 @@ def test_per_layer_both_norm_paths_match_oracle(tmp_path, monkeypatch, ratio):
 
 
 def test_fused_rule_caps_memory():
-    """A dense layer whose per-example gradient is much larger than its stored factors is never instantiated."""
+    """A dense layer whose per-example gradient is much larger than its stored factors is never instantiated, even
+    where instantiation would be faster."""
     from hf_dp.clipping.layers import Use
 
-    w = torch.nn.Parameter(torch.zeros(512, 512))
-    small_t = Use(w, torch.zeros(2, 4, 512), torch.zeros(2, 4, 512), 512, "big")  # 512² > 2·4·1024
-    assert engine_mod.use_ghost_norm([small_t], fused=True)
-    long_t = Use(w, torch.zeros(2, 256, 512), torch.zeros(2, 256, 512), 512, "big")  # T²(2·512) ≥ 100·512²
-    assert not engine_mod.use_ghost_norm([long_t], fused=True)
-    assert engine_mod.use_ghost_norm([long_t])  # flat: the memory rule (2T² < d_L d_R)
+    w = torch.nn.Parameter(torch.zeros(1))
+    wide = Use(w, torch.zeros(1, 512, 4096), torch.zeros(1, 512, 4096), 4096, "wide")
+    # time: T²(d_L + d_R) = 512² · 8192 ≥ 100 · 4096² (instantiation faster); memory: 4096² > 2 · 512 · 8192
+    assert engine_mod.use_ghost_norm([wide], fused=True)
+    w2 = torch.nn.Parameter(torch.zeros(1))
+    fits = Use(w2, torch.zeros(1, 256, 512), torch.zeros(1, 256, 512), 512, "fits")  # 512² ≤ 2 · 256 · 1024
+    assert not engine_mod.use_ghost_norm([fits], fused=True)  # T²(2·512) ≥ 100·512²: instantiated
+    assert engine_mod.use_ghost_norm([fits])  # flat without fusion: the memory rule (2T² < d_L d_R)
 
 
 @pytest.mark.parametrize("ratio", [10**9, 0], ids=["ghost", "instantiate"])
