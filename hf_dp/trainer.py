@@ -289,6 +289,13 @@ class DPTrainer(Trainer):
         self.group_clipper: GroupClipper | None = None
         if self.args.clipping != "flat":
             self._setup_group_clipping()
+        elif self._fsdp is None:
+            # Flat clipping: each layer's per-example norms are computed as its gradient arrives, keeping only what
+            # its clipped sum needs (ClippingEngine.set_fused_groups with no handler); the sums follow the backward.
+            groups = [g.params for g in build_groups(self.clipping_engine, "per_layer")]
+            covered = {n for g in groups for n in g}
+            rest = [n for n in self.clipping_engine.params if n not in covered]  # e.g. read outside any ruled layer
+            self.clipping_engine.set_fused_groups(groups + ([rest] if rest else []), None)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """``Trainer.call_model_init``, plus ``peft_config`` applied to the new model and, when ``train()`` builds a
