@@ -15,12 +15,17 @@ Li et al. 2022 §5.2 compare these adapters with full fine-tuning under DP; Yu e
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "adapter_summary"]
+from .clipping.layers import UnsupportedLayerError
+
+__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "adapter_summary", "adapter_advice",
+           "explain_adapter_refusal"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -85,3 +90,42 @@ def adapter_summary(model: nn.Module) -> dict[str, Any]:
     config = _active_config(model)
     return {"method": str(config.peft_type.value).lower(), "trainable_parameters": trainable,
             "peft_config": {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool, list))}}
+
+
+def explain_adapter_refusal(message: str, model: nn.Module) -> str | None:
+    """The advice for a refusal that names PEFT adapter parameters, or ``None`` when it names none.
+
+    A refusal's usual way forward, "freeze it or train through a PEFT adapter (LoRA)", is circular when the refused
+    parameters *are* an adapter's: e.g. ``target_modules="all-linear"`` on a mixture-of-experts model puts LoRA on the
+    router and the 3-D expert parameters, where PEFT applies it as a weight delta (``ParamWrapper``) that no layer hook
+    sees per example. Each adapter layer named in ``message`` is listed with the way forward: leave it out of the
+    adapter; LoRA on the attention and dense projections is exact.
+    """
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover
+        return None
+    names = [n for n, m in model.named_modules() if n and isinstance(m, BaseTunerLayer) and f"{n}." in message]
+    outer = [n for n, m in model.named_modules() if n and isinstance(m, BaseTunerLayer)]
+    # the outermost adapter layer around each (PEFT nests them: `experts.base_layer` inside `experts`)
+    names = sorted({next((o for o in outer if n == o or n.startswith(o + ".")), n) for n in names})
+    if not names:
+        return None
+    listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return (f"The refused parameters belong to PEFT adapter layers ({listing}), so training through an adapter is not "
+            "the way forward for them: leave these layers out of the adapter, by listing the layers to adapt in "
+            "`target_modules` (e.g. the attention projections, on which LoRA is exact) instead of \"all-linear\" (on "
+            "mixture-of-experts models it also adapts the router and the expert parameters) and keeping them out of "
+            "`target_parameters`; or freeze their adapter parameters.")
+
+
+@contextlib.contextmanager
+def adapter_advice(model: nn.Module) -> Iterator[None]:
+    """Re-raise a refusal that names PEFT adapter parameters with :func:`explain_adapter_refusal`'s advice added."""
+    try:
+        yield
+    except UnsupportedLayerError as err:
+        note = explain_adapter_refusal(str(err), model)
+        if note is None:
+            raise
+        raise UnsupportedLayerError(f"{err}\n{note}") from err

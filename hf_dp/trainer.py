@@ -54,7 +54,7 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds, privatize
-from .peft_support import apply_peft_config, per_example_prompts
+from .peft_support import adapter_advice, apply_peft_config, per_example_prompts
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
@@ -280,15 +280,23 @@ class DPTrainer(Trainer):
         per_example_prompts(self.model)
         if not self._custom_loss:
             self.per_example_loss, self.task = default_per_example_loss(self.model)
-        if self.is_fsdp_enabled:
-            # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
-            self._fsdp = FSDPFlatClipping(self)
-            self.clipping_engine = self._fsdp.engine
-        else:
-            self.clipping_engine = ClippingEngine(self.model)
+        with adapter_advice(self.model):
+            if self.is_fsdp_enabled:
+                # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
+                self._fsdp = FSDPFlatClipping(self)
+                self.clipping_engine = self._fsdp.engine
+            else:
+                self.clipping_engine = ClippingEngine(self.model)
         self.group_clipper: GroupClipper | None = None
         if self.args.clipping != "flat":
             self._setup_group_clipping()
+        elif self._fsdp is None:
+            # Flat clipping: each layer's per-example norms are computed as its gradient arrives, keeping only what
+            # its clipped sum needs (ClippingEngine.set_fused_groups with no handler); the sums follow the backward.
+            groups = [g.params for g in build_groups(self.clipping_engine, "per_layer")]
+            covered = {n for g in groups for n in g}
+            rest = [n for n in self.clipping_engine.params if n not in covered]  # e.g. read outside any ruled layer
+            self.clipping_engine.set_fused_groups(groups + ([rest] if rest else []), None)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """``Trainer.call_model_init``, plus ``peft_config`` applied to the new model and, when ``train()`` builds a
@@ -571,7 +579,7 @@ class DPTrainer(Trainer):
         engine = self.clipping_engine
         was_training = net.training
         try:
-            with train_without_dropout(net):
+            with train_without_dropout(net), adapter_advice(net):
                 engine.first_step_check(run_losses, b, rtol=rtol)
                 if self.args.dp_self_check and b >= 2:
                     engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")

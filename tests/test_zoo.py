@@ -712,3 +712,23 @@ def test_longformer_batch_dependent_global_rows_are_refused_without_self_check(t
     with pytest.raises(UnsupportedLayerError, match=r"(?s)query_global \(Linear, call 1 in the forward\): both the "
                                                     r"first axis and axis 1.*cannot tell which axis holds"):
         trainer.train()
+
+
+def test_lora_all_linear_on_moe_refusal_names_the_adapter_layers(tmp_path):
+    """target_modules="all-linear" on an MoE model: PEFT also adapts the router and the 3-D experts (ParamWrapper,
+    a weight delta no layer hook sees per example). The refusal must not advise "use LoRA" alone: it names the adapter
+    layers and says to list the layers to adapt; LoRA on the attention projections is exact."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_dp import UnsupportedLayerError
+
+    _, make, data = next(c for c in CASES if c[0] == "mixtral")
+    torch.manual_seed(0)
+    model = get_peft_model(make().double(), LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False))
+    with pytest.raises(UnsupportedLayerError, match=r"belong to PEFT adapter layers \(.*mlp\.(experts|gate)") as err:
+        check_exact(model, data(), tmp_path)
+    assert "`target_modules`" in str(err.value)
+    torch.manual_seed(0)
+    model = get_peft_model(make().double(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    check_exact(model, data(), tmp_path)

@@ -38,14 +38,36 @@ GroupHandler = Callable[[int, dict[str, torch.Tensor]], torch.Tensor]
 logger = logging.getLogger(__name__)
 
 
-def use_ghost_norm(uses: list[Use]) -> bool:
-    """Whether a parameter's per-example norms are cheaper by Gram matrices (ghost) than by instantiation.
+#: fused (per-layer) clipping: a dense layer is instantiated when its Grams cost more than ``_GHOST_TIME_RATIO`` × the
+#: size of its per-example gradient (``T² (d_L + d_R) ≥ 100 d_L d_R``), fitted to single-thread CPU timings of the
+#: benchmark layouts at T = 64, 128, 256 (``benchmarks/rules.py --paths``, table in benchmarks/RESULTS.md)
+_GHOST_TIME_RATIO = 100
+#: ... and only when its per-example gradients take at most this many times the memory of its stored factors
+_INSTANTIATE_MEMORY_RATIO = 2
+
+
+def use_ghost_norm(uses: list[Use], fused: bool = False, memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> bool:
+    """Whether a parameter's per-example norms are computed by Gram matrices (ghost) rather than by instantiation.
 
     Ghost costs ``O(T²)`` per example and use pair (two ``T × T`` Grams), instantiation ``O(d_L · d_R)`` memory and
     ``O(T · d_L · d_R)`` time (Li et al. 2022, App. F: ghost wins when ``2T² < p · d``). The same rule holds for index
     (embedding) uses, with ``d_L`` the table size ``V``: a large vocabulary is ghost-normed, a tiny table (e.g. 32
-    relative-position buckets × heads) looked up at ``T²`` positions is instantiated.
+    relative-position buckets × heads) looked up at ``T²`` positions is instantiated. That rule is about memory: in
+    flat clipping the instantiated gradients are kept until the step's factors are known.
+
+    ``fused=True`` (per-layer clipping inside the backward pass, where an instantiation lives only while its layer is
+    clipped): a dense layer with one use is instantiated when that is faster — ghost then pays the Grams
+    ``2T²(d_L + d_R)`` *and* the book-keeping matmul ``2T d_L d_R`` per example, instantiation one batched matmul of the
+    same ``2T d_L d_R`` plus passes over ``d_L d_R`` values (norm, clipped sum), so instantiation wins unless the
+    per-example gradient is large against the Grams (``T²(d_L + d_R) < 100 d_L d_R``, measured) — and when its memory
+    stays within ``memory_ratio`` × the layer's stored factors ``T (d_L + d_R)`` (2; 1 when the instantiation is kept
+    to the end of the backward pass in place of the factors: flat clipping with norms at arrival).
     """
+    if fused and len(uses) == 1 and uses[0].kind == "dense":
+        u = uses[0]
+        t, d_l, d_r = u.seq_len, u.left_dim, u.right.shape[-1]
+        if d_l * d_r <= memory_ratio * t * (d_l + d_r):
+            return t * t * (d_l + d_r) < _GHOST_TIME_RATIO * d_l * d_r
     total_t = sum(u.seq_len for u in uses)
     return 2 * total_t * total_t < uses[0].left_dim * uses[0].right.shape[-1]
 
@@ -74,6 +96,32 @@ def _left_gram(u: Use, v: Use, dtype: torch.dtype) -> torch.Tensor:
     return torch.bmm(lu, _left_dense(v, dtype).transpose(1, 2))
 
 
+_GRAM_CACHE = 4
+
+
+def _self_gram(x: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch.Tensor:
+    """``X_i X_iᵀ`` per example, ``(B, T, T)``, for a dense factor ``(B, T, d)``.
+
+    With ``cache`` (one norm pass, or flat clipping's norms at arrival over one backward), a tensor read by several
+    layers — the query, key and value projections' common input, whose parameters come one after another — has its
+    Gram computed once. The key is the storage address, shape, strides, dtype and version counter of ``x``; the entry
+    holds ``x`` itself, so its storage cannot be freed and reused by another tensor while the entry lives. Only the
+    last ``_GRAM_CACHE`` entries are kept (memory: a few ``(B, T, T)`` matrices).
+    """
+    if cache is not None:
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x._version, dtype)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit[1]
+    y = x.to(dtype)
+    gram = torch.bmm(y, y.transpose(1, 2))
+    if cache is not None:
+        cache[key] = (x, gram)
+        if len(cache) > _GRAM_CACHE:
+            del cache[next(iter(cache))]
+    return gram
+
+
 def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
     """Per-example gradients ``(B, d_L, d_R)`` of one use."""
     r = u.right.to(dtype)
@@ -99,26 +147,40 @@ def _as_ones(u: Use) -> Use:
     return Use(u.param, None, g.reshape(g.shape[0], 1, -1), 1, u.module_name)
 
 
-def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _scale_examples(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``x[i] · c_i`` for ``x`` of shape ``(B, ...)`` and ``c`` of shape ``(B,)``, as a 2-D broadcast: on CPU the same
+    product broadcast from ``(B, 1, 1)`` takes a slow path (≈ 6× slower at ``(32, 128, 256)``; benchmarks/RESULTS.md).
+    """
+    b = x.shape[0]
+    return (x.reshape(b, -1) * c.view(b, 1)).reshape(x.shape)
+
+
+def _clipped_sum(u: Use, factors: torch.Tensor, dtype: torch.dtype, zeroed: bool = True) -> torch.Tensor:
     """``Σ_i c_i L_iᵀ R_i`` as a ``(d_L, d_R)`` matrix: one matmul (or one ``index_add``) over all tokens.
 
-    The rows of an example with ``c_i = 0`` (a non-finite example, ``modes.clip_factors_from_norms``) are zeroed
-    rather than scaled: ``0 · NaN = NaN`` inside the matmul would poison every coordinate of the sum.
+    The factors scale the smaller operand (one pass over ``(B, T, min(d_L, d_R))``). The rows of an example with
+    ``c_i = 0`` (a non-finite example, ``modes.clip_factors_from_norms``) are zeroed rather than scaled: ``0 · NaN =
+    NaN`` inside the matmul would poison every coordinate of the sum. ``zeroed=False`` (the caller found no zero
+    factor) skips those two full passes: with every ``c_i ≠ 0`` they are the identity.
     """
     d_r = u.right.shape[-1]
-    c = factors.to(dtype).view(-1, 1, 1)
-    keep = c != 0
-    r = torch.where(keep, u.right.to(dtype), 0.0)
-    if u.left is None:
-        return (r * c).sum((0, 1)).unsqueeze(0)
+    c = factors.to(dtype)
+    r = u.right.to(dtype)
+    keep = c.view(-1, 1, 1) != 0 if zeroed else None
+    if keep is not None:
+        r = torch.where(keep, r, 0.0)
+    if u.left is None:  # Σ_i c_i Σ_t R_{i,t}
+        return (c.view(1, -1) @ r.sum(1)).view(1, d_r)
     if u.kind == "index":
         out = r.new_zeros(u.left_dim, d_r)
-        return out.index_add_(0, u.left.reshape(-1), (r * c).reshape(-1, d_r))
-    left = torch.where(keep, u.left.to(dtype), 0.0)
+        return out.index_add_(0, u.left.reshape(-1), _scale_examples(r, c).reshape(-1, d_r))
+    left = u.left.to(dtype)
+    if keep is not None:
+        left = torch.where(keep, left, 0.0)
     if left.shape[-1] <= d_r:
-        left = left * c
+        left = _scale_examples(left, c)
     else:
-        r = r * c
+        r = _scale_examples(r, c)
     return left.reshape(-1, u.left_dim).t() @ r.reshape(-1, d_r)
 
 
@@ -410,6 +472,9 @@ class ClippingEngine:
         self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
         self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
         self.summed_grads: dict[str, torch.Tensor] = {}
+        #: {parameter name: "ghost" | "instantiate"}, how its last per-example norms were computed
+        #: (use_ghost_norm; read by benchmarks/run.py)
+        self.norm_paths: dict[str, str] = {}
 
     def _plan(self) -> tuple[list[str], list[str]]:
         """Which hook computes which parameter's per-example gradients: every module that owns a trainable parameter
@@ -1399,6 +1464,10 @@ class ClippingEngine:
         """Drop the stored factors of the last micro-batch."""
         self._uses = {}
         self._pending = {}
+        self._early_norms: dict[str, torch.Tensor] = {}
+        self._kept: dict[str, list[Use]] = {}
+        self._instantiated: dict[str, torch.Tensor] = {}
+        self._gram_cache: dict = {}
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
         return self._uses
@@ -1487,38 +1556,53 @@ class ClippingEngine:
         c = unit_factors[self._units]
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
-    def _norm_sq_of(self, uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None, fused: bool = False,
+                    memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
-        instantiation if that was cheaper (per example only)."""
+        instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
+        norm pass (:func:`_self_gram`); ``fused``: clipped right away (:func:`use_ghost_norm`)."""
         if self._units is not None:
-            return self._plain_norm_sq(self._unit_uses(uses))[0], None
-        return self._plain_norm_sq(uses)
+            uses = self._unit_uses(uses)
+            self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses) else "instantiate"
+            return self._plain_norm_sq(uses)[0], None
+        ghost = use_ghost_norm(uses, fused, memory_ratio)
+        self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if ghost else "instantiate"
+        return self._plain_norm_sq(uses, grams, ghost)
 
     @staticmethod
-    def _plain_norm_sq(uses: list[Use]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plain_norm_sq(uses: list[Use], grams: dict | None = None,
+                       ghost: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         dtype = _acc_dtype(*[u.right for u in uses])
-        if use_ghost_norm(uses):
+        if use_ghost_norm(uses) if ghost is None else ghost:
             total = None
             for i, u in enumerate(uses):
-                ru = u.right.to(dtype)
                 for v in uses[i:]:
-                    rv = v.right.to(dtype)
-                    term = (_left_gram(u, v, dtype) * torch.bmm(ru, rv.transpose(1, 2))).sum((1, 2))
-                    term = term if v is u else 2 * term
+                    if v is u:
+                        left = _self_gram(u.left, dtype, grams) if u.kind == "dense" else _left_gram(u, u, dtype)
+                        term = (left * _self_gram(u.right, dtype, grams)).sum((1, 2))
+                    else:
+                        right = torch.bmm(u.right.to(dtype), v.right.to(dtype).transpose(1, 2))
+                        term = 2 * (_left_gram(u, v, dtype) * right).sum((1, 2))
                     total = term if total is None else total + term
             return total, None
         g = sum(_instantiate(u, dtype) for u in uses)
-        return g.pow(2).sum((1, 2)), g
+        # Norms of the rows, then their squares summed: one fast pass, each partial sum short (a flat pow().sum() over
+        # d_L·d_R values per example is ~20× slower on CPU; benchmarks/RESULTS.md).
+        return torch.linalg.vector_norm(g, dim=2).square().sum(1), g
 
-    def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None) -> None:
+    def _add_clipped(self, name: str, uses: list[Use], c: torch.Tensor, inst: torch.Tensor | None,
+                     zeroed: bool = True) -> None:
+        """Add ``Σ_i c_i G_{i,name}`` into :attr:`summed_grads`. ``zeroed=False``: no factor is 0 (checked by the
+        caller once per micro-batch or group), so no row needs zeroing (:func:`_clipped_sum`)."""
         p = self.params[name]
         if inst is not None:  # rows of examples with factor 0 (non-finite) zeroed, not scaled: 0 · NaN = NaN
-            s = torch.einsum("b,blr->lr", c.to(inst.dtype), torch.where(c.view(-1, 1, 1) != 0, inst, 0.0))
+            g = torch.where(c.view(-1, 1, 1) != 0, inst, 0.0) if zeroed else inst
+            s = (c.to(inst.dtype).view(1, -1) @ g.reshape(g.shape[0], -1)).view(inst.shape[1:])
         else:
             dtype = _acc_dtype(*[u.right for u in uses])
-            s = _clipped_sum(uses[0], c, dtype)  # a fresh tensor (matmul / index_add_ / sum): safe to add into
+            s = _clipped_sum(uses[0], c, dtype, zeroed)  # a fresh tensor (matmul / index_add_ / sum): safe to add into
             for u in uses[1:]:  # e.g. a tied embedding and LM head: the shared parameter's gradient is their sum
-                s.add_(_clipped_sum(u, c, dtype))
+                s.add_(_clipped_sum(u, c, dtype, zeroed))
         s = s.reshape(p.shape)
         if name in self.summed_grads:
             self.summed_grads[name] += s
@@ -1531,10 +1615,19 @@ class ClippingEngine:
 
         Parameters that no captured use touched (not reached by the loss) have zero gradient and are absent.
         """
+        if self._groups is not None and self._handler is None:  # norms computed at arrival (set_fused_groups)
+            for k in sorted({self._group_of[n] for n in self._uses}):  # groups some use of which got no gradient
+                self._process_group(k)
+            self._pending = {}
+            self._gram_cache = {}
+            out, self._early_norms = self._early_norms, {}
+            self._uses, self._kept = self._kept, {}
+            return out
         out: dict[str, torch.Tensor] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
+        grams: dict = {}  # every factor stays alive during this loop (self._uses), so the cache's keys stay valid
         for name, uses in self._uses_by_param().items():
-            out[name], inst = self._norm_sq_of(uses)
+            out[name], inst = self._norm_sq_of(uses, grams)
             if inst is not None:
                 self._instantiated[name] = inst
         return out
@@ -1548,9 +1641,12 @@ class ClippingEngine:
                 ``(U,)`` when the micro-batch was recorded with ``units``.
         """
         inst = getattr(self, "_instantiated", {})
+        shared = None if isinstance(factors, dict) else self.unit_factors(factors)
+        zeroed = None if shared is None else bool((shared == 0).any())  # one check for all parameters
         for name, uses in self._uses_by_param().items():
-            c = self.unit_factors(factors[name] if isinstance(factors, dict) else factors)
-            self._add_clipped(name, uses, c, inst.get(name))
+            c = shared if shared is not None else self.unit_factors(factors[name])
+            z = zeroed if zeroed is not None else bool((c == 0).any())
+            self._add_clipped(name, uses, c, inst.get(name), z)
         self._instantiated = {}
 
     # ------------------------------------------------------------------ clipping fused into back-propagation
@@ -1562,6 +1658,12 @@ class ClippingEngine:
         ``(B,)`` clipping factors of group ``k``, adds the clipped sums, and frees that group's activations and
         output gradients. Nothing waits for the end of the backward pass except groups whose parameters are shared
         with a layer whose gradient arrives later (tied embeddings: the cross term needs both). ``None`` turns it off.
+
+        ``handler=None`` (flat clipping, whose factors need every norm): norms at arrival only. Each group's norms are
+        computed as soon as it is complete and kept, with what its clipped sum needs — the factors ``L, R``, or the
+        per-example gradients instead when that is faster and they take no more memory than the factors they
+        replace (:func:`use_ghost_norm` with ``memory_ratio=1``); :meth:`per_example_norms_sq` then returns them and
+        :meth:`accumulate_clipped` works as without groups.
         """
         self._groups = groups
         self._handler = handler
@@ -1576,11 +1678,27 @@ class ClippingEngine:
         if not stored:
             return
         norms, insts = {}, {}
+        # A group with one dense parameter (a layer: weight and bias) may instantiate it (use_ghost_norm, fused): it
+        # lives only until the group is clipped. Larger groups (group_wise, per_device) keep the memory rule, since
+        # all their instantiations would be alive together.
+        fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
+        deferred = self._handler is None
+        grams = self._gram_cache if deferred else None  # flat: factors stay alive anyway (q/k/v share an input)
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(uses)
+            norms[n], insts[n] = self._norm_sq_of(uses, grams, fused=fused, memory_ratio=1 if deferred else 2)
+        if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
+            for n, uses in stored.items():
+                self._early_norms[n] = norms[n]
+                if insts[n] is not None:
+                    self._instantiated[n] = insts[n]
+                self._kept[n] = [] if insts[n] is not None else uses  # the factors are freed when instantiated
+            return
         factors = self.unit_factors(self._handler(k, norms))
+        # On CPU one check skips the zeroing passes; on an accelerator it would synchronise once per layer inside the
+        # backward pass, so the (cheap there) zeroing runs instead.
+        zeroed = bool((factors == 0).any()) if factors.device.type == "cpu" else True
         for n, uses in stored.items():
-            self._add_clipped(n, uses, factors, insts[n])
+            self._add_clipped(n, uses, factors, insts[n], zeroed)
 
     def finish_fused(self) -> None:
         """After the backward pass: process the groups not completed during it (some use got no gradient)."""
