@@ -530,10 +530,10 @@ class ConfigDropout(ReadsChildWeight):
 
 
 def test_hidden_functional_dropout_is_refused_with_its_cause(tmp_path):
-    """Caught by the comparison only (the hooked and autograd runs draw different masks, so every parameter up to
-    the head differs, and the head has no enclosing module but the model): the refusal names randomness hf_dp cannot
-    switch off (dropout read from the config) among its causes."""
-    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight.*head\.weight.*random operations hf_dp "
+    """Caught by the comparison (both runs see the same random draws, but the hooked run re-runs the module under
+    the fallback with other draws, so the re-run parameter differs) and by the enclosing module's verification: the
+    refusal names randomness hf_dp cannot switch off (dropout read from the config) among its causes."""
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight.*random operations hf_dp "
                                                     r"cannot switch off for this check \(dropout applied functionally"):
         train_toy(ConfigDropout(), tmp_path, dp_self_check=False)
 

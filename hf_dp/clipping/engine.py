@@ -909,7 +909,9 @@ class ClippingEngine:
                 module._parameters[k] = p
 
     def _check_against_autograd(self, run_losses: Callable[[slice], torch.Tensor], n: int, rtol: float) -> None:
-        with self.record(n):
+        cuda = sorted({p.device.index or 0 for p in self.params.values() if p.device.type == "cuda"})
+        with self.record(n), torch.random.fork_rng(devices=cuda):  # sweepfix: both runs see the same random draws
+            torch.manual_seed(0)
             losses = run_losses(slice(0, n))
             if losses.requires_grad:
                 losses.sum().backward()
@@ -917,7 +919,8 @@ class ClippingEngine:
         self.accumulate_clipped(torch.ones(n, dtype=torch.float64, device=losses.device))
         hooked = self.summed_grads
         self.summed_grads = {}
-        with self._stand_ins() as stand_ins:
+        with self._stand_ins() as stand_ins, torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(0)
             losses = run_losses(slice(0, n))
             if losses.requires_grad:
                 losses.sum().backward()
@@ -926,11 +929,11 @@ class ClippingEngine:
         # rounding noise in both computations: below a floor set by the dtype's precision and the scale of the whole
         # gradient, it is not compared with its own (noise) magnitude. A parameter the hooks never saw while autograd
         # gives it any nonzero gradient is an escaped use whatever its size.
-        scale = max((float(g.grad.abs().max()) for g in stand_ins.values()
-                     if g.grad is not None and torch.isfinite(g.grad).all()), default=0.0)
+        scale = max((float(g.grad.abs().max()) for g in stand_ins.values()  # sweepfix: empty parameters skipped
+                     if g.grad is not None and g.grad.numel() and torch.isfinite(g.grad).all()), default=0.0)
         for name, p in self.params.items():
             ref, mine = stand_ins[name].grad, hooked.get(name)
-            if ref is None and mine is None:
+            if (ref is None and mine is None) or p.numel() == 0:  # sweepfix: an empty parameter has nothing to compare
                 continue
             unseen = mine is None
             ref = torch.zeros_like(p) if ref is None else ref
@@ -1106,8 +1109,14 @@ class ClippingEngine:
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            if not torch.is_grad_enabled():
                 return output
+            if not isinstance(output, torch.Tensor):  # sweepfix: never skip a ruled call silently
+                raise _with_enclosable(UnsupportedLayerError(
+                    f"{name} ({type(module).__name__}) returned a {type(output).__name__}, not a tensor, while its "
+                    f"{rule.name!r} rule factors a layer whose call returns one tensor (e.g. nn.Linear's "
+                    "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
+                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             inp = _detached(inp)
             b = self._batch_size
             layout = self._layout.get(key)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,6 +93,8 @@ def _as_btd(x: torch.Tensor, d: int) -> torch.Tensor:
     """View ``(B, ..., d)`` as ``(B, T, d)``: every non-batch, non-feature axis is a 'token' axis."""
     if x.dim() == 1:
         return x.reshape(1, 1, d)
+    if x.numel() == 0 and x.shape[-1] == d:  # an empty parameter's factors (d = 0): -1 would be ambiguous
+        return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), d)
     return x.reshape(x.shape[0], -1, d)
 
 
@@ -149,48 +153,75 @@ def _layer_norm(module: nn.LayerNorm, name: str, inp: torch.Tensor, out: torch.T
     return uses
 
 
-_AFFINE_FORM: weakref.WeakKeyDictionary[nn.Module, tuple[float, int]] = weakref.WeakKeyDictionary()  # (o, axis)
+_AFFINE_FORM: weakref.WeakKeyDictionary[nn.Module, tuple[float, int, bool]] = weakref.WeakKeyDictionary()
 
 
-def _affine_run(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None,
-                bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's own forward on ``x`` with its weight / bias replaced (no hooks run, the module is not modified)."""
+def _call_inputs(inp) -> tuple:
+    """A hooked call's inputs as a tuple: the first input alone, or every input (``Rule.all_inputs``: gated norms)."""
+    return inp if isinstance(inp, tuple) else (inp,)
+
+
+def _first_rows(inputs: tuple, rows: int) -> tuple:
+    """The call's inputs restricted to the first ``rows`` rows of the first input (inputs with its first axis)."""
+    n = inputs[0].shape[0]
+    return tuple(a[:rows] if isinstance(a, torch.Tensor) and a.dim() and a.shape[0] == n else a for a in inputs)
+
+
+def _affine_run(module: nn.Module, inp, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's own forward on the call's own inputs (``inp``: the first input, or all of them as a tuple, e.g.
+    a gated norm's ``(x, gate)``) with its weight / bias replaced (no hooks run, the module is not modified)."""
     clone = copy.copy(module)  # shares everything but the parameter dict
     clone._parameters = dict(module._parameters)
     for key, value in (("weight", weight), ("bias", bias)):
         if module._parameters.get(key) is not None:
             clone._parameters[key] = nn.Parameter(value, requires_grad=False)
     with torch.no_grad():
-        return clone.forward(x)
+        return clone.forward(*_call_inputs(inp))
 
 
-def _unit_output(module: nn.Module, x: torch.Tensor, offset: float) -> torch.Tensor:
-    """``x̂``: the layer's own output with unit scale and zero shift (``weight = 1 - offset``, ``bias = 0``).
+def _unit_output(module: nn.Module, x, offset: float, additive: bool = False) -> torch.Tensor:
+    """``x̂``: the output's derivative in the weight, ``y(w = 1, b = 0) - y(w = 0, b = 0)`` — one run at
+    ``weight = 1 - offset`` when ``y(0, 0) = offset · x̂`` (the usual norms), two runs when the layer adds a
+    parameter-free term (``additive``: ConvNeXt V2's ``GRN`` adds its input).
 
     Running the module itself (instead of re-implementing its normalisation) reproduces its exact arithmetic,
     including the float32 upcast Llama-style norms do internally.
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    return _affine_run(module, x, None if w is None else torch.full_like(w, 1.0 - offset),
-                       None if b is None else torch.zeros_like(b))
+    zero_b = None if b is None else torch.zeros_like(b)
+    if additive:
+        return _affine_run(module, x, torch.ones_like(w), zero_b) - _affine_run(module, x, torch.zeros_like(w), zero_b)
+    return _affine_run(module, x, None if w is None else torch.full_like(w, 1.0 - offset), zero_b)
 
 
-def _affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
-    """Elementwise-affine normalisation ``y = (w + o) ⊙ x̂ + b`` (RMSNorm, T5/Gemma/Cohere/OLMo norms, Nemotron's
-    ``LayerNorm1P``, SqueezeBERT's channel-first LayerNorm, layer-scale), with ``x̂`` the layer's own output at unit
-    scale: ``G_w = Σ_t g ⊙ x̂``, ``G_b = Σ_t g``. The form, the offset ``o`` and the axis the parameters run along
-    were verified on real activations (:func:`_verify_affine_norm`).
+def _param_axis(p: torch.Tensor) -> int | None:
+    """For a parameter with a single non-singleton axis (``(d,)``, ConvNeXt V2's ``(1, 1, 1, d)``): that axis counted
+    from the output's end when the parameter broadcasts against it; ``None`` for a multi-axis parameter."""
+    big = [k for k, n in enumerate(p.shape) if n != 1]
+    return big[0] - p.dim() if len(big) == 1 else None
+
+
+def _affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor, grad: torch.Tensor) -> list[Use]:
+    """Elementwise-affine layers ``y = w ⊙ x̂ + b + y(0, 0)`` (RMSNorm, T5/Gemma/Cohere/OLMo norms, Nemotron's
+    ``LayerNorm1P``, SqueezeBERT's channel-first LayerNorm, layer-scale, gated RMSNorms ``x̂(x, gate)``, ConvNeXt V2's
+    ``GRN``), with ``x̂`` the output's derivative in ``w`` computed by the layer itself: ``G_w = Σ_t g ⊙ x̂``,
+    ``G_b = Σ_t g``. The form and the axis the parameters run along were verified on real activations
+    (:func:`_verify_affine_norm`). Gated norms (``all_inputs``) may see tokens flattened example-major
+    (``(B·T·H, d)``: Qwen3-Next / Qwen3.5), so their 2-D inputs' uses are ``token_rows`` (regrouped per example).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    offset, axis = _AFFINE_FORM.get(module, (0.0, -1))
+    offset, axis, additive = _AFFINE_FORM.get(module, (0.0, -1, False))
     d = (w if w is not None else b).numel()
+    # Rows flattened example-major ((B·T·H, d), as reshape(-1, d) of a batch-first tensor gives; the first-step probe
+    # proves layouts for single-input layers only): regrouped per example. Other inputs keep their batch axis first.
+    rows = isinstance(inp, tuple) and inp[0].dim() == 2
     g = _as_btd(grad.movedim(axis, -1), d)
     uses = []
     if w is not None:
-        x_hat = _unit_output(module, inp, offset).movedim(axis, -1)
-        uses.append(Use(w, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name))
+        x_hat = _unit_output(module, inp, offset, additive).movedim(axis, -1)
+        uses.append(Use(w, None, g * _as_btd(x_hat, d).to(g.dtype), 1, name, token_rows=rows))
     if b is not None:
-        uses.append(Use(b, None, g, 1, name))
+        uses.append(Use(b, None, g, 1, name, token_rows=rows))
     return uses
 
 
@@ -201,51 +232,83 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool(torch.allclose(a.to(b.dtype), b, rtol=tol, atol=tol * scale))
 
 
-def _verify_affine_norm(module: nn.Module, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
-    """Check once, on real activations, that this layer computes ``y = (w + o) ⊙ x̂ + b`` where ``x̂`` (its output
-    at unit scale, zero shift) depends neither on ``w`` / ``b`` nor on the other examples of the batch — the form
-    whose per-example gradients are ``Σ_t g ⊙ x̂`` and ``Σ_t g``.
+def _verify_affine_form(module: nn.Module, name: str, inp, out: torch.Tensor) -> None:
+    """Check once, on real activations, that this layer is affine in its parameters: ``y(w, b) = w ⊙ x̂ + b +
+    y(0, 0)``, where ``x̂ = y(1, 0) - y(0, 0)`` and ``y(0, 0)`` depend neither on ``w`` / ``b`` nor on the other
+    examples of the batch — the form whose per-example gradients are ``Σ_t g ⊙ x̂`` and ``Σ_t g``. The layer is re-run
+    on the call's own inputs (a gated norm's gate included).
 
     The rule is chosen by the layer's parameters (a ``weight`` and/or ``bias`` of one shape); a layer that computes
-    something else must fail loudly rather than be clipped with a wrong gradient. Records the offset ``o`` (0 for
-    Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``) and the output axis the parameters
-    run along (the last one, or a channel axis: SqueezeBERT normalises ``(B, C, T)``).
+    something else must fail loudly rather than be clipped with a wrong gradient. Records whether ``y(0, 0)`` is a
+    multiple ``o · x̂`` (0 for Llama/T5 norms, 1 for Gemma's ``(1 + w)`` and Nemotron's ``LayerNorm1P``: ``x̂`` is then
+    one run of the layer) or a parameter-free term of its own (ConvNeXt V2's ``GRN`` adds its input), and the output
+    axis the parameters run along (the last one, or a channel axis: SqueezeBERT normalises ``(B, C, T)``).
     """
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
     p = w if w is not None else b
     tol = 1e-2 if out.dtype in (torch.float16, torch.bfloat16) else 1e-4
     _AFFINE_FORM.pop(module, None)
+    inputs = _call_inputs(inp)
     with torch.no_grad():
         zero_b = None if b is None else torch.zeros_like(b)
-        offset = 0.0
-        if w is not None:  # y(w=0) = o x̂, y(w=1) = (1 + o) x̂
-            y0 = _affine_run(module, inp, torch.zeros_like(w), zero_b)
+        zero_w = None if w is None else torch.zeros_like(w)
+        y0 = _affine_run(module, inp, zero_w, zero_b)
+        x_hat, offset, additive = None, 0.0, False
+        if w is not None:
             x_hat = _affine_run(module, inp, torch.ones_like(w), zero_b) - y0
             offset = round(float((y0 * x_hat).sum() / (x_hat * x_hat).sum().clamp(min=1e-30)), 6)
-        x_hat = _unit_output(module, inp, offset)
+            additive = not _close(y0, offset * x_hat, tol)
+            offset = 0.0 if additive else offset
         gen = torch.Generator(device=p.device).manual_seed(0)
         w_r = None if w is None else torch.rand(w.shape, generator=gen, device=p.device, dtype=p.dtype) + 0.5
         b_r = None if b is None else torch.randn(b.shape, generator=gen, device=p.device, dtype=p.dtype)
         y_r = _affine_run(module, inp, w_r, b_r)
-        alone = inp.shape[0] < 2 or _close(_unit_output(module, inp[:1], offset), x_hat[:1], tol)
-        axes = [-1] if p.dim() > 1 else [a - x_hat.dim() for a in range(x_hat.dim() - 1, 0, -1)
-                                         if x_hat.shape[a] == p.numel()]
+        alone = inputs[0].shape[0] < 2
+        if not alone:
+            first = _first_rows(inputs, 1)
+            first = first if isinstance(inp, tuple) else first[0]
+            alone = _close(_affine_run(module, first, zero_w, zero_b), y0[:1], tol) and (
+                w is None or _close(_unit_output(module, first, offset, additive), x_hat[:1], tol))
+        ref = y0 if x_hat is None else x_hat
+        p_axis = _param_axis(p)
+        if p_axis is None:
+            axes = [-1] if tuple(ref.shape[ref.dim() - p.dim():]) == tuple(p.shape) else []
+        elif p.dim() > 1:
+            axes = [p_axis] if ref.dim() >= p.dim() and ref.shape[p_axis] == p.numel() else []
+        else:
+            axes = [a - ref.dim() for a in range(ref.dim() - 1, 0, -1) if ref.shape[a] == p.numel()]
         for axis in axes:
             def form(wt, bt, axis=axis):
-                x = x_hat.movedim(axis, -1)
-                y = x if wt is None else (wt + offset) * x
-                return (y if bt is None else y + bt).movedim(-1, axis)
+                flat = (lambda t: t) if p_axis is None else (lambda t: t.reshape(-1))  # noqa: E731
+                y = y0.movedim(axis, -1)
+                if wt is not None:
+                    y = y + flat(wt) * x_hat.movedim(axis, -1)
+                return (y if bt is None else y + flat(bt)).movedim(-1, axis)
 
-            if (alone and tuple(x_hat.shape[x_hat.dim() - p.dim():] if axis == -1 else (x_hat.shape[axis],))
-                    == tuple(p.shape) and _close(form(w, b), out, tol) and _close(y_r, form(w_r, b_r), tol)):
-                _AFFINE_FORM[module] = (offset, axis)
+            if alone and _close(form(w, b), out, tol) and _close(y_r, form(w_r, b_r), tol):
+                _AFFINE_FORM[module] = (offset, axis, additive)
                 return
     raise UnsupportedLayerError(
         f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer but does not compute "
-        "(weight + offset) * x_hat + bias with x_hat independent of its parameters and of the other examples "
-        "(checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
+        "weight * x_hat + bias + y0 (not affine in them, or x_hat / y0 depend on its parameters or on the other "
+        "examples; checked on this batch); hf_dp has no exact per-example rule for it. Freeze it "
         "(param.requires_grad_(False)) or train it through a PEFT adapter."
     )
+
+
+def _verify_affine_norm(module: nn.Module, name: str, inp, out: torch.Tensor) -> None:
+    """:func:`_verify_affine_form`; a re-run that fails (inputs passed by keyword in another order than the
+    forward's signature, a forward needing more than its call's inputs) is a refusal with that cause, not a crash."""
+    try:
+        _verify_affine_form(module, name, inp, out)
+    except UnsupportedLayerError:
+        raise
+    except Exception as err:  # noqa: BLE001 - reported as the cause of the refusal
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}) has a weight/bias like a normalisation layer, but re-running it on "
+            f"this call's inputs with other parameter values failed ({type(err).__name__}: {err}), so hf_dp cannot "
+            "check that it computes weight * x_hat + bias + y0 and has no exact per-example rule for it. Freeze it "
+            "(param.requires_grad_(False)) or train it through a PEFT adapter.") from err
 
 
 # ----------------------------------------------------------------------------------------------------- convolutions
@@ -367,9 +430,11 @@ class _WeightCalls(TorchFunctionMode):
 class _EmbeddingCalls(_WeightCalls):
     """An ``nn.Embedding`` subclass with its own ``forward``: its ``F.embedding(ids, self.weight, ...)`` calls get the
     plain embedding rule — a scale (Gemma / BART / XGLM ``*ScaledWordEmbedding``), an offset or computed position
-    ids (OPT / BART / BioGPT learned positions) around them do not matter. Ids without the batch axis (``(1, T)`` or
-    ``(T,)``: positions computed once and broadcast) are expanded to the micro-batch's ``B`` rows first, so each
-    example gets its own rows (an output that broadcasts the same way downstream)."""
+    ids (OPT / BART / BioGPT learned positions) around them do not matter. A row lookup written as indexing
+    (``self.weight[position_ids]``, ``self.weight[a:b]``: Whisper's decoder positions) is the same lookup and gets
+    the same rule. Ids without the batch axis (``(1, T)`` or ``(T,)``: positions computed once and broadcast) are
+    expanded to the micro-batch's ``B`` rows first, so each example gets its own rows (an output that broadcasts the
+    same way downstream)."""
 
     functional = staticmethod(F.embedding)
 
@@ -380,11 +445,63 @@ class _EmbeddingCalls(_WeightCalls):
             ids = ids.expand(b, *ids.shape[1:]) if ids.shape[0] == 1 and b > 1 else ids
         return self.attach(ids, func(ids, *args[1:], **kwargs))
 
+    def _lookup_ids(self, weight: torch.Tensor, index) -> torch.Tensor | None:
+        """The ids of an indexing read of the weight that is a row lookup: ``weight[ids]`` with integer ids, or
+        ``weight[a:b]`` (Whisper's decoder positions: rows ``a..b-1``); ``None`` for anything else. Not with a
+        ``padding_idx``: indexing gives that row a gradient, which F.embedding (the rule's math) does not."""
+        if self.module.padding_idx is not None:
+            return None
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.int64, torch.int32) and index.dim() <= 2:
+            return index.long()
+        if isinstance(index, slice) and index.step in (None, 1) and all(
+                v is None or isinstance(v, int) for v in (index.start, index.stop)):
+            return torch.arange(*index.indices(weight.shape[0])[:2], device=weight.device)
+        return None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and any(args[0] is w for w in self.aliases):
+            ids = self._lookup_ids(args[0], args[1])
+            if ids is not None:  # an embedding lookup written as indexing: the embedding rule applies to it
+                return self.call(F.embedding, (ids, args[0]), {})
+        return super().__torch_function__(func, types, args, kwargs)
+
 
 class _RouterCalls(_WeightCalls):
     """A MoE router (a module with a 2-D ``weight`` scoring tokens for experts): its ``F.linear(x, self.weight, b)``
     call gets the linear rule. Routers see the tokens flattened example-major (``(B·T, d)``); the call is made on
-    the ``(B, T, d)`` view so each row stays with its example."""
+    the ``(B, T, d)`` view so each row stays with its example. A ``bias`` parameter must be that call's bias (the
+    rule's ``G_b = Σ_t g``): any other use of it, or the weight applied without it, is refused."""
+
+    def __init__(self, module: nn.Module, name: str, batch_size: int | None, attach: Attach):
+        super().__init__(module, name, batch_size, attach)
+        bias = getattr(module, "bias", None)
+        self.biases = [bias] if isinstance(bias, nn.Parameter) else []  # the bias and its dtype casts
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.biases:
+            fname = getattr(func, "__name__", "")
+            linear = func is self.functional and len(args) >= 2 and any(args[1] is w for w in self.aliases)
+            bias_arg = (args[2] if len(args) > 2 else kwargs.get("bias")) if linear else None
+            with_bias = any(bias_arg is b for b in self.biases)
+            if linear and not with_bias:
+                self._refuse_bias("applies its weight without its bias")
+            if not linear and any(a is b for a in (*args, *kwargs.values()) for b in self.biases):
+                result = func(*args, **kwargs)
+                if fname in self._CASTS and args and any(args[0] is b for b in self.biases) and \
+                        isinstance(result, torch.Tensor) and result.shape == self.biases[0].shape:
+                    self.biases.append(result)
+                    return result
+                if fname == "__get__" and not isinstance(result, torch.Tensor):
+                    return result  # metadata
+                self._refuse_bias(f"uses its bias other than as F.linear's bias ({fname or func})")
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _refuse_bias(self, what: str) -> None:
+        raise UnsupportedLayerError(
+            f"{self.name} ({type(self.module).__name__}) {what}, so hf_dp's router rule (bias gradient = the sum of "
+            "the F.linear output's gradient) does not hold for it. Freeze its bias (requires_grad_(False)) or train "
+            "the model through a PEFT adapter (LoRA).")
 
     def call(self, func, args: tuple, kwargs: dict) -> torch.Tensor:
         x, b = args[0], self.batch_size
@@ -591,6 +708,17 @@ _EXPERTS = Rule("experts", _experts, ("gate_up_proj", "up_proj", "down_proj", "g
                                         "down_proj_bias"), verify=_verify_experts, all_inputs=True)
 _ROUTER = Rule("router", _router, ("weight", "bias"), capture=_RouterCalls)
 _AFFINE_NORM = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm)
+_AFFINE_NORM_ALL = Rule("affine_norm", _affine_norm, ("weight", "bias"), verify=_verify_affine_norm, all_inputs=True)
+
+
+def _more_inputs(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` takes inputs besides the first (a gated norm's ``gate``): its affine rule then
+    re-runs the layer on every input of the call."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return True
+    return len(sig.parameters) > 1
 
 
 def _is_affine_candidate(module: nn.Module) -> bool:
@@ -623,14 +751,14 @@ def find_rule(module: nn.Module) -> Rule | None:
             return rule
     if isinstance(module, nn.Embedding):
         return _EMBEDDING_CALLS
+    if _is_router(module):  # also nn.Linear subclasses (PhiMoE, Llama 4) that return (logits, weights, experts)
+        return _ROUTER
     if isinstance(module, nn.Linear):
         return _LINEAR_SUBCLASS
     if _is_experts(module):
         return _EXPERTS
-    if _is_router(module):
-        return _ROUTER
     if _is_affine_candidate(module):
-        return _AFFINE_NORM
+        return _AFFINE_NORM_ALL if _more_inputs(module) else _AFFINE_NORM
     return None
 
 
