@@ -1094,8 +1094,15 @@ class ClippingEngine:
             if self._replaying:
                 return output
             key = self._next_call(module)
+            if self._probe is None and torch.is_grad_enabled() and not isinstance(output, torch.Tensor):
+                # never skip a ruled call silently (also inside a broadcast point)
+                raise _with_enclosable(UnsupportedLayerError(
+                    f"{name} ({type(module).__name__}) returned a {type(output).__name__}, not a tensor, while its "
+                    f"{rule.name!r} rule factors a layer whose call returns one tensor (e.g. nn.Linear's "
+                    "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
+                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
-                if self._probe is not None or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                if self._probe is not None or not torch.is_grad_enabled():
                     return output
                 if not output.requires_grad:
                     output = output.detach().requires_grad_(True)
@@ -1111,12 +1118,6 @@ class ClippingEngine:
                 return output
             if not torch.is_grad_enabled():
                 return output
-            if not isinstance(output, torch.Tensor):  # sweepfix: never skip a ruled call silently
-                raise _with_enclosable(UnsupportedLayerError(
-                    f"{name} ({type(module).__name__}) returned a {type(output).__name__}, not a tensor, while its "
-                    f"{rule.name!r} rule factors a layer whose call returns one tensor (e.g. nn.Linear's "
-                    "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
-                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             inp = _detached(inp)
             b = self._batch_size
             layout = self._layout.get(key)
