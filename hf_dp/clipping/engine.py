@@ -1557,17 +1557,17 @@ class ClippingEngine:
         c = unit_factors[self._units]
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
-    def _norm_sq_of(self, uses: list[Use], grams: dict | None = None, fused: bool = False,
+    def _norm_sq_of(self, name: str, uses: list[Use], grams: dict | None = None, fused: bool = False,
                     memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
         instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
         norm pass (:func:`_self_gram`); ``fused``: clipped right away (:func:`use_ghost_norm`)."""
         if self._units is not None:
             uses = self._unit_uses(uses)
-            self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if use_ghost_norm(uses) else "instantiate"
+            self.norm_paths[name] = "ghost" if use_ghost_norm(uses) else "instantiate"
             return self._plain_norm_sq(uses)[0], None
         ghost = use_ghost_norm(uses, fused, memory_ratio)
-        self.norm_paths[self._names[id(uses[0].param)]] = "ghost" if ghost else "instantiate"
+        self.norm_paths[name] = "ghost" if ghost else "instantiate"
         return self._plain_norm_sq(uses, grams, ghost)
 
     @staticmethod
@@ -1628,7 +1628,7 @@ class ClippingEngine:
         self._instantiated: dict[str, torch.Tensor] = {}
         grams: dict = {}  # every factor stays alive during this loop (self._uses), so the cache's keys stay valid
         for name, uses in self._uses_by_param().items():
-            out[name], inst = self._norm_sq_of(uses, grams)
+            out[name], inst = self._norm_sq_of(name, uses, grams)
             if inst is not None:
                 self._instantiated[name] = inst
         return out
@@ -1686,7 +1686,7 @@ class ClippingEngine:
         deferred = self._handler is None
         grams = self._gram_cache if deferred else None  # flat: factors stay alive anyway (q/k/v share an input)
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(uses, grams, fused=fused, memory_ratio=1 if deferred else 2)
+            norms[n], insts[n] = self._norm_sq_of(n, uses, grams, fused=fused, memory_ratio=1 if deferred else 2)
         if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
             for n, uses in stored.items():
                 self._early_norms[n] = norms[n]
