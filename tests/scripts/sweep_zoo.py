@@ -319,9 +319,19 @@ def _where(tb_exc: BaseException) -> tuple[str, str]:
 def run_one(model_type: str, task: str) -> dict:
     import warnings
 
+    import test_zoo
     import torch
     from test_zoo import check_exact
 
+    if os.environ.get("SWEEP_SELF_CHECK") == "0":  # the always-on checks alone (dp_self_check=False)
+        make_args = test_zoo.zoo_args
+
+        def no_self_check(*a, **kw):
+            args = make_args(*a, **kw)
+            args.dp_self_check = False
+            return args
+
+        test_zoo.zoo_args = no_self_check
     warnings.simplefilter("ignore")
     rec = {"model_type": model_type, "task": task}
     t0 = time.time()
@@ -452,6 +462,8 @@ def parent(args) -> None:
         os.environ["SWEEP_PEFT"] = args.peft
     if args.clipping:  # inherited by the child processes
         os.environ["SWEEP_CLIPPING"] = args.clipping
+    if args.no_self_check:
+        os.environ["SWEEP_SELF_CHECK"] = "0"
     if args.redo_exact:  # the pairs of an earlier run that were exact (e.g. to re-run them per layer)
         latest = {(r["model_type"], r["task"]): r for r in map(json.loads, open(args.redo_exact).read().splitlines())}
         jobs = [list(k) for k, r in latest.items() if r["status"] in ("exact", "exact~")]
@@ -529,6 +541,7 @@ def main() -> None:
     ap.add_argument("--redo-exact", help="a results file: re-run its pairs that were exact")
     ap.add_argument("--clipping", help="flat (default) or per_layer")
     ap.add_argument("--peft", help="lora: train LoRA adapters on every linear layer instead of the full model")
+    ap.add_argument("--no-self-check", action="store_true", help="dp_self_check=False (the always-on checks alone)")
     ap.add_argument("--tasks", help="only these tasks (comma-separated)")
     ap.add_argument("--all-tasks", action="store_true")
     ap.add_argument("--timeout", type=int, default=90)
