@@ -139,7 +139,7 @@ def tiny_kwargs(cfg) -> dict:
         elif key == "image_size" and isinstance(value, (list, tuple)):
             out[key] = [VISION["image_size"]] * len(value)
         elif isinstance(value, float) and ("dropout" in key or "pdrop" in key or "drop_path" in key
-                                           or key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")):
+                                           or "layerdrop" in key or "jitter" in key):  # random in train mode
             out[key] = 0.0
         elif isinstance(value, list):
             new = _shrink_list(key, value)
