@@ -484,7 +484,10 @@ class ClippingEngine:
         model = self.model
         self._modules: list[tuple[str, nn.Module, Rule]] = []
         self._fallbacks: dict[int, Fallback] = {}
-        self._dormant: set[int] = set()  # modules whose every trainable parameter is enclosed: not hooked
+        self._dormant: set[int] = set()  # ruled modules whose rule records no trainable parameter: rule not hooked
+        #: ruled module id -> the fallback for its trainable parameters its rule does not cover (a side fallback,
+        #: kept in _fallbacks under its own id: the module's rule hook numbers the module's calls)
+        self._side_of: dict[int, Fallback] = {}
         self._enclosed = set(self._enclosure)
         problems: list[str] = []
         batch_stats: list[str] = []
@@ -529,14 +532,23 @@ class ClippingEngine:
             if rule.check is not None:
                 rule.check(module, name)
             ruled = rule_parameters(rule, module)
-            for n, _ in kept:
-                if n not in ruled:
-                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
-                                    f"{', '.join(rule.params)} only)")
+            uncovered = tuple(n for n, _ in kept if n not in ruled)
             if ruled:
-                if not kept:
-                    self._dormant.add(id(module))
+                if not any(n in ruled for n, _ in kept):
+                    self._dormant.add(id(module))  # its rule's hook is not needed (a side fallback may still be)
                 self._modules.append((name, module, rule))
+            if uncovered and module is model:
+                problems += [f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
+                             f"{', '.join(rule.params)} only)" for n in uncovered]
+            elif uncovered:
+                # A side fallback: the module itself re-run per example for the parameters its rule does not cover
+                # (an embedding's extra vector, a router's scale), next to its rule's hook for the others; verified
+                # on the first step like any fallback, and moved to an enclosing module if it cannot be
+                # (first_step_check). Its entry lists the rule's parameters too, so per-layer groups keep the layer.
+                fb = Fallback(module, name, uncovered, ruled=rule.name)
+                self._fallbacks[id(fb)] = fb
+                self._side_of[id(module)] = fb
+                self._modules.append((name, module, Rule("fallback", _no_uses, tuple(rule.params) + uncovered)))
         self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
                               and any(r is not m and id(r) not in self._dormant and _is_descendant(r, m)
                                       for _, r, _ in self._modules)]
@@ -658,11 +670,14 @@ class ClippingEngine:
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
-            if id(m) in self._dormant:  # every parameter it owns is computed by an enclosing module's fallback
+            if r.name == "fallback":  # a module without a rule, an enclosing module, or a ruled module's side fallback
+                fb = self._side_of.get(id(m)) or self._fallbacks.get(id(m))
+                if fb is not None:  # (none: every parameter it owns is computed by an enclosing module's fallback)
+                    handles.append(m.register_forward_hook(self._fallback_hook(n, m, fb), with_kwargs=True))
                 continue
-            if id(m) in self._fallbacks:
-                handles.append(m.register_forward_hook(self._fallback_hook(n, m), with_kwargs=True))
-            elif r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
+            if id(m) in self._dormant:  # every parameter its rule covers is computed by an enclosing module's fallback
+                continue
+            if r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
                 handles += [m.register_forward_pre_hook(self._capture_pre_hook(n, m, r)),
                             m.register_forward_hook(self._capture_post_hook)]
             else:
@@ -812,7 +827,9 @@ class ClippingEngine:
             seen[b] = self._probe
         self._probe = None
         names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
-        rules = {id(m): (m, r) for _, m, r in self._modules}
+        rules: dict[int, tuple] = {}
+        for _, m, r in self._modules:
+            rules.setdefault(id(m), (m, r))  # a ruled module's rule, not its side fallback's entry (listed after)
         problems, concerned = [], []
         for key, two in seen[big].items():
             one = seen[1].get(key)
@@ -830,14 +847,14 @@ class ClippingEngine:
                         "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
                         "projections) or train with LoRA.")
                 continue
-            name, cls = names[key[0]]
-            call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
-            n_before = len(problems)
             if key[0] in self._fallbacks:
                 fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
                 self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
                     _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
+            name, cls = names[key[0]]
+            call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
+            n_before = len(problems)
             axis = _later_batch_axis(two, one, big)
             if axis:
                 self._layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
@@ -1400,15 +1417,16 @@ class ClippingEngine:
 
         return _patch(owner, method, wrapped)
 
-    def _fallback_hook(self, name: str, module: nn.Module):
-        """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
-        fb = self._fallbacks[id(module)]
+    def _fallback_hook(self, name: str, module: nn.Module, fb: Fallback):
+        """Forward hook of a module without a rule (or of the parameters its rule does not cover): per-example
+        gradients by re-running it (``fallback.py``)."""
         owned = [self._names[id(fb.param(n))] for n in fb.param_names]
+        counter = fb if fb.ruled else module  # a side fallback's calls are numbered apart from its module's rule's
 
         def hook(mod, args, kwargs, output):
             if self._replaying:
                 return None
-            key = self._next_call(mod)
+            key = self._next_call(counter)
             if self._probe is not None:
                 leaves, _ = tree_flatten((args, kwargs))
                 self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else None

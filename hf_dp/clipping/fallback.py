@@ -48,12 +48,16 @@ def float_outputs(output) -> list[torch.Tensor]:
 class Fallback:
     """Per-example gradients of ``module``'s own parameters ``param_names`` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, name: str, param_names: tuple[str, ...]):
+    def __init__(self, module: nn.Module, name: str, param_names: tuple[str, ...], ruled: str | None = None):
         self.module = module
         self.name = name
         self.param_names = param_names
-        #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
-        self.out_axes: list[int] | None = None
+        #: the name of the module's own rule when this fallback only computes the parameters that rule does not cover
+        #: (a side fallback: the rule's hook still records the others, e.g. an embedding's extra vector)
+        self.ruled = ruled
+        #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n), or
+        #: ``"flat"`` (its rows hold the examples' tokens, example-major)
+        self.out_axes: list[int | str] | None = None
         self._dropout_sites: list | None = None  # see check_dropout
 
     def param(self, name: str) -> nn.Parameter:
@@ -65,6 +69,8 @@ class Fallback:
         numel = sum(self.param(n).numel() for n in self.param_names)
         inner = [n for n in self.param_names if "." in n]
         what = f"{', '.join(self.param_names)}; {numel} values"
+        if self.ruled:
+            what += f"; not covered by its {self.ruled!r} rule, which records its other parameters"
         if inner:
             what += (f"; enclosing module of {', '.join(inner)}, which are used in its forward outside their own "
                      "module's (read directly, applied functionally, or broadcast over the batch), so the whole "
@@ -93,21 +99,25 @@ class Fallback:
             outs = float_outputs(out)
             if flat or not squeeze:
                 return tuple(outs)
-            return tuple(t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
+            return tuple(t if ax == "flat" else t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
 
         stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
                         for i in idx)
         return run, stacked
 
     def per_example_outputs(self, outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
-        """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs)."""
+        """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs and outputs)."""
         if "flat" in mapped:
             return [t.reshape(batch_size, -1, *t.shape[1:]) for t in outs]
-        return [t.movedim(ax, 0) for t, ax in zip(outs, self.out_axes)]
+        return [t.reshape(batch_size, -1, *t.shape[1:]) if ax == "flat" else t.movedim(ax, 0)
+                for t, ax in zip(outs, self.out_axes)]
 
     def _find_out_axes(self, args: tuple, kwargs: dict, outs: list[torch.Tensor], batch_size: int,
-                       mapped: list[str | None]) -> list[int | None]:
-        """Each output's example axis: size ``B`` in the batched output and 1 when the module runs on example 0."""
+                       mapped: list[str | None]) -> list[int | str | None]:
+        """Each output's example axis: size ``B`` in the batched output and 1 when the module runs on example 0; or
+        ``"flat"``: the batched output's first axis holds ``k`` rows per example, example-major, where the module
+        run on example 0 gives ``k`` rows, the same as the batched output's first ``k`` (a router that flattens the
+        examples' tokens to ``(B·T, d)`` inside its forward)."""
         run, per_example = self._runner(args, kwargs, mapped, batch_size, squeeze=False)
         with torch.no_grad():
             single = run(self._params(), tuple(x[0] for x in per_example))
@@ -115,6 +125,11 @@ class Fallback:
         for t, o in zip(outs, single):
             cand = [j for j in range(t.dim()) if o.dim() == t.dim() and t.shape[j] == batch_size and o.shape[j] == 1
                     and all(t.shape[k] == o.shape[k] for k in range(t.dim()) if k != j)]
+            if not cand and o.dim() == t.dim() >= 1 and o.shape[0] > 1 and t.shape[0] == batch_size * o.shape[0] \
+                    and t.shape[1:] == o.shape[1:] and torch.allclose(
+                        t[:o.shape[0]].double(), o.double(), rtol=1e-4, atol=1e-6):
+                axes.append("flat")
+                continue
             axes.append(0 if 0 in cand else (cand[0] if len(cand) == 1 else None))
         return axes
 
@@ -137,7 +152,9 @@ class Fallback:
         parts = ([f"owns trainable parameters ({', '.join(own)})"] if own else []) + (
             [f"uses trainable parameters of its submodules outside their own forward ({', '.join(inner)})"]
             if inner else [])
-        return " and ".join(parts)
+        if self.ruled:
+            return " and ".join(parts) + f" that its {self.ruled!r} rule does not cover"
+        return " and ".join(parts) + " that hf_dp has no rule for"
 
     def _enclosable(self, err: UnsupportedLayerError) -> UnsupportedLayerError:
         """Mark a refusal that re-running a larger module might resolve (the engine's first-step re-planning tries
@@ -193,8 +210,8 @@ class Fallback:
             self.out_axes = axes
         if bad:
             raise self._enclosable(UnsupportedLayerError(
-                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
-                f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
+                f"{self.name} ({cls}) {self._whose()}, and its output has no per-example axis (output shapes "
+                f"{bad} for a micro-batch of {batch_size}), "
                 "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
                 "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
             ))
@@ -206,8 +223,8 @@ class Fallback:
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
             # not enclosable: a larger module would run the same operation under vmap
             raise UnsupportedLayerError(
-                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
-                f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
+                f"{self.name} ({cls}) {self._whose()}, and re-running it on one example at a time under "
+                f"torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
                 "(LoRA)."
@@ -216,8 +233,8 @@ class Fallback:
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
                 raise self._enclosable(UnsupportedLayerError(
-                    f"{self.name} ({cls}) {self._whose()} that hf_dp has no "
-                    "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
+                    f"{self.name} ({cls}) {self._whose()}, and its output on a micro-batch differs from its "
+                    "output on each example alone: it mixes "
                     "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
                     "batch), or it is random (e.g. dropout applied functionally with a probability hf_dp cannot see, "
                     "such as one read from the config in the forward: set it to 0). Per-example clipping cannot bound "
