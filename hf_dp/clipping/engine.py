@@ -248,7 +248,10 @@ def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
 
 def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
     """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major) or ``None`` (shared by the batch)."""
+    ``"flat"`` (``k > 1`` rows per example, example-major), ``"size"`` (a number: ``b`` for ``b`` examples and 1 for
+    one, the micro-batch size) or ``None`` (shared by the batch)."""
+    if isinstance(big, int) or isinstance(one, int):
+        return "size" if isinstance(big, int) and isinstance(one, int) and b > 1 and big == b and one == 1 else None
     if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
         return None
     if one.shape[0] == 1:
@@ -1429,8 +1432,8 @@ class ClippingEngine:
             key = self._next_call(counter)
             if self._probe is not None:
                 leaves, _ = tree_flatten((args, kwargs))
-                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-                                    for x in leaves]
+                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else
+                                    (x if isinstance(x, int) and not isinstance(x, bool) else None) for x in leaves]
                 return None
             if not torch.is_grad_enabled():
                 return None

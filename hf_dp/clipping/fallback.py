@@ -84,13 +84,16 @@ class Fallback:
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
         leaves stacked on a leading batch axis (``"flat"`` leaves: ``(B·k, ...)`` viewed as ``(B, k, ...)``)."""
         leaves, spec = tree_flatten((args, kwargs))
-        idx = [i for i, m in enumerate(mapped) if m]
+        idx = [i for i, m in enumerate(mapped) if m in ("batch", "flat")]
+        sizes = [i for i, m in enumerate(mapped) if m == "size"]
         flat = "flat" in mapped
 
         def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
             full = list(leaves)
             for i, x in zip(idx, per_example):
                 full[i] = x if mapped[i] == "flat" else x.unsqueeze(0)  # one example's rows / a batch of one
+            for i in sizes:
+                full[i] = 1  # the micro-batch size passed as a number (Perceiver's latents.expand(batch_size, ...))
             a, k = tree_unflatten(full, spec)
             # tie_weights=False: only this module's own attribute is replaced, so a parameter it shares with a
             # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
@@ -103,6 +106,12 @@ class Fallback:
 
         stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
                         for i in idx)
+        if not stacked:  # only a batch-size number carries the examples: vmap needs a tensor with the batch axis
+            stacked = (torch.zeros(batch_size, 0),)
+            run_inner = run
+
+            def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
+                return run_inner(params, ())
         return run, stacked
 
     def per_example_outputs(self, outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
@@ -136,12 +145,15 @@ class Fallback:
     @staticmethod
     def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | None] | None = None) -> list:
         """Which leaves of ``(args, kwargs)`` carry the batch axis: ``"batch"`` (first axis B), ``"flat"`` (the
-        examples' rows flattened example-major, proven by the engine's probe) or ``None`` (shared)."""
+        examples' rows flattened example-major, proven by the engine's probe), ``"size"`` (a number that is the
+        micro-batch size, proven by the probe: ``B`` for ``B`` examples, 1 for one; the re-run passes 1) or ``None``
+        (shared)."""
         leaves, _ = tree_flatten((args, kwargs))
         guess = ["batch" if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
                  for x in leaves]
         if known is not None and len(known) == len(leaves):
-            return [k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None)
+            return ["size" if k == "size" and x == batch_size else
+                    (k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None))
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
