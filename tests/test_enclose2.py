@@ -265,3 +265,33 @@ def test_a_number_equal_to_the_batch_size_is_not_taken_for_it_unless_proven(tmp_
     """The number 2 is the same for one example and for two, so it is not the batch size: the module keeps it, and
     stays exact (taking it for the batch size would re-run the module with 1, halving ``latents``' gradient)."""
     check_exact(CountModel(), id_rows(), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------- random layer skipping
+class DropPathScale(nn.Module):
+    """A parameter used directly (generic fallback) in a residual branch dropped at random per example in training
+    (stochastic depth: HF's ``DropPath`` modules keep ``drop_prob``, a float attribute not named ``*dropout*``)."""
+
+    def __init__(self, drop_prob: float = 0.5):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.drop_prob = drop_prob
+
+    def forward(self, x):
+        branch = x * self.scale
+        if self.training and self.drop_prob > 0:
+            keep = (torch.rand(x.shape[0], 1, 1, dtype=x.dtype) >= self.drop_prob).to(x.dtype)
+            branch = branch * keep / (1 - self.drop_prob)
+        return x + branch
+
+
+def test_fallback_module_with_drop_path_is_refused_in_training(tmp_path):
+    """The per-example re-run draws its own mask (vmap randomness="different"), not the batch's: its gradient would not
+    be the example's. The first-step checks run with the drop probability at 0, like dropout (LayerDrop's
+    ``layerdrop`` too), so the verification passes; every training call is checked, and refused naming the
+    attribute (before, the verification ran with the drop on and refused with "it mixes examples, or it is random")."""
+    from test_coverage import train_toy
+
+    with pytest.raises(UnsupportedLayerError, match=r"body\.0 \(DropPathScale\) is re-run per example.*scale.*"
+                                                    r"applies dropout \(body\.0\.drop_prob=0\.5\)"):
+        train_toy(nn.Sequential(DropPathScale(), nn.Linear(3, 3)), tmp_path, dp_self_check=False)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .fallback import Fallback
+from .fallback import Fallback, _is_drop_rate
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 from .recurrent import fallback_for
 
@@ -189,15 +189,17 @@ def train_without_dropout(model: nn.Module) -> Iterator[None]:
     """Train mode with dropout off (for the first-step checks), restored on exit.
 
     Every module stays in train mode (batch statistics, anything else that differs in training, runs as it will);
-    dropout is switched off by setting its probability to 0: ``nn.Dropout`` modules' ``p`` and float attributes whose
-    name contains ``dropout`` (``attention_dropout``, ``dropout_prob``, ...). Turning ``training`` off on the dropout
+    dropout is switched off by setting its probability to 0: ``nn.Dropout`` modules' ``p`` and float attributes named
+    as drop probabilities (``attention_dropout``, ``dropout_prob``, LayerDrop's ``layerdrop``, stochastic depth's
+    ``drop_prob``: :func:`_is_drop_rate`). Turning ``training`` off on the dropout
     modules alone is not enough: attention modules pass ``self.dropout.p if self.training`` to sdpa themselves.
     """
     was_training = model.training
     saved: list[tuple[object, str, float]] = []
     for m in model.modules():
         for k, v in vars(m).items():
-            if (k == "p" and isinstance(m, nn.modules.dropout._DropoutNd)) or ("dropout" in k and isinstance(v, float)):
+            if (k == "p" and isinstance(m, nn.modules.dropout._DropoutNd)) or (
+                    _is_drop_rate(k) and isinstance(v, float)):
                 if v:
                     saved.append((m, k, v))
     model.train()

@@ -39,6 +39,13 @@ from .layers import UnsupportedLayerError
 __all__ = ["Fallback", "float_outputs"]
 
 
+def _is_drop_rate(key: str) -> bool:
+    """A module attribute holding a random-drop probability: dropout (``attention_dropout``, ``dropout_prob``),
+    LayerDrop (``layerdrop``: whole layers skipped at random in training) and stochastic depth (``drop_prob``,
+    ``drop_path_rate``)."""
+    return "dropout" in key or "layerdrop" in key or key.startswith("drop_p")
+
+
 def float_outputs(output) -> list[torch.Tensor]:
     """The floating-point tensors of a module's output (any nesting), in a fixed order."""
     leaves, _ = tree_flatten(output)
@@ -178,12 +185,13 @@ class Fallback:
         """Refuse (``UnsupportedLayerError``) if the module applies dropout in this call: its random mask cannot be
         reproduced by the per-example re-run, so the re-run's gradient would not be the example's. Checked on every
         call (the first-step checks run with dropout off, training does not): ``nn.Dropout`` modules in train mode
-        with ``p > 0``, and float attributes named ``*dropout*`` (``attention_dropout``, passed to ``F.dropout`` or
-        sdpa when ``self.training``) on modules in train mode. Dropout read elsewhere (e.g. from the config at
-        forward time) is caught by :meth:`verify`'s comparison."""
+        with ``p > 0``, and float attributes named as drop probabilities (``attention_dropout``, passed to
+        ``F.dropout`` or sdpa when ``self.training``; LayerDrop's ``layerdrop``, which skips whole layers at random;
+        stochastic depth's ``drop_prob``: :func:`_is_drop_rate`) on modules in train mode. Dropout read elsewhere (e.g.
+        from the config at forward time) is caught by :meth:`verify`'s comparison."""
         if self._dropout_sites is None:  # the modules and attributes to look at, found once
             self._dropout_sites = [(f"{self.name}.{n}" if n else self.name, m,
-                                    [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)])
+                                    [k for k, v in vars(m).items() if _is_drop_rate(k) and isinstance(v, float)])
                                    for n, m in self.module.named_modules()]
         active = []
         for where, m, keys in self._dropout_sites:
