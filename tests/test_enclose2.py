@@ -94,11 +94,22 @@ class EmbeddingWithExtra(nn.Embedding):
 
 
 class EmbeddingWithMaskedWrite(EmbeddingWithExtra):
-    """The same, written as T5Gemma2 does: an in-place write through a boolean mask (not re-runnable under vmap)."""
+    """The same, written as T5Gemma2 does: an in-place write through a boolean mask (which torch.func.vmap cannot
+    batch as such: the fallback's re-run writes it with torch.where)."""
 
     def forward(self, ids):
         out = super(EmbeddingWithExtra, self).forward(ids) * self.scale
         out[ids == self.eoi] = self.extra
+        return out
+
+
+class EmbeddingWithBranch(EmbeddingWithExtra):
+    """The extra vector added under data-dependent control flow, which no per-example re-run under vmap can follow."""
+
+    def forward(self, ids):
+        out = super(EmbeddingWithExtra, self).forward(ids)
+        if bool((ids == self.eoi).any()):
+            out = out + self.extra
         return out
 
 
@@ -149,17 +160,22 @@ def test_router_scale_on_flattened_tokens_is_exact(tmp_path, clipping):
     check_exact(IdModel(nn.Embedding(V, D), RoutedBlock()), id_rows(), tmp_path, clipping)
 
 
+def test_extra_parameter_written_through_a_boolean_mask_is_exact(tmp_path):
+    """T5Gemma2's pattern (``out[ids == eoi] = eoi_embedding``): torch.func.vmap cannot batch a boolean-mask write
+    (data-dependent shape); the fallback's re-run writes it as ``torch.where`` (same values and gradients)."""
+    check_exact(IdModel(EmbeddingWithMaskedWrite(), nn.Linear(D, D)), id_rows(eoi=3), tmp_path)
+
+
 def test_uncovered_parameter_whose_layer_cannot_be_rerun_is_refused_with_its_cause(tmp_path):
-    """T5Gemma2's pattern (``out[ids == eoi] = extra``): torch.func.vmap cannot batch a boolean-mask write, so neither
-    the layer nor an enclosing module can be re-run per example; the refusal names the parameter, the rule that does
-    not cover it, and the failed re-run."""
-    model = IdModel(EmbeddingWithMaskedWrite(), nn.Linear(D, D)).double()
+    """Data-dependent control flow: neither the layer nor an enclosing module can be re-run per example under vmap;
+    the refusal names the parameter, the rule that does not cover it, and the failed re-run."""
+    model = IdModel(EmbeddingWithBranch(), nn.Linear(D, D)).double()
     trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=id_rows(eoi=3),
                         per_example_loss=ce_loss)
-    with pytest.raises(UnsupportedLayerError, match=r"(?s)embed \(EmbeddingWithMaskedWrite\) owns trainable "
+    with pytest.raises(UnsupportedLayerError, match=r"(?s)embed \(EmbeddingWithBranch\) owns trainable "
                                                     r"parameters \(extra\) that its 'embedding_calls' rule does not "
                                                     r"cover, and re-running it .* under torch\.func\.vmap failed.*"
-                                                    r"boolean mask"):
+                                                    r"data-dependent control flow"):
         trainer.train()
 
 

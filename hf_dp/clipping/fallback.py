@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layers import UnsupportedLayerError
@@ -44,6 +45,25 @@ def _is_drop_rate(key: str) -> bool:
     LayerDrop (``layerdrop``: whole layers skipped at random in training) and stochastic depth (``drop_prob``,
     ``drop_path_rate``)."""
     return "dropout" in key or "layerdrop" in key or key.startswith("drop_p")
+
+
+class _MaskWrites(TorchFunctionMode):
+    """Inside the per-example re-run: ``x[mask] = v`` with a boolean ``mask`` over ``x``'s leading axes and a value
+    broadcast to every selected row (T5Gemma2's ``embeddings[ids == eoi] = eoi_embedding``) is written as
+    ``x.copy_(torch.where(mask, v, x))``, the same values and gradients, which ``torch.func.vmap`` can batch (a
+    boolean-mask write has a data-dependent shape, which it cannot). Any other write is left as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            x, idx, val = args
+            if (isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and 0 < idx.dim() <= x.dim()
+                    and idx.shape == x.shape[:idx.dim()] and isinstance(val, torch.Tensor)
+                    and val.dim() <= x.dim() - idx.dim()):
+                mask = idx.reshape(*idx.shape, *([1] * (x.dim() - idx.dim())))
+                x.copy_(torch.where(mask, val.to(x.dtype), x))
+                return None
+        return func(*args, **kwargs)
 
 
 def float_outputs(output) -> list[torch.Tensor]:
@@ -105,7 +125,8 @@ class Fallback:
             # tie_weights=False: only this module's own attribute is replaced, so a parameter it shares with a
             # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
             # the submodule's own hooks count its use.
-            out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
+            with _MaskWrites():
+                out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
             outs = float_outputs(out)
             if flat or not squeeze:
                 return tuple(outs)
