@@ -411,8 +411,12 @@ class ClippingEngine:
     Args:
         model: the (unwrapped) model. Every module that owns a parameter with ``requires_grad=True`` must have a rule
             in ``layers.py`` that covers it, or get the generic exact fallback (``fallback.py``: modules with no rule,
-            re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover is
-            refused with a message naming it; nothing is skipped silently, and a parameter is never "covered" because
+            re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover
+            (T5Gemma2's ``eoi_embedding`` beside the embedding weight, a router's scale) gets a side fallback: the
+            layer itself re-run per example for that parameter alone, its rule still recording the others (or, when
+            the layer cannot be re-run per example, an enclosing module's fallback; refused, naming the cause, when
+            none verifies; a parameter of the model itself is refused statically). Nothing is skipped silently, and a
+            parameter is never "covered" because
             another module that shares it has a rule (each owner's forward is its own use). A parameter whose uses its
             owner's rule cannot see whole (read directly by an ancestor's forward, looked up with no batch axis, a
             parametrization) is computed by the fallback of its smallest enclosing module that treats examples

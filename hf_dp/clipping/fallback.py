@@ -13,12 +13,19 @@ Opacus' ``functorch`` grad sampler). Cost: one extra forward and backward of the
 Which inputs are per example: tensors whose first axis the engine proved to scale with the micro-batch (see
 ``ClippingEngine.first_step_check``; an input holding the examples' tokens flattened to ``(B·T, d)`` example-major,
 as MoE routers get, is split into each example's ``T`` rows), otherwise those whose first axis equals the micro-batch
-size; the others are shared by all examples. Submodules keep their own rules: their parameters are constants here
+size; a number the probe proved to be the micro-batch size (Perceiver's ``latents.expand(batch_size, -1, -1)``) is 1
+in the re-run; the others are shared by all examples. An output whose rows hold the examples' tokens flattened
+example-major (a router that flattens inside its forward) is regrouped per example like such an input. A write through
+a boolean mask with a broadcast value (``x[mask] = v``), which vmap cannot batch, is re-run as ``torch.where``.
+Submodules keep their own rules: their parameters are constants here
 (a parameter the module shares with a submodule is replaced only as the module's own attribute), and the engine's
 hooks are silenced during the re-run. Before first use the module is verified on real activations: the per-example
 re-run must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the
 batch) is refused instead of being clipped with a wrong gradient, and a module that applies dropout in training is
 refused on every call (its mask cannot be replayed; the first-step checks run with dropout off).
+
+A ruled layer's parameters that its rule does not cover get a *side* fallback (``ruled`` names the rule): the layer
+re-run per example for those parameters only, next to its rule's hook for the others.
 
 The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
 parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
