@@ -570,10 +570,10 @@ class ClippingEngine:
             return
         self._logged.update(fb.describe() for fb in fallbacks)
         logger.warning(
-            "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
-            "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
-            "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
-            "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
+            "hf_dp: no per-layer rule covers the parameters of %s; their per-example gradients are computed exactly "
+            "by the generic fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap "
+            "(one extra forward and backward of the module per micro-batch) and its per-example gradients are "
+            "instantiated (micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
             "; ".join(fb.describe() for fb in fallbacks),
         )
 
