@@ -311,3 +311,19 @@ def test_fallback_module_with_drop_path_is_refused_in_training(tmp_path):
     with pytest.raises(UnsupportedLayerError, match=r"body\.0 \(DropPathScale\) is re-run per example.*scale.*"
                                                     r"applies dropout \(body\.0\.drop_prob=0\.5\)"):
         train_toy(nn.Sequential(DropPathScale(), nn.Linear(3, 3)), tmp_path, dp_self_check=False)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_perceiver_text_classification_is_exact(tmp_path, clipping):
+    """The HF model: text position embeddings looked up with ``(T,)`` ids (enclosed by the preprocessor), ``latents``
+    expanded to the batch size given as a number, the decoder's trainable query (the same); was refused."""
+    import transformers as tf
+    from helpers import VOCAB, cls_dataset
+    from test_zoo import check_exact as zoo_check_exact
+
+    torch.manual_seed(0)
+    cfg = tf.PerceiverConfig(num_latents=4, d_latents=8, d_model=16, num_blocks=1, num_self_attends_per_block=1,
+                             num_self_attention_heads=2, num_cross_attention_heads=2, vocab_size=VOCAB,
+                             max_position_embeddings=8, attention_probs_dropout_prob=0.0, num_labels=3)
+    zoo_check_exact(tf.PerceiverForSequenceClassification(cfg), cls_dataset(N, num_labels=3, seq_len=8), tmp_path,
+                    clipping=clipping)
