@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .fallback import Fallback
+from .fallback import Fallback, _is_drop_rate
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 from .recurrent import fallback_for
 
@@ -189,15 +189,17 @@ def train_without_dropout(model: nn.Module) -> Iterator[None]:
     """Train mode with dropout off (for the first-step checks), restored on exit.
 
     Every module stays in train mode (batch statistics, anything else that differs in training, runs as it will);
-    dropout is switched off by setting its probability to 0: ``nn.Dropout`` modules' ``p`` and float attributes whose
-    name contains ``dropout`` (``attention_dropout``, ``dropout_prob``, ...). Turning ``training`` off on the dropout
+    dropout is switched off by setting its probability to 0: ``nn.Dropout`` modules' ``p`` and float attributes named
+    as drop probabilities (``attention_dropout``, ``dropout_prob``, LayerDrop's ``layerdrop``, stochastic depth's
+    ``drop_prob``: :func:`_is_drop_rate`). Turning ``training`` off on the dropout
     modules alone is not enough: attention modules pass ``self.dropout.p if self.training`` to sdpa themselves.
     """
     was_training = model.training
     saved: list[tuple[object, str, float]] = []
     for m in model.modules():
         for k, v in vars(m).items():
-            if (k == "p" and isinstance(m, nn.modules.dropout._DropoutNd)) or ("dropout" in k and isinstance(v, float)):
+            if (k == "p" and isinstance(m, nn.modules.dropout._DropoutNd)) or (
+                    _is_drop_rate(k) and isinstance(v, float)):
                 if v:
                     saved.append((m, k, v))
     model.train()
@@ -248,7 +250,10 @@ def _is_descendant(module: nn.Module, ancestor: nn.Module) -> bool:
 
 def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
     """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major) or ``None`` (shared by the batch)."""
+    ``"flat"`` (``k > 1`` rows per example, example-major), ``"size"`` (a number: ``b`` for ``b`` examples and 1 for
+    one, the micro-batch size) or ``None`` (shared by the batch)."""
+    if isinstance(big, int) or isinstance(one, int):
+        return "size" if isinstance(big, int) and isinstance(one, int) and b > 1 and big == b and one == 1 else None
     if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
         return None
     if one.shape[0] == 1:
@@ -406,8 +411,12 @@ class ClippingEngine:
     Args:
         model: the (unwrapped) model. Every module that owns a parameter with ``requires_grad=True`` must have a rule
             in ``layers.py`` that covers it, or get the generic exact fallback (``fallback.py``: modules with no rule,
-            re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover is
-            refused with a message naming it; nothing is skipped silently, and a parameter is never "covered" because
+            re-run per example with ``torch.func``). A parameter that a ruled layer owns but its rule does not cover
+            (T5Gemma2's ``eoi_embedding`` beside the embedding weight, a router's scale) gets a side fallback: the
+            layer itself re-run per example for that parameter alone, its rule still recording the others (or, when
+            the layer cannot be re-run per example, an enclosing module's fallback; refused, naming the cause, when
+            none verifies; a parameter of the model itself is refused statically). Nothing is skipped silently, and a
+            parameter is never "covered" because
             another module that shares it has a rule (each owner's forward is its own use). A parameter whose uses its
             owner's rule cannot see whole (read directly by an ancestor's forward, looked up with no batch axis, a
             parametrization) is computed by the fallback of its smallest enclosing module that treats examples
@@ -484,7 +493,10 @@ class ClippingEngine:
         model = self.model
         self._modules: list[tuple[str, nn.Module, Rule]] = []
         self._fallbacks: dict[int, Fallback] = {}
-        self._dormant: set[int] = set()  # modules whose every trainable parameter is enclosed: not hooked
+        self._dormant: set[int] = set()  # ruled modules whose rule records no trainable parameter: rule not hooked
+        #: ruled module id -> the fallback for its trainable parameters its rule does not cover (a side fallback,
+        #: kept in _fallbacks under its own id: the module's rule hook numbers the module's calls)
+        self._side_of: dict[int, Fallback] = {}
         self._enclosed = set(self._enclosure)
         problems: list[str] = []
         batch_stats: list[str] = []
@@ -529,14 +541,23 @@ class ClippingEngine:
             if rule.check is not None:
                 rule.check(module, name)
             ruled = rule_parameters(rule, module)
-            for n, _ in kept:
-                if n not in ruled:
-                    problems.append(f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
-                                    f"{', '.join(rule.params)} only)")
+            uncovered = tuple(n for n, _ in kept if n not in ruled)
             if ruled:
-                if not kept:
-                    self._dormant.add(id(module))
+                if not any(n in ruled for n, _ in kept):
+                    self._dormant.add(id(module))  # its rule's hook is not needed (a side fallback may still be)
                 self._modules.append((name, module, rule))
+            if uncovered and module is model:
+                problems += [f"{name}.{n} ({type(module).__name__}: its {rule.name!r} rule covers "
+                             f"{', '.join(rule.params)} only)" for n in uncovered]
+            elif uncovered:
+                # A side fallback: the module itself re-run per example for the parameters its rule does not cover
+                # (an embedding's extra vector, a router's scale), next to its rule's hook for the others; verified
+                # on the first step like any fallback, and moved to an enclosing module if it cannot be
+                # (first_step_check). Its entry lists the rule's parameters too, so per-layer groups keep the layer.
+                fb = Fallback(module, name, uncovered, ruled=rule.name)
+                self._fallbacks[id(fb)] = fb
+                self._side_of[id(module)] = fb
+                self._modules.append((name, module, Rule("fallback", _no_uses, tuple(rule.params) + uncovered)))
         self._bcast_owners = [m for m in model.modules() if any(callable(getattr(m, k, None)) for k in _ALL_POINTS)
                               and any(r is not m and id(r) not in self._dormant and _is_descendant(r, m)
                                       for _, r, _ in self._modules)]
@@ -549,10 +570,10 @@ class ClippingEngine:
             return
         self._logged.update(fb.describe() for fb in fallbacks)
         logger.warning(
-            "hf_dp: no per-layer rule for %s; their per-example gradients are computed exactly by the generic "
-            "fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap (one extra "
-            "forward and backward of the module per micro-batch) and its per-example gradients are instantiated "
-            "(micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
+            "hf_dp: no per-layer rule covers the parameters of %s; their per-example gradients are computed exactly "
+            "by the generic fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap "
+            "(one extra forward and backward of the module per micro-batch) and its per-example gradients are "
+            "instantiated (micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
             "; ".join(fb.describe() for fb in fallbacks),
         )
 
@@ -658,11 +679,14 @@ class ClippingEngine:
         self._set_units(units, unit_weights)
         handles = []
         for n, m, r in self._modules:
-            if id(m) in self._dormant:  # every parameter it owns is computed by an enclosing module's fallback
+            if r.name == "fallback":  # a module without a rule, an enclosing module, or a ruled module's side fallback
+                fb = self._side_of.get(id(m)) or self._fallbacks.get(id(m))
+                if fb is not None:  # (none: every parameter it owns is computed by an enclosing module's fallback)
+                    handles.append(m.register_forward_hook(self._fallback_hook(n, m, fb), with_kwargs=True))
                 continue
-            if id(m) in self._fallbacks:
-                handles.append(m.register_forward_hook(self._fallback_hook(n, m), with_kwargs=True))
-            elif r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
+            if id(m) in self._dormant:  # every parameter its rule covers is computed by an enclosing module's fallback
+                continue
+            if r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
                 handles += [m.register_forward_pre_hook(self._capture_pre_hook(n, m, r)),
                             m.register_forward_hook(self._capture_post_hook)]
             else:
@@ -812,7 +836,9 @@ class ClippingEngine:
             seen[b] = self._probe
         self._probe = None
         names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
-        rules = {id(m): (m, r) for _, m, r in self._modules}
+        rules: dict[int, tuple] = {}
+        for _, m, r in self._modules:
+            rules.setdefault(id(m), (m, r))  # a ruled module's rule, not its side fallback's entry (listed after)
         problems, concerned = [], []
         for key, two in seen[big].items():
             one = seen[1].get(key)
@@ -830,14 +856,14 @@ class ClippingEngine:
                         "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
                         "projections) or train with LoRA.")
                 continue
-            name, cls = names[key[0]]
-            call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
-            n_before = len(problems)
             if key[0] in self._fallbacks:
                 fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
                 self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
                     _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
                 continue
+            name, cls = names[key[0]]
+            call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
+            n_before = len(problems)
             axis = _later_batch_axis(two, one, big)
             if axis:
                 self._layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
@@ -1400,19 +1426,20 @@ class ClippingEngine:
 
         return _patch(owner, method, wrapped)
 
-    def _fallback_hook(self, name: str, module: nn.Module):
-        """Forward hook of a module without a rule: per-example gradients by re-running it (``fallback.py``)."""
-        fb = self._fallbacks[id(module)]
+    def _fallback_hook(self, name: str, module: nn.Module, fb: Fallback):
+        """Forward hook of a module without a rule (or of the parameters its rule does not cover): per-example
+        gradients by re-running it (``fallback.py``)."""
         owned = [self._names[id(fb.param(n))] for n in fb.param_names]
+        counter = fb if fb.ruled else module  # a side fallback's calls are numbered apart from its module's rule's
 
         def hook(mod, args, kwargs, output):
             if self._replaying:
                 return None
-            key = self._next_call(mod)
+            key = self._next_call(counter)
             if self._probe is not None:
                 leaves, _ = tree_flatten((args, kwargs))
-                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else None
-                                    for x in leaves]
+                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else
+                                    (x if isinstance(x, int) and not isinstance(x, bool) else None) for x in leaves]
                 return None
             if not torch.is_grad_enabled():
                 return None

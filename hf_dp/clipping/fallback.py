@@ -13,12 +13,19 @@ Opacus' ``functorch`` grad sampler). Cost: one extra forward and backward of the
 Which inputs are per example: tensors whose first axis the engine proved to scale with the micro-batch (see
 ``ClippingEngine.first_step_check``; an input holding the examples' tokens flattened to ``(B·T, d)`` example-major,
 as MoE routers get, is split into each example's ``T`` rows), otherwise those whose first axis equals the micro-batch
-size; the others are shared by all examples. Submodules keep their own rules: their parameters are constants here
+size; a number the probe proved to be the micro-batch size (Perceiver's ``latents.expand(batch_size, -1, -1)``) is 1
+in the re-run; the others are shared by all examples. An output whose rows hold the examples' tokens flattened
+example-major (a router that flattens inside its forward) is regrouped per example like such an input. A write through
+a boolean mask with a broadcast value (``x[mask] = v``), which vmap cannot batch, is re-run as ``torch.where``.
+Submodules keep their own rules: their parameters are constants here
 (a parameter the module shares with a submodule is replaced only as the module's own attribute), and the engine's
 hooks are silenced during the re-run. Before first use the module is verified on real activations: the per-example
 re-run must reproduce the batched output, so a module that mixes examples (batch statistics, attention over the
 batch) is refused instead of being clipped with a wrong gradient, and a module that applies dropout in training is
 refused on every call (its mask cannot be replayed; the first-step checks run with dropout off).
+
+A ruled layer's parameters that its rule does not cover get a *side* fallback (``ruled`` names the rule): the layer
+re-run per example for those parameters only, next to its rule's hook for the others.
 
 The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
 parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
@@ -32,11 +39,38 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layers import UnsupportedLayerError
 
 __all__ = ["Fallback", "float_outputs"]
+
+
+def _is_drop_rate(key: str) -> bool:
+    """A module attribute holding a random-drop probability: dropout (``attention_dropout``, ``dropout_prob``),
+    LayerDrop (``layerdrop``: whole layers skipped at random in training) and stochastic depth (``drop_prob``,
+    ``drop_path_rate``)."""
+    return "dropout" in key or "layerdrop" in key or key.startswith("drop_p")
+
+
+class _MaskWrites(TorchFunctionMode):
+    """Inside the per-example re-run: ``x[mask] = v`` with a boolean ``mask`` over ``x``'s leading axes and a value
+    broadcast to every selected row (T5Gemma2's ``embeddings[ids == eoi] = eoi_embedding``) is written as
+    ``x.copy_(torch.where(mask, v, x))``, the same values and gradients, which ``torch.func.vmap`` can batch (a
+    boolean-mask write has a data-dependent shape, which it cannot). Any other write is left as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            x, idx, val = args
+            if (isinstance(idx, torch.Tensor) and idx.dtype == torch.bool and 0 < idx.dim() <= x.dim()
+                    and idx.shape == x.shape[:idx.dim()] and isinstance(val, torch.Tensor)
+                    and val.dim() <= x.dim() - idx.dim()):
+                mask = idx.reshape(*idx.shape, *([1] * (x.dim() - idx.dim())))
+                x.copy_(torch.where(mask, val.to(x.dtype), x))
+                return None
+        return func(*args, **kwargs)
 
 
 def float_outputs(output) -> list[torch.Tensor]:
@@ -48,12 +82,16 @@ def float_outputs(output) -> list[torch.Tensor]:
 class Fallback:
     """Per-example gradients of ``module``'s own parameters ``param_names`` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, name: str, param_names: tuple[str, ...]):
+    def __init__(self, module: nn.Module, name: str, param_names: tuple[str, ...], ruled: str | None = None):
         self.module = module
         self.name = name
         self.param_names = param_names
-        #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n)
-        self.out_axes: list[int] | None = None
+        #: the name of the module's own rule when this fallback only computes the parameters that rule does not cover
+        #: (a side fallback: the rule's hook still records the others, e.g. an embedding's extra vector)
+        self.ruled = ruled
+        #: per float output, the axis that holds the examples (set by :meth:`verify`; e.g. 1 for an LSTM's h_n), or
+        #: ``"flat"`` (its rows hold the examples' tokens, example-major)
+        self.out_axes: list[int | str] | None = None
         self._dropout_sites: list | None = None  # see check_dropout
 
     def param(self, name: str) -> nn.Parameter:
@@ -65,6 +103,8 @@ class Fallback:
         numel = sum(self.param(n).numel() for n in self.param_names)
         inner = [n for n in self.param_names if "." in n]
         what = f"{', '.join(self.param_names)}; {numel} values"
+        if self.ruled:
+            what += f"; not covered by its {self.ruled!r} rule, which records its other parameters"
         if inner:
             what += (f"; enclosing module of {', '.join(inner)}, which are used in its forward outside their own "
                      "module's (read directly, applied functionally, or broadcast over the batch), so the whole "
@@ -78,36 +118,50 @@ class Fallback:
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
         leaves stacked on a leading batch axis (``"flat"`` leaves: ``(B·k, ...)`` viewed as ``(B, k, ...)``)."""
         leaves, spec = tree_flatten((args, kwargs))
-        idx = [i for i, m in enumerate(mapped) if m]
+        idx = [i for i, m in enumerate(mapped) if m in ("batch", "flat")]
+        sizes = [i for i, m in enumerate(mapped) if m == "size"]
         flat = "flat" in mapped
 
         def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
             full = list(leaves)
             for i, x in zip(idx, per_example):
                 full[i] = x if mapped[i] == "flat" else x.unsqueeze(0)  # one example's rows / a batch of one
+            for i in sizes:
+                full[i] = 1  # the micro-batch size passed as a number (Perceiver's latents.expand(batch_size, ...))
             a, k = tree_unflatten(full, spec)
             # tie_weights=False: only this module's own attribute is replaced, so a parameter it shares with a
             # submodule (BERT's MLM bias, also `decoder.bias`) counts here only for its direct uses in this forward;
             # the submodule's own hooks count its use.
-            out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
+            with _MaskWrites():
+                out = functional_call(self.module, params, a, k, tie_weights=False, strict=False)
             outs = float_outputs(out)
             if flat or not squeeze:
                 return tuple(outs)
-            return tuple(t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
+            return tuple(t if ax == "flat" else t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
 
         stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
                         for i in idx)
+        if not stacked:  # only a batch-size number carries the examples: vmap needs a tensor with the batch axis
+            stacked = (torch.zeros(batch_size, 0),)
+            run_inner = run
+
+            def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
+                return run_inner(params, ())
         return run, stacked
 
     def per_example_outputs(self, outs: list[torch.Tensor], batch_size: int, mapped: list[str | None]) -> list:
-        """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs)."""
+        """The module's outputs with a leading per-example axis (rows regrouped for ``"flat"`` inputs and outputs)."""
         if "flat" in mapped:
             return [t.reshape(batch_size, -1, *t.shape[1:]) for t in outs]
-        return [t.movedim(ax, 0) for t, ax in zip(outs, self.out_axes)]
+        return [t.reshape(batch_size, -1, *t.shape[1:]) if ax == "flat" else t.movedim(ax, 0)
+                for t, ax in zip(outs, self.out_axes)]
 
     def _find_out_axes(self, args: tuple, kwargs: dict, outs: list[torch.Tensor], batch_size: int,
-                       mapped: list[str | None]) -> list[int | None]:
-        """Each output's example axis: size ``B`` in the batched output and 1 when the module runs on example 0."""
+                       mapped: list[str | None]) -> list[int | str | None]:
+        """Each output's example axis: size ``B`` in the batched output and 1 when the module runs on example 0; or
+        ``"flat"``: the batched output's first axis holds ``k`` rows per example, example-major, where the module
+        run on example 0 gives ``k`` rows, the same as the batched output's first ``k`` (a router that flattens the
+        examples' tokens to ``(B·T, d)`` inside its forward)."""
         run, per_example = self._runner(args, kwargs, mapped, batch_size, squeeze=False)
         with torch.no_grad():
             single = run(self._params(), tuple(x[0] for x in per_example))
@@ -115,18 +169,26 @@ class Fallback:
         for t, o in zip(outs, single):
             cand = [j for j in range(t.dim()) if o.dim() == t.dim() and t.shape[j] == batch_size and o.shape[j] == 1
                     and all(t.shape[k] == o.shape[k] for k in range(t.dim()) if k != j)]
+            if not cand and o.dim() == t.dim() >= 1 and o.shape[0] > 1 and t.shape[0] == batch_size * o.shape[0] \
+                    and t.shape[1:] == o.shape[1:] and torch.allclose(
+                        t[:o.shape[0]].double(), o.double(), rtol=1e-4, atol=1e-6):
+                axes.append("flat")
+                continue
             axes.append(0 if 0 in cand else (cand[0] if len(cand) == 1 else None))
         return axes
 
     @staticmethod
     def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | None] | None = None) -> list:
         """Which leaves of ``(args, kwargs)`` carry the batch axis: ``"batch"`` (first axis B), ``"flat"`` (the
-        examples' rows flattened example-major, proven by the engine's probe) or ``None`` (shared)."""
+        examples' rows flattened example-major, proven by the engine's probe), ``"size"`` (a number that is the
+        micro-batch size, proven by the probe: ``B`` for ``B`` examples, 1 for one; the re-run passes 1) or ``None``
+        (shared)."""
         leaves, _ = tree_flatten((args, kwargs))
         guess = ["batch" if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
                  for x in leaves]
         if known is not None and len(known) == len(leaves):
-            return [k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None)
+            return ["size" if k == "size" and x == batch_size else
+                    (k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None))
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
@@ -137,7 +199,9 @@ class Fallback:
         parts = ([f"owns trainable parameters ({', '.join(own)})"] if own else []) + (
             [f"uses trainable parameters of its submodules outside their own forward ({', '.join(inner)})"]
             if inner else [])
-        return " and ".join(parts)
+        if self.ruled:
+            return " and ".join(parts) + f" that its {self.ruled!r} rule does not cover"
+        return " and ".join(parts) + " that hf_dp has no rule for"
 
     def _enclosable(self, err: UnsupportedLayerError) -> UnsupportedLayerError:
         """Mark a refusal that re-running a larger module might resolve (the engine's first-step re-planning tries
@@ -149,12 +213,13 @@ class Fallback:
         """Refuse (``UnsupportedLayerError``) if the module applies dropout in this call: its random mask cannot be
         reproduced by the per-example re-run, so the re-run's gradient would not be the example's. Checked on every
         call (the first-step checks run with dropout off, training does not): ``nn.Dropout`` modules in train mode
-        with ``p > 0``, and float attributes named ``*dropout*`` (``attention_dropout``, passed to ``F.dropout`` or
-        sdpa when ``self.training``) on modules in train mode. Dropout read elsewhere (e.g. from the config at
-        forward time) is caught by :meth:`verify`'s comparison."""
+        with ``p > 0``, and float attributes named as drop probabilities (``attention_dropout``, passed to
+        ``F.dropout`` or sdpa when ``self.training``; LayerDrop's ``layerdrop``, which skips whole layers at random;
+        stochastic depth's ``drop_prob``: :func:`_is_drop_rate`) on modules in train mode. Dropout read elsewhere (e.g.
+        from the config at forward time) is caught by :meth:`verify`'s comparison."""
         if self._dropout_sites is None:  # the modules and attributes to look at, found once
             self._dropout_sites = [(f"{self.name}.{n}" if n else self.name, m,
-                                    [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)])
+                                    [k for k, v in vars(m).items() if _is_drop_rate(k) and isinstance(v, float)])
                                    for n, m in self.module.named_modules()]
         active = []
         for where, m, keys in self._dropout_sites:
@@ -193,8 +258,8 @@ class Fallback:
             self.out_axes = axes
         if bad:
             raise self._enclosable(UnsupportedLayerError(
-                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
-                f"for, and its output has no per-example axis (output shapes {bad} for a micro-batch of {batch_size}), "
+                f"{self.name} ({cls}) {self._whose()}, and its output has no per-example axis (output shapes "
+                f"{bad} for a micro-batch of {batch_size}), "
                 "so its per-example gradients cannot be computed by re-running it per example. Freeze these "
                 "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."
             ))
@@ -206,8 +271,8 @@ class Fallback:
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
             # not enclosable: a larger module would run the same operation under vmap
             raise UnsupportedLayerError(
-                f"{self.name} ({cls}) {self._whose()} that hf_dp has no rule "
-                f"for, and re-running it on one example at a time under torch.func.vmap failed ({type(err).__name__}: "
+                f"{self.name} ({cls}) {self._whose()}, and re-running it on one example at a time under "
+                f"torch.func.vmap failed ({type(err).__name__}: "
                 f"{err}): either its forward mixes examples (batch statistics, e.g. BatchNorm in train mode) or "
                 "torch.func does not support one of its operations. Freeze these parameters or use a PEFT adapter "
                 "(LoRA)."
@@ -216,8 +281,8 @@ class Fallback:
         for ref, got in zip(outs, again):
             if not torch.allclose(got.to(ref.dtype).reshape(ref.shape), ref, rtol=tol, atol=tol):
                 raise self._enclosable(UnsupportedLayerError(
-                    f"{self.name} ({cls}) {self._whose()} that hf_dp has no "
-                    "rule for, and its output on a micro-batch differs from its output on each example alone: it mixes "
+                    f"{self.name} ({cls}) {self._whose()}, and its output on a micro-batch differs from its "
+                    "output on each example alone: it mixes "
                     "examples (batch statistics such as BatchNorm in train mode, or anything computed across the "
                     "batch), or it is random (e.g. dropout applied functionally with a probability hf_dp cannot see, "
                     "such as one read from the config in the forward: set it to 0). Per-example clipping cannot bound "
