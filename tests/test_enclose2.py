@@ -327,3 +327,24 @@ def test_perceiver_text_classification_is_exact(tmp_path, clipping):
                              max_position_embeddings=8, attention_probs_dropout_prob=0.0, num_labels=3)
     zoo_check_exact(tf.PerceiverForSequenceClassification(cfg), cls_dataset(N, num_labels=3, seq_len=8), tmp_path,
                     clipping=clipping)
+
+
+def test_fallback_log_says_repeated_blocks_once(tmp_path, caplog):
+    """Three blocks each with an extra-parameter embedding: the log line names the pattern once with its count
+    (``blocks.* ... × 3``), not three copies of the same description."""
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(EmbeddingWithExtra() for _ in range(3))
+            self.head = nn.Linear(D, 2)
+
+        def forward(self, input_ids, labels=None):
+            logits = self.head(sum(b(input_ids) for b in self.blocks)).mean(1)
+            return LossOut(logits, None if labels is None else F.cross_entropy(logits, labels))
+
+    with caplog.at_level("WARNING", logger="hf_dp.clipping.engine"):
+        check_exact(Blocks(), id_rows(eoi=3), tmp_path)
+    said = [r.getMessage() for r in caplog.records if "generic fallback" in r.getMessage()]
+    assert len(said) == 1 and "blocks.* (EmbeddingWithExtra: extra" in said[0] and "× 3" in said[0], said
+    assert "blocks.0 " not in said[0]

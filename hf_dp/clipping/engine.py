@@ -569,12 +569,17 @@ class ClippingEngine:
         if not fallbacks:
             return
         self._logged.update(fb.describe() for fb in fallbacks)
+        # Repeated blocks said once: "layers.*.self_attn (...) × 24" rather than 24 copies of the same description.
+        counts: dict[str, int] = {}
+        for fb in fallbacks:
+            key = re.sub(r"\.\d+(?=[.\s(:;,]|$)", ".*", fb.describe())
+            counts[key] = counts.get(key, 0) + 1
         logger.warning(
             "hf_dp: no per-layer rule covers the parameters of %s; their per-example gradients are computed exactly "
             "by the generic fallback (clipping/fallback.py): each is re-run on every example under torch.func.vmap "
             "(one extra forward and backward of the module per micro-batch) and its per-example gradients are "
             "instantiated (micro-batch size × values above). Freeze them or use LoRA if that is too slow.",
-            "; ".join(fb.describe() for fb in fallbacks),
+            "; ".join(k if n == 1 else f"{k} × {n}" for k, n in counts.items()),
         )
 
     def _static_enclosures(self) -> None:
