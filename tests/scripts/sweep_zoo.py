@@ -54,7 +54,7 @@ H = 16
 # --------------------------------------------------------------------------------------------- tiny configs
 SCALAR = {
     **{k: H for k in ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "embedding_size",
-                      "dim", "n_embed", "d_embed", "projection_dim")},
+                      "dim", "n_embed", "d_embed", "projection_dim", "emb_dim")},
     **{k: 8 for k in ("head_dim", "attention_head_dim", "kv_channels", "d_kv", "d_head", "v_head_dim",
                       "kv_lora_rank", "q_lora_rank", "classifier_proj_size", "attention_head_size")},
     **{k: 2 for k in ("num_attention_heads", "n_head", "encoder_attention_heads", "decoder_attention_heads",
@@ -66,7 +66,7 @@ SCALAR = {
                        "hidden_dim", "ffn_hidden_size", "d_inner", "mlp_dim")},
     **{k: 8 for k in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size")},
     **{k: 2 for k in ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers",
-                      "num_decoder_layers", "n_layers", "num_encoder_layers")},
+                      "num_decoder_layers", "n_layers", "num_encoder_layers", "speech_encoder_layers")},
     **{k: 4 for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")},
     **{k: 2 for k in ("num_experts_per_tok", "moe_topk", "num_selected_experts")},
     **{k: 4 for k in ("qk_rope_head_dim", "qk_nope_head_dim")},
