@@ -56,7 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from hf_dp.clipping.engine import ClippingEngine, use_ghost_norm  # noqa: E402
+from hf_dp.clipping.engine import ClippingEngine  # noqa: E402
 from hf_dp.clipping.modes import build_groups  # noqa: E402
 
 #: instantiations larger than this (all examples' per-example gradients of one parameter) are not run, only counted
@@ -408,10 +408,11 @@ def summary_markdown(results: list[dict]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         lines.append(
-            f"| {r['shape']} | {r['params'] / 1e6:.1f} M | {r['nonprivate_ms']:.0f} | {r['nonprivate_macs'] / 1e9:.1f} | "
+            f"| {r['shape']} | {r['params'] / 1e6:.1f} M | {r['nonprivate_ms']:.0f} | "
+            f"{r['nonprivate_macs'] / 1e9:.1f} | "
             f"{r['floor_macs'] / 1e9:.2f} ({100 * r['floor_macs'] / r['nonprivate_macs']:.1f} %) | "
-            f"{r['floor_ms']:.0f} | {r['noise_ms']:.0f} | **{r['floor_ratio']:.3f}×** | **{r['floor_noise_ratio']:.3f}×** "
-            f"| {r['flat_paths_ratio']:.3f}× | {r['per_layer_paths_ratio']:.3f}× |")
+            f"{r['floor_ms']:.0f} | {r['noise_ms']:.0f} | **{r['floor_ratio']:.3f}×** | "
+            f"**{r['floor_noise_ratio']:.3f}×** | {r['flat_paths_ratio']:.3f}× | {r['per_layer_paths_ratio']:.3f}× |")
     return "\n".join(lines) + "\n"
 
 
@@ -423,15 +424,16 @@ def layers_markdown(r: dict) -> str:
     lines = [f"{r['shape']}: per parameter (× count of equal layers), extra process CPU ms over the non-private "
              "step, per micro-batch",
              "",
-             "| parameter | × | uses (kind, B, T, d_L, d_R) | ghost (ms) | ghost MMAC | instantiate (ms) | inst. MMAC | "
-             "floor path | flat | per-layer |",
+             "| parameter | × | uses (kind, B, T, d_L, d_R) | ghost (ms) | ghost MMAC | instantiate (ms) | "
+             "inst. MMAC | floor path | flat | per-layer |",
              "|---|---:|---|---:|---:|---:|---:|---|---|---|"]
     for pat, rows in groups.items():
         x = rows[0]
         gm = statistics.mean(y["ghost_ms"] for y in rows)
         im = "—" if x["inst_ms"] is None else f"{x['inst_ms']:.2f}"
         lines.append(f"| `{pat}` | {len(rows)} | {', '.join(str(tuple(u)) for u in x['uses'])} | {gm:.2f} | "
-                     f"{statistics.mean(y['ghost_macs'] for y in rows) / 1e6:.0f} | {im} | {x['inst_macs'] / 1e6:.1f} | "
+                     f"{statistics.mean(y['ghost_macs'] for y in rows) / 1e6:.0f} | {im} | "
+                     f"{x['inst_macs'] / 1e6:.1f} | "
                      f"{x['floor_path']} | {x['flat_path']} | {x['per_layer_path']} |")
     return "\n".join(lines) + "\n"
 
