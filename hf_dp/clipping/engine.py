@@ -39,11 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 #: fused (per-layer) clipping: a dense layer is instantiated when its Grams cost more than ``_GHOST_TIME_RATIO`` × the
-#: size of its per-example gradient (``T² (d_L + d_R) ≥ 25 d_L d_R``), fitted to single-thread CPU timings of the
-#: benchmark layouts at T = 64, 128, 256 with the instantiation written into a reused buffer (``_scratch_for``;
-#: ``benchmarks/rules.py --paths``, table in benchmarks/RESULTS.md). It was 100 when every instantiation was a fresh,
-#: page-faulted allocation.
-_GHOST_TIME_RATIO = 25
+#: size of its per-example gradient (``T² (d_L + d_R) ≥ 100 d_L d_R``), fitted to single-thread CPU timings of the
+#: benchmark layouts at T = 64, 128, 256 (``benchmarks/rules.py --paths``, table in benchmarks/RESULTS.md)
+_GHOST_TIME_RATIO = 100
 #: ... and only when its per-example gradients take at most this many times the memory of its stored factors
 _INSTANTIATE_MEMORY_RATIO = 2
 
@@ -61,7 +59,7 @@ def use_ghost_norm(uses: list[Use], fused: bool = False, memory_ratio: float = _
     clipped): a dense layer with one use is instantiated when that is faster — ghost then pays the Grams
     ``2T²(d_L + d_R)`` *and* the book-keeping matmul ``2T d_L d_R`` per example, instantiation one batched matmul of the
     same ``2T d_L d_R`` plus passes over ``d_L d_R`` values (norm, clipped sum), so instantiation wins unless the
-    per-example gradient is large against the Grams (``T²(d_L + d_R) < 25 d_L d_R``, measured) — and when its memory
+    per-example gradient is large against the Grams (``T²(d_L + d_R) < 100 d_L d_R``, measured) — and when its memory
     stays within ``memory_ratio`` × the layer's stored factors ``T (d_L + d_R)`` (2; 1 when the instantiation is kept
     to the end of the backward pass in place of the factors: flat clipping with norms at arrival).
     """
