@@ -122,8 +122,8 @@ def _self_gram(x: torch.Tensor, dtype: torch.dtype, cache: dict | None) -> torch
     return gram
 
 
-def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
-    """Per-example gradients ``(B, d_L, d_R)`` of one use."""
+def _instantiate(u: Use, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example gradients ``(B, d_L, d_R)`` of one use (a dense one written into ``out`` if given)."""
     r = u.right.to(dtype)
     if u.left is None:
         return r.sum(1, keepdim=True)
@@ -132,7 +132,26 @@ def _instantiate(u: Use, dtype: torch.dtype) -> torch.Tensor:
         rows = (u.left + torch.arange(b, device=u.left.device).view(-1, 1) * u.left_dim).reshape(-1)
         out = r.new_zeros(b * u.left_dim, d).index_add_(0, rows, r.reshape(-1, d))
         return out.view(b, u.left_dim, d)
-    return torch.bmm(u.left.to(dtype).transpose(1, 2), r)
+    return torch.bmm(u.left.to(dtype).transpose(1, 2), r, out=out)
+
+
+def _scratch_for(u: Use, dtype: torch.dtype, scratch: dict | None) -> torch.Tensor | None:
+    """A reused ``(B, d_L, d_R)`` buffer for a dense use's instantiation on CPU, or ``None``.
+
+    On CPU a fresh allocation of 32 MiB or more is mapped anew from the OS each time and its pages faulted in on first
+    write: ≈ 0.45 ms per MiB, a third of the batched matmul for BERT's FFN at T = 128 (benchmarks/RESULTS.md, the
+    floor). Per-layer clipping drops an instantiation as soon as its layer is clipped, so one buffer serves every layer
+    of a backward pass (:meth:`ClippingEngine._process_group`; freed in :meth:`ClippingEngine.finish_fused`).
+    """
+    if scratch is None or u.kind != "dense" or u.right.device.type != "cpu":
+        return None
+    b, d_l, d_r = u.right.shape[0], u.left_dim, u.right.shape[-1]
+    n = b * d_l * d_r
+    buf = scratch.get(dtype)
+    if buf is None or buf.numel() < n:
+        scratch.pop(dtype, None)  # the smaller one is freed before the larger one is allocated
+        buf = scratch[dtype] = torch.empty(n, dtype=dtype, device=u.right.device)
+    return buf[:n].view(b, d_l, d_r)
 
 
 def _as_ones(u: Use) -> Use:
@@ -1501,6 +1520,7 @@ class ClippingEngine:
         self._kept: dict[str, list[Use]] = {}
         self._instantiated: dict[str, torch.Tensor] = {}
         self._gram_cache: dict = {}
+        self._scratch: dict = {}
 
     def _uses_by_param(self) -> dict[str, list[Use]]:
         return self._uses
@@ -1590,7 +1610,8 @@ class ClippingEngine:
         return c if self._unit_weights is None else c * self._unit_weights.to(c.dtype)
 
     def _norm_sq_of(self, name: str, uses: list[Use], grams: dict | None = None, fused: bool = False,
-                    memory_ratio: float = _INSTANTIATE_MEMORY_RATIO) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    memory_ratio: float = _INSTANTIATE_MEMORY_RATIO,
+                    scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(B,)`` squared per-example (or ``(U,)`` per-unit) norms of one parameter's gradient, and its
         instantiation if that was cheaper (per example only). ``grams``: a cache shared by the parameters of one
         norm pass (:func:`_self_gram`); ``fused``: clipped right away (:func:`use_ghost_norm`)."""
@@ -1600,11 +1621,13 @@ class ClippingEngine:
             return self._plain_norm_sq(uses)[0], None
         ghost = use_ghost_norm(uses, fused, memory_ratio)
         self.norm_paths[name] = "ghost" if ghost else "instantiate"
-        return self._plain_norm_sq(uses, grams, ghost)
+        return self._plain_norm_sq(uses, grams, ghost, scratch)
 
     @staticmethod
-    def _plain_norm_sq(uses: list[Use], grams: dict | None = None,
-                       ghost: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plain_norm_sq(uses: list[Use], grams: dict | None = None, ghost: bool | None = None,
+                       scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``scratch``: the instantiation of a parameter with one dense use is written into a reused buffer
+        (:func:`_scratch_for`); the caller must be done with it before the next parameter's."""
         dtype = _acc_dtype(*[u.right for u in uses])
         if use_ghost_norm(uses) if ghost is None else ghost:
             total = None
@@ -1618,7 +1641,11 @@ class ClippingEngine:
                         term = 2 * (_left_gram(u, v, dtype) * right).sum((1, 2))
                     total = term if total is None else total + term
             return total, None
-        g = sum(_instantiate(u, dtype) for u in uses)
+        # Not sum(...): its 0 + g copies the first (B, d_L, d_R) instantiation into a fresh allocation, which on CPU
+        # costs as much as a third of the batched matmul (page faults; 15 of 38 ms for BERT's FFN at T = 128).
+        g = _instantiate(uses[0], dtype, _scratch_for(uses[0], dtype, scratch) if len(uses) == 1 else None)
+        for u in uses[1:]:
+            g = g + _instantiate(u, dtype)
         # Norms of the rows, then their squares summed: one fast pass, each partial sum short (a flat pow().sum() over
         # d_L·d_R values per example is ~20× slower on CPU; benchmarks/RESULTS.md).
         return torch.linalg.vector_norm(g, dim=2).square().sum(1), g
@@ -1717,8 +1744,12 @@ class ClippingEngine:
         fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
         deferred = self._handler is None
         grams = self._gram_cache if deferred else None  # flat: factors stay alive anyway (q/k/v share an input)
+        # Clipped right away (not deferred) with one dense parameter: its instantiation, if any, is dropped below before
+        # the next group's, so all groups share one buffer (_scratch_for). Kept instantiations (flat) get their own.
+        scratch = self._scratch if fused and not deferred else None
         for n, uses in stored.items():
-            norms[n], insts[n] = self._norm_sq_of(n, uses, grams, fused=fused, memory_ratio=1 if deferred else 2)
+            norms[n], insts[n] = self._norm_sq_of(n, uses, grams, fused=fused, memory_ratio=1 if deferred else 2,
+                                                  scratch=scratch)
         if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
             for n, uses in stored.items():
                 self._early_norms[n] = norms[n]
@@ -1740,6 +1771,7 @@ class ClippingEngine:
         for k in sorted({self._group_of[n] for n in self._uses}):
             self._process_group(k)
         self._pending = {}
+        self._scratch = {}
 
     def pop_summed_grads(self) -> dict[str, torch.Tensor]:
         """The clipped sums accumulated since the last call (zeros for untouched parameters); resets them."""
