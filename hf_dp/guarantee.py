@@ -7,32 +7,39 @@ clipping engine carries a gradient, none is modified after the release but by po
 one sampled example's gradient — the collated batch has one row per sampled example; (c) the batch is the Poisson
 sample the accountant assumes — the Trainer's loader draws from the DP sampler; (d) one non-finite example cannot
 poison the sum (it gets clipping factor 0 and its rows are zeroed: ``clipping/modes.py``, ``clipping/engine.py``).
-This module holds those checks; the trainer calls them at train start, at collation and before every optimizer step.
+This module holds those checks and the privacy-budget checks (no step is released beyond ``target_epsilon``); the
+trainer calls them at train start, at collation, at every step's first chunk and before every optimizer step.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StepGradientGuard", "trainable_set_difference", "describe_difference", "check_batch_rows",
-           "check_train_loader", "overriding_class", "check_delta", "check_noise_std"]
+__all__ = ["StepGradientGuard", "trainable_set_difference", "describe_difference", "check_trainable_set_change",
+           "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
+           "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
+           "steps_within_budget", "budget_allows"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 
 
 # ---------------------------------------------------------------------- the trainable set
-def trainable_set_difference(model: nn.Module, engine_params: Mapping[str, nn.Parameter]
+def trainable_set_difference(model: nn.Module, engine_params: Mapping[str, nn.Parameter], by_name: bool = False
                              ) -> tuple[list[str], list[str]]:
     """``(added, removed)``: trainable parameters of ``model`` that the engine does not clip, and parameters the
     engine clips that are no longer trainable parameters of ``model`` — compared by identity, not by name (a
-    replaced module has new parameters under the old names)."""
+    replaced module has new parameters under the old names). ``by_name``: compared by name (FSDP2's engine keeps
+    ``meta`` stand-ins, since FSDP swaps the parameters)."""
+    if by_name:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        return sorted(trainable - set(engine_params)), sorted(set(engine_params) - trainable)
     current = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     clipped = {id(p): n for n, p in engine_params.items()}
     added = [n for pid, n in current.items() if pid not in clipped]
@@ -52,7 +59,47 @@ def describe_difference(added: list[str], removed: list[str], limit: int = 6) ->
     return "; ".join(parts)
 
 
+def check_trainable_set_change(what: str, *, sharded: bool, at_step_boundary: bool, at_train_begin: bool,
+                               group_clipping: str | None) -> None:
+    """The trainable set changed since the engine was built (``what``: :func:`describe_difference`): raise unless
+    the engine may be rebuilt now so that every trainable parameter is clipped per example.
+
+    Rebuilding is allowed at train start, and at a step boundary for flat clipping. It is refused under FSDP
+    (``sharded``: the engine is built before the model is wrapped), inside a step (the examples of this step already
+    clipped did not include the change), and during training under group-wise clipping (``group_clipping``: the
+    mode, whose groups, thresholds and noise allocation were fixed at train start).
+    """
+    if sharded:
+        raise RuntimeError(
+            f"hf_dp: the trainable parameters changed after DPTrainer was built ({what}). Under FSDP the clipping "
+            "engine cannot be rebuilt: set requires_grad before constructing DPTrainer."
+        )
+    if not at_train_begin and not at_step_boundary:
+        raise RuntimeError(
+            f"hf_dp: the trainable parameters changed in the middle of a DP step ({what}); the examples of this "
+            "step already clipped did not include them. Change requires_grad or modules only at a step boundary "
+            "(on_step_begin / on_step_end of a callback) or before train()."
+        )
+    if not at_train_begin and group_clipping is not None:
+        raise RuntimeError(
+            f"hf_dp: the trainable parameters changed during training ({what}) under "
+            f"clipping={group_clipping!r}, whose groups, thresholds and noise allocation were fixed at train "
+            "start. Set requires_grad before train() (or use clipping='flat', whose engine is rebuilt at the "
+            "next step)."
+        )
+
+
 # ---------------------------------------------------------------------- the gradients the optimizer applies
+def discard_stale_gradients(model: nn.Module) -> int:
+    """At a step's first chunk no parameter should hold a gradient (the Trainer zeroes them after every optimizer
+    step); one computed outside the DP step (e.g. a callback's backward in ``on_step_begin``) is dropped, never
+    applied, and never mistaken for the hooks' by the self-check. Returns how many were dropped."""
+    stale = [p for p in model.parameters() if p.grad is not None]
+    for p in stale:
+        p.grad = None
+    return len(stale)
+
+
 class StepGradientGuard:
     """Before each optimizer step: every ``.grad`` is the tensor the DP release of this step wrote, unmodified.
 
@@ -108,6 +155,31 @@ class StepGradientGuard:
                 f"{', '.join(modified[:8])}. Add any extra loss through `per_example_loss=` so that it is clipped "
                 "per example. Training stopped before the optimizer applied it."
             )
+
+
+def check_step_gradients(guard: StepGradientGuard, model: nn.Module, engine_params: Mapping[str, nn.Parameter],
+                         allowed_version_bumps: int = 0) -> None:
+    """Before the optimizer step: the gradients are this step's DP release and nothing else
+    (:class:`StepGradientGuard`), and the trainable set did not change during the step's backward pass (a parameter
+    made trainable there got a gradient the engine never clipped)."""
+    released = guard.has_released
+    guard.check(model, allowed_version_bumps=allowed_version_bumps)
+    added, removed = trainable_set_difference(model, engine_params)
+    if released and (added or removed):
+        raise RuntimeError(
+            "hf_dp: the trainable parameters changed during this step's backward pass "
+            f"({describe_difference(added, removed)}). Change requires_grad or modules only at a step boundary."
+        )
+
+
+def nonfinite_message(step: int, count: int, total: int) -> str:
+    """The warning for ``count`` examples of ``step`` (``total`` so far) with a non-finite loss or gradient norm:
+    they got clipping factor 0 (``clipping/modes.py``), so the guarantee holds, but the data needs a look."""
+    return (
+        f"hf_dp: step {step}: {count} example(s) had a non-finite loss or gradient norm (NaN/inf, e.g. a NaN label); "
+        "they got clipping factor 0 (no contribution, the DP guarantee holds) and are left out of the logged loss. "
+        f"{total} so far. Check the data."
+    )
 
 
 # ---------------------------------------------------------------------- collated rows
@@ -196,3 +268,40 @@ def check_noise_std(noise_multiplier: float, max_norm: float) -> None:
             f"The noise std σ·C = {noise_multiplier} × {max_norm} overflows float32: the noised gradient would be "
             "non-finite. Lower per_sample_max_grad_norm (C; Li et al. 2022 recommend a small C such as 0.1)."
         )
+
+
+# ---------------------------------------------------------------------- the privacy budget
+def check_budget_left(accountant: Any, target_epsilon: float | None, delta: float) -> None:
+    """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget
+    (``accountant``: the :class:`~hf_dp.PrivacyAccountant` of the model, which composes over all its runs)."""
+    if not accountant.steps or target_epsilon is None:
+        return
+    spent = accountant.get_epsilon(delta)
+    if spent >= target_epsilon:
+        raise ValueError(
+            f"The privacy budget target_epsilon={target_epsilon} (δ={delta:.3g}) is already "
+            f"spent: this model took {accountant.steps} DP steps in earlier train() calls (ε={spent:.4f}), "
+            "and ε composes over all of them. Keep the model as it is, or start from a fresh model with a new "
+            "DPTrainer (or pass model_init, which builds a fresh model for every train())."
+        )
+
+
+def steps_within_budget(epsilon_after: Callable[[int], float], planned: int, target_epsilon: float | None
+                        ) -> int | None:
+    """How many more steps the budget allows: the largest ``n <= planned`` with ``epsilon_after(n) <=
+    target_epsilon`` (ε is monotone in the steps; bisection), or None when ε is reported rather than targeted."""
+    if target_epsilon is None:
+        return None
+    if planned > 0 and epsilon_after(planned) <= target_epsilon:
+        return planned
+    lo, hi = 0, max(planned, 1)  # epsilon_after(lo) <= target < epsilon_after(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if epsilon_after(mid) <= target_epsilon else (lo, mid)
+    return lo
+
+
+def budget_allows(steps_this_run: int, n: int, allowed: int | None) -> bool:
+    """Whether ``n`` more steps after the ``steps_this_run`` already taken stay within the ``allowed`` steps of this
+    run (:func:`steps_within_budget`; None: unlimited). A DP step beyond it is never released."""
+    return allowed is None or steps_this_run + n <= allowed

@@ -33,17 +33,26 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
 from .arguments import DPTrainingArguments
 from .cards import create_model_card
-from .clipping.engine import ClippingEngine, train_without_dropout
-from .clipping.fsdp import FSDPFlatClipping, check_fsdp_supported, fsdp_requested
-from .clipping.modes import GroupClipper, build_groups, flat_clip_factors
+from .clipping.engine import ClippingEngine
+from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
+from .clipping.local import LocalDPStep
+from .clipping.modes import GroupClipper, build_groups
+from .clipping.step import UNIT_KEY, DPStep, StepPieces, slice_batch
 from .guarantee import (
     StepGradientGuard,
+    budget_allows,
     check_batch_rows,
+    check_budget_left,
     check_delta,
     check_noise_std,
+    check_step_gradients,
     check_train_loader,
+    check_trainable_set_change,
     describe_difference,
+    discard_stale_gradients,
+    nonfinite_message,
     overriding_class,
+    steps_within_budget,
     trainable_set_difference,
 )
 from .losses import (
@@ -53,7 +62,7 @@ from .losses import (
     default_per_example_loss,
     is_seq2seq_lm,
 )
-from .noise import NoiseGenerator, group_noise_stds, privatize
+from .noise import NoiseGenerator, group_noise_stds
 from .peft_support import adapter_advice, apply_peft_config, per_example_prompts
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
@@ -70,8 +79,7 @@ expected noise norm of T averaged updates summed, ``√T·σ·C·√d/(q·N)``, 
 Li et al. 2022's full fine-tuning runs that learn well are at ≈ 0.4-0.6 (GPT-2 on E2E at ε = 3: σ ≈ 1.02, q = 0.024,
 411 steps, 124 M parameters; RoBERTa-base on SST-2 at ε = 3-8) (README, "Choosing hyperparameters")."""
 _EMPTY = "_hf_dp_empty_batch"
-_COUNTS = "_hf_dp_clip_counts"
-_UNIT = "_hf_dp_unit"
+_UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
 
 
 class _EmptySafeCollator:
@@ -141,6 +149,7 @@ class _DPCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._dp_step.reset()  # a step left half-done by an interrupted train() is dropped
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -231,7 +240,7 @@ class DPTrainer(Trainer):
                 "models placed across devices, clipping='per_device'."
             )
         if self.is_fsdp_enabled:
-            check_fsdp_supported(self)  # FSDP2, flat clipping, example level (clipping/fsdp.py)
+            check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
             self._warn_fsdp_not_enabled()
         launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -251,7 +260,9 @@ class DPTrainer(Trainer):
         self.noise_multiplier: float | None = self.args.noise_multiplier
         self.noise_allocation = self.args.noise_allocation or (
             "equal_budget" if self.args.clipping == "per_device" else "global")
-        self._fsdp: FSDPFlatClipping | None = None
+        self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
+        self._dp_step: DPStep | None = None
+        self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
         self.accountant = self._new_accountant()
         self.budget_exhausted = False
@@ -259,10 +270,7 @@ class DPTrainer(Trainer):
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
         self._noise: NoiseGenerator | None = None
         self._allowed_steps: int | None = None
-        self._grad_guard = StepGradientGuard()
-        self._chunks_in_step = 0
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
-        self._nonfinite_in_step: torch.Tensor | int = 0
         self._hyperparameter_trials = 0
         if not self.label_names:
             # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
@@ -275,28 +283,77 @@ class DPTrainer(Trainer):
 
     def _build_clipping(self) -> None:
         """The per-example machinery for ``self.model``: PEFT per-example prompts, the default per-example loss, the
-        clipping engine (FSDP2: the two-pass one) and, for group-wise modes, the groups. Called at construction and
-        whenever the model or its trainable set changes (``model_init``, a parameter unfrozen before ``train()``)."""
+        clipping engine and, for group-wise modes, the groups, and the DP step strategy that uses them — chosen here,
+        once per model: FSDP2's two-pass ghost clipping (``clipping/fsdp.py``) when accelerate runs FSDP, else the
+        book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
+        set changes (``model_init``, a parameter unfrozen before ``train()``)."""
         per_example_prompts(self.model)
         if not self._custom_loss:
             self.per_example_loss, self.task = default_per_example_loss(self.model)
+        fsdp = self.is_fsdp_enabled
         with adapter_advice(self.model):
-            if self.is_fsdp_enabled:
-                # Built on the unwrapped model (accelerator.prepare wraps it in train()); two-pass ghost clipping.
-                self._fsdp = FSDPFlatClipping(self)
-                self.clipping_engine = self._fsdp.engine
-            else:
-                self.clipping_engine = ClippingEngine(self.model)
+            # FSDP: built on the unwrapped model (accelerator.prepare wraps it in train()), hooks keyed by attribute.
+            self.clipping_engine = FSDPClippingEngine(self.model) if fsdp else ClippingEngine(self.model)
         self.group_clipper: GroupClipper | None = None
         if self.args.clipping != "flat":
             self._setup_group_clipping()
-        elif self._fsdp is None:
+        elif not fsdp:
             # Flat clipping: each layer's per-example norms are computed as its gradient arrives, keeping only what
             # its clipped sum needs (ClippingEngine.set_fused_groups with no handler); the sums follow the backward.
             groups = [g.params for g in build_groups(self.clipping_engine, "per_layer")]
             covered = {n for g in groups for n in g}
             rest = [n for n in self.clipping_engine.params if n not in covered]  # e.g. read outside any ruled layer
             self.clipping_engine.set_fused_groups(groups + ([rest] if rest else []), None)
+        previous = self._dp_step
+        self._dp_step = (FSDPFlatClipping if fsdp else LocalDPStep)(self._step_pieces())
+        if previous is not None:  # the first-step checks run once per train(), not again for a rebuilt engine
+            self._dp_step.self_checked = previous.self_checked
+        self._fsdp = self._dp_step if fsdp else None
+
+    def _step_pieces(self) -> StepPieces:
+        """What the DP step gets from the trainer (``clipping/step.py``): the engine, the group clipper, the
+        arguments, and the trainer's callables, each looking up the method when called (so a subclass or instance
+        override takes effect) and reading σ, q, the accountant and the noise generator live."""
+        return StepPieces(
+            engine=self.clipping_engine,
+            group_clipper=self.group_clipper,
+            args=self.args,
+            grad_guard=self._grad_guard,
+            accountant=lambda: self.accountant,
+            noise=lambda: self._noise,
+            noise_multiplier=lambda: self.noise_multiplier,
+            sample_rate=lambda: self.sample_rate,
+            expected_batch_size=lambda: self.expected_batch_size,
+            noise_stds=lambda: self._noise_stds(),
+            quantile_noise=lambda: self._quantile_noise(),
+            budget_allows=lambda n: self._budget_allows(n),
+            stop_for_budget=lambda: self._stop_for_budget(),
+            prepare_inputs=lambda inputs: self._prepare_inputs(inputs),
+            loss_context=lambda: self.compute_loss_context_manager(),
+            per_example_loss=lambda *a, **kw: self.per_example_loss(*a, **kw),
+            model_inputs=lambda model, inputs, labels: self._model_inputs(model, inputs, labels),
+            micro_batches=lambda *a: self._micro_batches(*a),
+            segment_ids=lambda inputs: self._segment_ids(inputs),
+            self_check=lambda net, micro, labels: self._self_check(net, micro, labels),
+            check_batch=lambda: self._check_batch(),
+            unwrap_model=lambda model: self.accelerator.unwrap_model(model),
+            sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
+            optimizer=lambda: self.optimizer,
+        )
+
+    def _stop_for_budget(self) -> None:
+        """The DP step released nothing: one more step would exceed the privacy budget."""
+        self.budget_exhausted = True
+        self.control.should_training_stop = True
+
+    @property
+    def _self_checked(self) -> bool:
+        """Whether this run's first-step checks ran (kept by the DP step; ``train()`` re-arms them)."""
+        return self._dp_step.self_checked
+
+    @_self_checked.setter
+    def _self_checked(self, value: bool) -> None:
+        self._dp_step.self_checked = bool(value)
 
     def call_model_init(self, trial: Any = None) -> torch.nn.Module:
         """``Trainer.call_model_init``, plus ``peft_config`` applied to the new model and, when ``train()`` builds a
@@ -514,11 +571,8 @@ class DPTrainer(Trainer):
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
 
-    # ------------------------------------------------------------------ the DP step
-    @staticmethod
-    def _slice_batch(inputs: dict, sl: slice, batch: int) -> dict:
-        return {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
-                for k, v in inputs.items()}
+    # ------------------------------------------------------------------ the DP step's hooks (clipping/step.py)
+    _slice_batch = staticmethod(slice_batch)
 
     def _micro_batches(self, inputs: dict, labels: torch.Tensor,
                        units: torch.Tensor | None = None) -> list[tuple[dict, torch.Tensor, torch.Tensor | None]]:
@@ -545,50 +599,11 @@ class DPTrainer(Trainer):
             out.append((self._slice_batch(inputs, sl, batch), labels[sl], None if units is None else units[sl]))
         return out
 
-    def _unit_layout(self, units: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Local unit ids ``0..U-1`` of a micro-batch and the weights ``w_i`` of each user's contribution."""
-        if units is None:
-            return None, None
-        local = torch.unique_consecutive(units, return_inverse=True)[1]
-        if self.args.user_contribution == "sum":
-            return local, None
-        counts = torch.bincount(local)
-        return local, 1.0 / counts[local].double()
-
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: the engine's checks on the real model and data.
-
-        Always (cheap; ``ClippingEngine.first_step_check``): every hooked layer's batch axis is proven (the model on
-        the micro-batch and on its first example alone) and the hooks' unclipped sum equals autograd's gradient on
-        two examples, so coverage never depends on ``dp_self_check``. With ``dp_self_check`` (the expensive part):
-        two examples' gradient norms in the micro-batch equal their norms alone, in eval mode and in train mode with
-        dropout off (a layer that behaves differently in training, e.g. batch statistics, runs as it will). The
-        checks need a micro-batch of at least two examples: if the first has one, two training examples are
-        collated for them.
-        """
-        if labels.shape[0] < 2:
-            micro, labels = self._check_batch() or (micro, labels)
-        b = labels.shape[0]
-
-        def run_losses(sl: slice) -> torch.Tensor:
-            part, part_labels = self._slice_batch(micro, sl, b), labels[sl]
-            with self.compute_loss_context_manager():
-                return self.per_example_loss(net(**self._model_inputs(net, part, part_labels)), part_labels)
-
-        rtol = 5e-2 if (self.args.bf16 or self.args.fp16) else 1e-3
-        engine = self.clipping_engine
-        was_training = net.training
-        try:
-            with train_without_dropout(net), adapter_advice(net):
-                engine.first_step_check(run_losses, b, rtol=rtol)
-                if self.args.dp_self_check and b >= 2:
-                    engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
-            if self.args.dp_self_check and b >= 2:
-                net.eval()
-                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
-        finally:
-            net.train(was_training)
-        self._self_checked = True
+        """Once per run, before the first update: the first-step checks on the real model and data
+        (:meth:`LocalDPStep.self_check <hf_dp.clipping.local.LocalDPStep.self_check>`). Subclasses extend it
+        (``DPSFTTrainer`` checks packed rows)."""
+        self._dp_step.self_check(net, micro, labels)
 
     def _check_batch(self) -> tuple[dict, torch.Tensor] | None:
         """The first two training examples, collated and on the device (for the first-step checks)."""
@@ -628,97 +643,18 @@ class DPTrainer(Trainer):
         return inputs
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
-        if self._fsdp is not None:  # FSDP2: two-pass ghost clipping, noise on the local shards (clipping/fsdp.py)
-            return self._fsdp.training_step(model, None if _is_empty(inputs) else inputs)
-        if self._chunks_in_step == 0:
-            self._sync_trainable_set(at_step_boundary=True)
-            self._discard_stale_gradients()
-        else:
-            self._sync_trainable_set(at_step_boundary=False)
-        self._chunks_in_step += 1
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        loss_sum = torch.zeros((), device=self.args.device)
-        if not _is_empty(inputs):
-            inputs = self._prepare_inputs(inputs)
-            if "labels" not in inputs:
-                raise ValueError(
-                    "DPTrainer needs `labels` in every batch to compute per-example losses. If your dataset has the "
-                    "targets under another name, rename that column to `labels` (and keep it with "
-                    "`DPTrainingArguments(..., label_names=['labels'])`, since the Trainer drops columns the model's "
-                    "forward does not list).")
-            labels = inputs.pop("labels")
-            units_all = inputs.pop(_UNIT, None)
-            net = self.accelerator.unwrap_model(model)
-            engine = self.clipping_engine
-            for micro, micro_labels, micro_units in self._micro_batches(inputs, labels, units_all):
-                segments = self._segment_ids(micro)  # packed rows (DPSFTTrainer): each token's example; else None
-                rows = micro_labels.shape[0]
-                b = rows if segments is None else int(segments.max()) + 1
-                if not getattr(self, "_self_checked", False):  # always: coverage never depends on dp_self_check
-                    self._self_check(net, micro, micro_labels)
-                units, weights = self._unit_layout(micro_units)
-                if units is not None:
-                    units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
-                with self.compute_loss_context_manager(), engine.record(rows, units=units, unit_weights=weights,
-                                                                        segments=segments):
-                    outputs = net(**self._model_inputs(net, micro, micro_labels))
-                    losses = self.per_example_loss(outputs, micro_labels,
-                                                   **({} if segments is None else {"segments": segments}))
-                    del outputs  # the logits are freed during the backward pass, not kept to the end of the step
-                    if losses.shape != (b,):
-                        raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
-                    if losses.requires_grad:
-                        losses.sum().backward()
-                    losses = losses.detach()
-                bad = ~torch.isfinite(losses)  # non-finite examples get factor 0 (clip_factors_from_norms)
-                if self.group_clipper is None:
-                    norms_sq = engine.per_example_norms_sq()  # per user with user-level units
-                    n_units = b if units is None else int(units.max()) + 1
-                    factors = flat_clip_factors(norms_sq, self.args.per_sample_max_grad_norm, n_units)
-                    engine.accumulate_clipped(factors.to(losses.device))
-                    zero = (factors == 0).to(losses.device)
-                    bad = bad | (zero if units is None else zero[units])
-                else:
-                    engine.finish_fused()  # groups were clipped during the backward pass
-                engine.clear()
-                self._nonfinite_in_step = self._nonfinite_in_step + bad.sum()
-                loss_sum = loss_sum + torch.where(bad, 0.0, losses).sum().to(loss_sum.device)
-        if self.accelerator.gradient_state.sync_gradients:
-            self._finish_dp_step()
-        # Logged loss: Σ_i L_i / (expected local batch); summed over the step's chunks this is the mean loss.
-        local_expected = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-        return loss_sum / local_expected
+        """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each
+        example's gradient and add it to the step's sum; at the step's last chunk, privatize (``clipping/step.py``).
 
-    def _finish_dp_step(self) -> None:
-        """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
-        self._chunks_in_step = 0
-        engine = self.clipping_engine
-        summed = engine.pop_summed_grads()
-        if not self._budget_allows(1):
-            # Never release a step beyond the budget: no gradient, no update, nothing recorded.
-            self.budget_exhausted = True
-            self.control.should_training_stop = True
-            for p in engine.params.values():
-                p.grad = None
-            return
-        device = next(iter(summed.values())).device
-        stds = self._noise_stds()
-        adaptive = self.group_clipper is not None and self.group_clipper.adaptive
-        if adaptive:
-            # The clip counts are released with the gradient, in the same noised all-reduce (Alg. 1 lines 15-16).
-            first = next(iter(summed.values()))
-            summed[_COUNTS] = self.group_clipper.pop_counts().to(device=device, dtype=first.dtype)
-            stds = {**stds, _COUNTS: self._quantile_noise()[1]}
-        grads = privatize(summed, stds, self.expected_batch_size, self._noise.for_step(self.accountant.steps, device))
-        if adaptive:
-            self.group_clipper.update(grads.pop(_COUNTS) + 0.5)  # b̃_k = (Σ(b − ½) + z) / B + ½
-        for name, p in engine.params.items():
-            p.grad = grads[name].to(p.dtype)
-        self._grad_guard.released(engine.params.values())  # before the optimizer step: these and only these
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        Without FSDP, first the trainable set is checked (at a step boundary the engine is rebuilt for a changed
+        set, which also rebuilds the strategy) and, at a step's first chunk, gradients computed outside the DP step
+        are discarded (``guarantee.py``)."""
+        if self._fsdp is None:
+            at_boundary = self._dp_step.at_step_boundary
+            self._sync_trainable_set(at_step_boundary=at_boundary)
+            if at_boundary:
+                self._discard_stale_gradients()
+        return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
@@ -764,104 +700,58 @@ class DPTrainer(Trainer):
 
     def _check_budget_left(self) -> None:
         """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
-        if not self.accountant.steps or self.args.target_epsilon is None:
-            return
-        spent = self.accountant.get_epsilon(self.target_delta)
-        if spent >= self.args.target_epsilon:
-            raise ValueError(
-                f"The privacy budget target_epsilon={self.args.target_epsilon} (δ={self.target_delta:.3g}) is already "
-                f"spent: this model took {self.accountant.steps} DP steps in earlier train() calls (ε={spent:.4f}), "
-                "and ε composes over all of them. Keep the model as it is, or start from a fresh model with a new "
-                "DPTrainer (or pass model_init, which builds a fresh model for every train())."
-            )
+        check_budget_left(self.accountant, self.args.target_epsilon, self.target_delta)
 
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
         """The engine must clip exactly the model's trainable parameters (by identity).
 
         A parameter unfrozen, frozen or replaced since the engine was built: at train start, and at a step boundary
-        for flat clipping, the engine is rebuilt (and the log says so); group-wise modes refuse a change during
-        training (their thresholds and noise allocation are per group), and a change inside a step is refused.
+        for flat clipping, the engine is rebuilt (and the log says so); otherwise the change is refused
+        (``guarantee.check_trainable_set_change``).
         """
-        if self._fsdp is not None:  # the FSDP engine keeps meta stand-ins (FSDP swaps the parameters): by name
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            added = sorted(trainable - set(self.clipping_engine.params))
-            removed = sorted(set(self.clipping_engine.params) - trainable)
-        else:
-            added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
+        sharded = self._fsdp is not None
+        added, removed = trainable_set_difference(self.model, self.clipping_engine.params, by_name=sharded)
         if not added and not removed:
             return
         what = describe_difference(added, removed)
-        if self._fsdp is not None:
-            raise RuntimeError(
-                f"hf_dp: the trainable parameters changed after DPTrainer was built ({what}). Under FSDP the clipping "
-                "engine cannot be rebuilt: set requires_grad before constructing DPTrainer."
-            )
-        if not at_train_begin and not at_step_boundary:
-            raise RuntimeError(
-                f"hf_dp: the trainable parameters changed in the middle of a DP step ({what}); the examples of this "
-                "step already clipped did not include them. Change requires_grad or modules only at a step boundary "
-                "(on_step_begin / on_step_end of a callback) or before train()."
-            )
-        if not at_train_begin and self.group_clipper is not None:
-            raise RuntimeError(
-                f"hf_dp: the trainable parameters changed during training ({what}) under "
-                f"clipping={self.args.clipping!r}, whose groups, thresholds and noise allocation were fixed at train "
-                "start. Set requires_grad before train() (or use clipping='flat', whose engine is rebuilt at the "
-                "next step)."
-            )
+        check_trainable_set_change(what, sharded=sharded, at_step_boundary=at_step_boundary,
+                                   at_train_begin=at_train_begin,
+                                   group_clipping=self.args.clipping if self.group_clipper is not None else None)
         logger.warning("hf_dp: the trainable parameters changed %s (%s); the clipping engine was rebuilt so that "
                        "every trainable parameter is clipped per example.",
                        "before train()" if at_train_begin else "during training", what)
         self._build_clipping()
 
     def _discard_stale_gradients(self) -> None:
-        """At a step's first chunk no parameter should hold a gradient (the Trainer zeroes them after every optimizer
-        step); one computed outside the DP step (e.g. a callback's backward in ``on_step_begin``) is dropped, never
-        applied, and never mistaken for the hooks' by the self-check."""
-        stale = [p for p in self.model.parameters() if p.grad is not None]
-        if stale:
-            if not getattr(self, "_warned_stale", False):
-                logger.warning("hf_dp: %d parameter(s) held a gradient computed outside the DP step (e.g. by a "
-                               "callback's backward); it is discarded: only the DP release reaches the optimizer.",
-                               len(stale))
-                self._warned_stale = True
-            for p in stale:
-                p.grad = None
+        """Gradients computed outside the DP step are dropped at a step's first chunk
+        (``guarantee.discard_stale_gradients``); the first time, the log says so."""
+        stale = discard_stale_gradients(self.model)
+        if stale and not getattr(self, "_warned_stale", False):
+            logger.warning("hf_dp: %d parameter(s) held a gradient computed outside the DP step (e.g. by a "
+                           "callback's backward); it is discarded: only the DP release reaches the optimizer.", stale)
+            self._warned_stale = True
 
     def _check_step_gradients(self) -> None:
         """Before the optimizer step: the gradients are this step's DP release and nothing else."""
         if self._fsdp is not None:
             return  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it against the hooks
-        released = self._grad_guard.has_released
         # With max_grad_norm > 0 the Trainer rescales every gradient in place once before this point (clip_grad_norm_:
         # post-processing of the released gradient). Its norm-only pass is off (_get_grad_norm), so otherwise none.
-        self._grad_guard.check(self.model, allowed_version_bumps=1 if self.args.max_grad_norm > 0 else 0)
-        added, removed = trainable_set_difference(self.model, self.clipping_engine.params)
-        if released and (added or removed):
-            raise RuntimeError(
-                "hf_dp: the trainable parameters changed during this step's backward pass "
-                f"({describe_difference(added, removed)}). Change requires_grad or modules only at a step boundary."
-            )
+        check_step_gradients(self._grad_guard, self.model, self.clipping_engine.params,
+                             allowed_version_bumps=1 if self.args.max_grad_norm > 0 else 0)
 
     def _report_nonfinite(self, step: int) -> None:
         """Warn about (and log as ``nonfinite_examples``) examples of the last step with a non-finite loss or norm."""
-        count = int(self._nonfinite_in_step)
-        self._nonfinite_in_step = 0
+        count = self._dp_step.pop_nonfinite()
         if not count:
             return
         self.nonfinite_examples += count
-        logger.warning(
-            "hf_dp: step %d: %d example(s) had a non-finite loss or gradient norm (NaN/inf, e.g. a NaN label); they "
-            "got clipping factor 0 (no contribution, the DP guarantee holds) and are left out of the logged loss. "
-            "%d so far. Check the data.", step, count, self.nonfinite_examples)
+        logger.warning(nonfinite_message(step, count, self.nonfinite_examples))
         self.log({"nonfinite_examples": count})
 
     def _steps_within_budget(self, planned: int) -> int | None:
         """How many more steps the budget allows (None: unlimited, when ε is reported rather than targeted)."""
-        target = self.args.target_epsilon
-        if target is None:
-            return None
 
         def eps_after(n: int) -> float:
             acc = self.accountant.copy()
@@ -869,18 +759,10 @@ class DPTrainer(Trainer):
             acc.step(self.noise_multiplier, self.sample_rate, n)
             return acc.get_epsilon(self.target_delta)
 
-        if planned > 0 and eps_after(planned) <= target:
-            return planned
-        lo, hi = 0, max(planned, 1)  # eps_after(lo) <= target < eps_after(hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if eps_after(mid) <= target else (lo, mid)
-        return lo
+        return steps_within_budget(eps_after, planned, self.args.target_epsilon)
 
     def _budget_allows(self, n: int) -> bool:
-        if self._allowed_steps is None:
-            return True
-        return self.accountant.steps - self._steps_at_train_begin + n <= self._allowed_steps
+        return budget_allows(self.accountant.steps - self._steps_at_train_begin, n, self._allowed_steps)
 
     @property
     def _steps_at_train_begin(self) -> int:

@@ -36,7 +36,7 @@ import contextlib
 import math
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,7 @@ from ..noise import add_noise_to_shards
 from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .layers import Rule
 from .modes import flat_clip_factors
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..trainer import DPTrainer
+from .step import DPStep, StepPieces, slice_batch
 
 __all__ = ["FSDPClippingEngine", "FSDPFlatClipping", "check_fsdp_supported", "fsdp_requested"]
 
@@ -62,21 +60,21 @@ def fsdp_requested(args: Any, environ: dict[str, str] | None = None) -> bool:
     return bool(getattr(args, "fsdp", None)) or env.get("ACCELERATE_USE_FSDP", "false").strip().lower() in _TRUE
 
 
-def check_fsdp_supported(trainer: DPTrainer) -> None:
+def check_fsdp_supported(plugin: Any, args: Any) -> None:
     """Refuse FSDP settings under which hf_dp's FSDP path is not exact (raises ``ValueError``).
 
-    Supported: FSDP2 (``fsdp_version=2``), flat clipping, example-level privacy. Per-layer / adaptive / group-wise /
-    per-device clipping and user-level units need the engine's book-keeping on whole parameters; FSDP1 is deprecated
-    by transformers and, on CPU, cannot save (a torch bug in ``FULL_STATE_DICT`` with ``offload_to_cpu``).
+    ``plugin`` is accelerate's ``FullyShardedDataParallelPlugin`` (``accelerator.state.fsdp_plugin``), ``args`` the
+    ``DPTrainingArguments``. Supported: FSDP2 (``fsdp_version=2``), flat clipping, example-level privacy. Per-layer /
+    adaptive / group-wise / per-device clipping and user-level units need the engine's book-keeping on whole
+    parameters; FSDP1 is deprecated by transformers and, on CPU, cannot save (a torch bug in ``FULL_STATE_DICT`` with
+    ``offload_to_cpu``).
     """
-    plugin = trainer.accelerator.state.fsdp_plugin
     version = int(getattr(plugin, "fsdp_version", 1) or 1)
     if version != 2:
         raise ValueError(
             f"DPTrainer supports FSDP2 only (got fsdp_version={version}). Use fsdp_config={{'version': 2, ...}} or "
             "`accelerate launch --use_fsdp --fsdp_version 2`. FSDP1 is deprecated in transformers."
         )
-    args = trainer.args
     if args.clipping != "flat":
         raise ValueError(
             f"Under FSDP, DPTrainer supports clipping='flat' only (got clipping={args.clipping!r}): per-layer, "
@@ -204,16 +202,16 @@ def _all_max(value: float, device: torch.device) -> float:
     return float(t[0])
 
 
-class FSDPFlatClipping:
-    """The DP step of :class:`~hf_dp.DPTrainer` under FSDP2: two-pass flat ghost clipping, sharded noise.
+class FSDPFlatClipping(DPStep):
+    """The DP step of :class:`~hf_dp.DPTrainer` under FSDP2: two-pass flat ghost clipping, sharded noise
+    (``clipping/step.py``; the trainer chooses it when ``is_fsdp_enabled``).
 
-    ``DPTrainer.training_step`` delegates here when ``trainer.is_fsdp_enabled``. Set :attr:`dummy_source` to the
-    train DataLoader (its dataset and collator give the one-row padding micro-batch).
+    ``pieces.engine`` is an :class:`FSDPClippingEngine` built on the model before ``accelerator.prepare`` wraps it.
+    Set :attr:`dummy_source` to the train DataLoader (its dataset and collator give the one-row padding micro-batch).
     """
 
-    def __init__(self, trainer: DPTrainer):
-        self.trainer = trainer
-        self.engine = FSDPClippingEngine(trainer.model)
+    def __init__(self, pieces: StepPieces):
+        super().__init__(pieces)
         self.dummy_source: Any = None
         self._dummy: tuple[dict, torch.Tensor] | None = None
         #: micro-batches run / of which padding, since construction (for tests and logs)
@@ -222,7 +220,7 @@ class FSDPFlatClipping:
 
     def reset(self) -> None:
         """At ``train()``: the next chunk starts a logical step; drop a half-done self-check."""
-        self._chunk_in_step = 0
+        super().reset()
         self._checking = False  # the first step runs the self-check (dp_self_check)
         self._singles_checked = False
         self._layout_checked = False
@@ -231,24 +229,21 @@ class FSDPFlatClipping:
     # ------------------------------------------------------------------ the step
     def training_step(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
         """One chunk of a logical step (``inputs=None``: this rank's chunk is empty). Returns the logged loss."""
-        tr = self.trainer
-        model.train()
-        if hasattr(tr.optimizer, "train") and callable(tr.optimizer.train):
-            tr.optimizer.train()
-        device = tr.args.device
-        if self._chunk_in_step == 0 and not getattr(tr, "_self_checked", False):
+        pc = self.pieces
+        device = pc.args.device
+        if self.at_step_boundary and not self.self_checked:
             # Always (coverage never depends on dp_self_check): the first step's clipped sum from the hooks is
             # compared with the gradient FSDP reduced (pass 2 is a plain backward: an unhooked use would leak into
             # it). dp_self_check adds the single-example norm comparison.
-            self._checking, self._singles_checked = True, not tr.args.dp_self_check
-        self._chunk_in_step += 1
+            self._checking, self._singles_checked = True, not pc.args.dp_self_check
+        self._begin_chunk(model)
         micro: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
         if inputs is not None:
-            inputs = tr._prepare_inputs(inputs)
+            inputs = pc.prepare_inputs(inputs)
             if "labels" not in inputs:
                 raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
             labels = inputs.pop("labels")
-            for part, part_labels, _ in tr._micro_batches(inputs, labels):
+            for part, part_labels, _ in pc.micro_batches(inputs, labels):
                 micro.append((part, part_labels, torch.ones(part_labels.shape[0], dtype=torch.float64)))
         n = int(_all_max(len(micro), device))  # every rank runs the same number of forwards/backwards
         while len(micro) < n:
@@ -264,11 +259,9 @@ class FSDPFlatClipping:
             losses = self._two_pass(model, part, part_labels, weights)
             loss_sum = loss_sum + (losses.double() * weights.to(losses.device)).sum().to(loss_sum)
             self.stats["micro_batches"] += 1
-        if tr.accelerator.gradient_state.sync_gradients:
-            self._chunk_in_step = 0
+        if pc.sync_gradients():
             self.finish_step(model)
-        local_expected = tr.args.per_device_train_batch_size * tr.args.gradient_accumulation_steps
-        return loss_sum / local_expected
+        return loss_sum / self._local_expected()
 
     def _padding_batch(self) -> tuple[dict, torch.Tensor]:
         """One collated row of the training set, run with clipping factor 0 (it contributes exactly nothing)."""
@@ -276,17 +269,17 @@ class FSDPFlatClipping:
             src = self.dummy_source
             if src is None:
                 raise RuntimeError("FSDPFlatClipping.dummy_source is not set (DPTrainer.get_train_dataloader sets it).")
-            batch = self.trainer._prepare_inputs(src.collate_fn([src.dataset[0]]))
+            batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0]]))
             labels = batch.pop("labels")
             self._dummy = (batch, labels)
         batch, labels = self._dummy
         return dict(batch), labels
 
     def _forward_losses(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
-        tr = self.trainer
+        pc = self.pieces
         b = labels.shape[0]
-        outputs = model(**tr._model_inputs(model, batch, labels))
-        losses = tr.per_example_loss(outputs, labels)
+        outputs = model(**pc.model_inputs(model, batch, labels))
+        losses = pc.per_example_loss(outputs, labels)
         if losses.shape != (b,):
             raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
         return losses
@@ -294,14 +287,14 @@ class FSDPFlatClipping:
     def _two_pass(self, model: nn.Module, batch: dict, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Pass 1 (per-example norms, no parameter gradient) and pass 2 (``backward`` of ``Σ c_i L_i · W/B``) on one
         forward graph. Returns the per-example losses (detached)."""
-        tr = self.trainer
+        pc = self.pieces
         engine = self.engine
         b = labels.shape[0]
-        with tr.compute_loss_context_manager(), engine.capture(b):
+        with pc.loss_context(), engine.capture(b):
             losses = self._forward_losses(model, batch, labels)
             engine.norms_backward(losses, retain_graph=True)
         norms_sq = engine.per_example_norms_sq()
-        factors = flat_clip_factors(norms_sq, tr.args.per_sample_max_grad_norm, b).to(losses.device)
+        factors = flat_clip_factors(norms_sq, pc.args.per_sample_max_grad_norm, b).to(losses.device)
         factors = factors * weights.to(device=losses.device, dtype=factors.dtype)
         bad = ~torch.isfinite(losses.detach()) | ((factors == 0) & (weights.to(factors.device) > 0))
         factors = torch.where(bad, 0.0, factors)
@@ -315,15 +308,15 @@ class FSDPFlatClipping:
         # the same FSDP collectives.
         if _all_max(float(bad.any()), losses.device):
             self.stats["nonfinite_redo"] = self.stats.get("nonfinite_redo", 0) + 1
-            tr._nonfinite_in_step = tr._nonfinite_in_step + int(bad.sum())
+            self.nonfinite_in_step = self.nonfinite_in_step + int(bad.sum())
             keep = (~bad).nonzero().flatten()
             del losses
             if len(keep):
-                batch, labels, factors = tr._slice_batch(batch, keep, b), labels[keep], factors[keep]
+                batch, labels, factors = slice_batch(batch, keep, b), labels[keep], factors[keep]
             else:
                 batch, labels = self._padding_batch()
                 factors = torch.zeros(labels.shape[0], dtype=factors.dtype, device=factors.device)
-            with tr.compute_loss_context_manager():
+            with pc.loss_context():
                 losses = self._forward_losses(model, batch, labels)
             out = torch.zeros(b, dtype=losses.dtype, device=losses.device)
             if len(keep):
@@ -332,40 +325,42 @@ class FSDPFlatClipping:
             out = losses.detach()
         if losses.requires_grad:
             dtype = torch.promote_types(losses.dtype, torch.float32)
-            scale = tr.args.world_size / tr.expected_batch_size  # FSDP averages over ranks: × W gives the sum
+            scale = pc.args.world_size / pc.expected_batch_size()  # FSDP averages over ranks: × W gives the sum
             ((losses.to(dtype) * factors.to(dtype)).sum() * scale).backward()
         return out
 
     def finish_step(self, model: nn.Module) -> None:
         """At the step's last chunk: noise once per coordinate on the local shards, record the step."""
-        tr = self.trainer
+        pc = self.pieces
+        self._chunk_in_step = 0
         params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
-        if not tr._budget_allows(1):
-            tr.budget_exhausted = True  # never release a step beyond the budget: no update, nothing recorded
-            tr.control.should_training_stop = True
+        if not pc.budget_allows(1):
+            pc.stop_for_budget()  # never release a step beyond the budget: no update, nothing recorded
             for _, p in params:
                 p.grad = None
             self._checking = False
             return
-        world = tr.args.world_size
+        world = pc.args.world_size
         for n, p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # no rank's loss reached it: its released gradient is pure noise
             _check_sharded(n, p.grad, world)
         if self._checking:
             self._check_against_autograd(params)
-        std = tr.noise_std / tr.expected_batch_size
+        sigma = pc.noise_multiplier()
+        std = float(sigma) * pc.args.per_sample_max_grad_norm / pc.expected_batch_size()  # σ·C / B
+        accountant = pc.accountant()
         if std > 0:
-            step, rank = tr.accountant.steps, tr.args.process_index
+            step, rank, noise = accountant.steps, pc.args.process_index, pc.noise()
             with torch.no_grad():
                 shards = [p.grad.to_local() for _, p in params]  # no-grad to_local: the DTensor's own storage
-            add_noise_to_shards(shards, std, lambda device, k: tr._noise.for_shard(step, rank, device, k))
-        tr.accountant.step(tr.noise_multiplier, tr.sample_rate)
+            add_noise_to_shards(shards, std, lambda device, k: noise.for_shard(step, rank, device, k))
+        accountant.step(sigma, pc.sample_rate())
 
     # ------------------------------------------------------------------ self-check (dp_self_check)
     def _norms_only(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
         b = labels.shape[0]
-        with self.trainer.compute_loss_context_manager(), self.engine.capture(b):
+        with self.pieces.loss_context(), self.engine.capture(b):
             losses = self._forward_losses(model, batch, labels)
             self.engine.norms_backward(losses)
         norms = self.engine.per_example_norms(b)
@@ -376,7 +371,7 @@ class FSDPFlatClipping:
         """The micro-batch, or two collated training examples if it has one (a one-example check proves nothing)."""
         if labels.shape[0] < 2 and self.dummy_source is not None and len(self.dummy_source.dataset) >= 2:
             src = self.dummy_source
-            batch = self.trainer._prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
+            batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
             labels = batch.pop("labels")
         return batch, labels
 
@@ -389,7 +384,7 @@ class FSDPFlatClipping:
             if b >= 2:
                 with train_without_dropout(model):
                     self.engine._probe_layout(lambda sl: self._forward_losses(
-                        model, self.trainer._slice_batch(batch, sl, b), labels[sl]), b)
+                        model, slice_batch(batch, sl, b), labels[sl]), b)
         finally:
             self.engine._probe = None
             self.engine.clear()
@@ -404,10 +399,10 @@ class FSDPFlatClipping:
 
         Every rank runs the same number of forwards (1 batched + 2 single), since they are collectives under FSDP.
         """
-        tr = self.trainer
+        args = self.pieces.args
         batch, labels = self._check_batch(batch, labels)
         b = labels.shape[0]
-        low_precision = tr.args.bf16 or tr.args.fp16
+        low_precision = args.bf16 or args.fp16
         rtol = 5e-2 if low_precision else 1e-3
         was_training = model.training
         problem = None
@@ -421,7 +416,7 @@ class FSDPFlatClipping:
                     batched = self._norms_only(model, batch, labels)
                     for i in range(2):
                         j = min(i, b - 1)
-                        alone = float(self._norms_only(model, tr._slice_batch(batch, slice(j, j + 1), b),
+                        alone = float(self._norms_only(model, slice_batch(batch, slice(j, j + 1), b),
                                                        labels[j:j + 1])[0])
                         finite = math.isfinite(alone) and math.isfinite(float(batched[j]))
                         off = abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12
@@ -431,7 +426,7 @@ class FSDPFlatClipping:
         finally:
             model.train(was_training)
         self._singles_checked = True
-        if _all_max(problem is not None, tr.args.device):
+        if _all_max(problem is not None, args.device):
             raise UnsupportedLayerError(
                 (problem or "On another rank, an example's gradient norm differs between its micro-batch and alone")
                 + ": the model mixes examples (an input broadcast over the batch, batch statistics, or a layer whose "
@@ -446,26 +441,26 @@ class FSDPFlatClipping:
         Runs once per run; during that step every rank holds the hooks' full (unsharded) clipped sum, and the
         reduced gradient is gathered one parameter at a time.
         """
-        tr = self.trainer
+        args = self.pieces.args
         hooked = self.engine.summed_grads
         self.engine.summed_grads = {}
-        rtol = 5e-2 if (tr.args.bf16 or tr.args.fp16) else 1e-3
+        rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
         escaped, unknown = [], [n for n, _ in params if n not in self.engine.params]
         for n, p in params:
             if n not in self.engine.params:
                 continue
-            ref = p.grad.full_tensor().to(tr.args.device)  # (CPU-offloaded grads: reduce on the job's device)
+            ref = p.grad.full_tensor().to(args.device)  # (CPU-offloaded grads: reduce on the job's device)
             mine = hooked.get(n)
             mine = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device) if mine is None else mine
             mine = mine.to(device=ref.device, dtype=torch.promote_types(ref.dtype, torch.float32)).reshape(ref.shape)
             dist.all_reduce(mine)
-            mine = mine / tr.expected_batch_size
+            mine = mine / self.pieces.expected_batch_size()
             tol = rtol * float(ref.abs().max().clamp(min=1e-12))
             if not torch.allclose(mine, ref.to(mine.dtype), rtol=rtol, atol=tol):
                 escaped.append(n)
         self._checking = False
-        tr._self_checked = True
-        if _all_max(bool(escaped or unknown), tr.args.device):
+        self.self_checked = True
+        if _all_max(bool(escaped or unknown), args.device):
             raise UnsupportedLayerError(
                 "Under FSDP, the gradient FSDP reduced differs from hf_dp's clipped sum for: "
                 + ", ".join(escaped + unknown or ["(on another rank)"]) + ". Either these parameters get gradient "
