@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from helpers import lm_dataset, tiny_gpt2
+from transformers import TrainerCallback
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping
@@ -84,11 +85,18 @@ def test_step_is_chosen_again_when_model_init_builds_a_new_model(tmp_path, step_
         torch.manual_seed(0)
         return tiny_gpt2()
 
-    trainer = DPTrainer(model_init=model_init, args=make_args(tmp_path), train_dataset=lm_dataset(32))
+    class AtTrainBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            at_begin.append(trainer._dp_step)
+
+    at_begin: list[DPStep] = []
+    trainer = DPTrainer(model_init=model_init, args=make_args(tmp_path), train_dataset=lm_dataset(32),
+                        callbacks=[AtTrainBegin()])
     first = trainer._dp_step
     _train(trainer)
     step = trainer._dp_step
     assert step is not first and type(step) is LocalDPStep
+    assert at_begin == [step]  # chosen when model_init built the model, not later by the trainable-set check
     clipped = {id(p) for p in step.engine.params.values()}
     assert clipped == {id(p) for p in trainer.model.parameters() if p.requires_grad}  # the new model's
     assert step_calls and all(s is step for s in step_calls)
