@@ -10,6 +10,10 @@ One logical step (Abadi et al. 2016; Li et al. 2022, §2 and App. A for DP-Adam)
 3. at the last chunk, Gaussian noise is added once and the sum divided by the expected batch size (``noise.py``),
    the result is written to ``param.grad``, and the accountant records the step (``accounting.py``);
 4. the Trainer then steps the user's optimizer and scheduler as usual.
+
+Steps 2-3 are the DP step strategy (``clipping/step.py``: ``clipping/local.py`` on one process or under DDP,
+``clipping/fsdp.py`` under FSDP2), chosen once per model and given its pieces, never the trainer; the run-time checks
+of the guarantee are in ``guarantee.py``. The trainer keeps the ``Trainer`` overrides and the wiring.
 """
 
 from __future__ import annotations
