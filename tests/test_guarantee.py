@@ -575,3 +575,39 @@ def test_hyperparameter_search_is_noted(tmp_path):
     assert "hyperparameter" not in trainer.dp_guarantee
     trainer.call_model_init(trial={"learning_rate": 0.5})  # what hyperparameter_search's train(trial=...) calls
     assert "hyperparameter search" in trainer.dp_guarantee
+
+
+# ---------------------------------------------------------------------- the checks as functions (guarantee.py)
+def test_trainable_set_change_decisions():
+    from hf_dp.guarantee import check_trainable_set_change
+
+    ok = dict(sharded=False, at_step_boundary=True, at_train_begin=False, group_clipping=None)
+    check_trainable_set_change("x", **ok)  # flat clipping at a step boundary: the engine is rebuilt
+    check_trainable_set_change("x", **{**ok, "at_step_boundary": False, "at_train_begin": True,
+                                       "group_clipping": "per_layer"})  # before train(): any mode
+    for change, match in [({"sharded": True}, "Under FSDP"), ({"at_step_boundary": False}, "middle of a DP step"),
+                          ({"group_clipping": "per_layer"}, "clipping='per_layer'")]:
+        with pytest.raises(RuntimeError, match=match):
+            check_trainable_set_change("x", **{**ok, **change})
+
+
+def test_stale_gradients_are_discarded():
+    from hf_dp.guarantee import discard_stale_gradients
+
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    assert discard_stale_gradients(model) == 2 and all(p.grad is None for p in model.parameters())
+    assert discard_stale_gradients(model) == 0
+
+
+def test_steps_within_budget_is_the_last_step_under_the_target():
+    from hf_dp.guarantee import budget_allows, steps_within_budget
+
+    def eps(n):
+        return 0.1 * n
+
+    assert steps_within_budget(eps, 10, None) is None
+    assert steps_within_budget(eps, 10, 5.0) == 10  # the whole plan fits
+    assert steps_within_budget(eps, 100, 2.55) == 25
+    assert steps_within_budget(eps, 100, 0.05) == 0
+    assert budget_allows(24, 1, 25) and not budget_allows(25, 1, 25) and budget_allows(10**6, 1, None)
