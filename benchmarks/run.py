@@ -967,15 +967,15 @@ def _instrument(runner: Runner, clock: PhaseClock) -> None:
     if isinstance(runner, TrainerRunner):
         tr = runner.trainer
         if runner.method != "nonprivate":
-            import hf_dp.trainer as trainer_mod
+            import hf_dp.clipping.local as local_step
 
             clock.wrap(tr, "per_example_loss", names[1])
             clock.wrap(ClippingEngine, "_process_group", names[3])
             clock.wrap(ClippingEngine, "per_example_norms_sq", names[4])
             clock.wrap(ClippingEngine, "accumulate_clipped", names[5])
             clock.wrap(ClippingEngine, "finish_fused", names[6])
-            clock.wrap(tr, "_finish_dp_step", names[7])
-            clock.wrap(trainer_mod, "privatize", names[8])
+            clock.wrap(tr._dp_step, "finish_step", names[7])  # the DP step strategy (hf_dp/clipping/local.py)
+            clock.wrap(local_step, "privatize", names[8])
         from transformers import TrainerCallback
 
         class OptimizerClock(TrainerCallback):
