@@ -132,6 +132,16 @@ _UNITS = ("example", "user")
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+PHRASES_TEMPLATE = "dp_card_phrases.md"
+"""The words both card templates share (macros and variables over the record ``dp``), rendered in front of each."""
+
+
+def card_template(name: str) -> str:
+    """The Jinja source a card is rendered from: the shared phrases (:data:`PHRASES_TEMPLATE`, which output
+    nothing) in front of the template ``name``."""
+    return load_template(PHRASES_TEMPLATE) + load_template(name)
+
+
 def load_template(name: str) -> str:
     """The text of a card template shipped inside the package (``hf_dp/templates/<name>``).
 
@@ -139,27 +149,6 @@ def load_template(name: str) -> str:
     repository's ``model_cards/`` directory holds links to the same files.
     """
     return resources.files("hf_dp").joinpath("templates", name).read_text(encoding="utf-8")
-
-
-def _trained_phrase(tp: Mapping[str, Any]) -> str:
-    method = tp.get("method", "unknown")
-    count, total = tp.get("count"), tp.get("total")
-    peft = tp.get("peft") or {}
-    if method == "full":
-        what = "all parameters (full fine-tuning)"
-    elif method == "partial":
-        what = "a subset of the parameters (the others were frozen)"
-    elif method == "lora":
-        targets = peft.get("target_modules")
-        what = f"LoRA adapters (r={peft.get('r')}, alpha={peft.get('lora_alpha')}" + (
-            f", on {', '.join(map(str, targets)) if isinstance(targets, list) else targets})" if targets else ")")
-    elif method in ("prefix", "prompt", "p-tuning"):
-        what = f"{method} tuning ({peft.get('num_virtual_tokens')} virtual tokens)"
-    else:
-        what = f"{method} parameters"
-    if isinstance(count, int) and isinstance(total, int) and total > 0:
-        what += f": {count:,} of {total:,} parameters ({100.0 * count / total:.3g} %)"
-    return what
 
 
 def _epsilons(record: PrivacyRecord, delta: float) -> tuple[float, float | None, float, str]:
@@ -341,17 +330,6 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def _clipping_phrase(dp: Mapping[str, Any]) -> str:
-    mode = str(dp.get("clipping", "flat"))
-    gt = dp.get("group_thresholds")
-    if gt is None:
-        return f"{mode}, threshold C = {_fmt(dp.get('per_sample_max_grad_norm'), 4)}"
-    k = len(gt) if isinstance(gt, (Mapping, list)) else "?"
-    adaptive = " (adaptive: final thresholds)" if dp.get("adaptive_clipping") else ""
-    return (f"{mode}: {k} groups{adaptive}, ‖(C_1..C_K)‖ = {_fmt(dp.get('l2_sensitivity'), 4)}; the thresholds are "
-            "in the metadata (`group_thresholds`)")
-
-
 def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
     g = str(dp.get("dp_guarantee", ""))
     if g.startswith("not strict"):
@@ -360,68 +338,22 @@ def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _unit_words(dp: Mapping[str, Any]) -> tuple[str, str, str]:
-    """(phrase, noun, long explanation) for the privacy unit."""
-    if dp.get("privacy_unit") == "user":
-        col = dp.get("user_id_column")
-        key = f" (all rows with the same `{col}`)" if col else ""
-        return ("adding or removing all training examples of one user", "user",
-                f"one user{key}: all of a user's examples together are protected.")
-    return ("adding or removing one training example", "example",
-            "one training example (one row of the training set). A person who contributed several rows is protected "
-            "as a group of that many examples (see below).")
-
-
-def _accountant_phrase(dp: Mapping[str, Any]) -> str:
-    """Names the accountant that produced the reported ε (``accountant_used``; the configured one for older records),
-    and says so when it is not the configured one."""
-    configured = str(dp.get("accountant", "prv"))
-    used = str(dp.get("accountant_used") or configured)
-    if used.startswith("prv"):
-        phrase = f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
-    elif used.startswith("pld"):
-        phrase = ("PLD accountant (privacy loss distributions with a pessimistic discretisation, Google's "
-                  f"dp-accounting {_version('dp-accounting') or ''}".rstrip() + "; an upper bound)")
-    elif used.startswith("rdp"):
-        phrase = "RDP accountant (Mironov 2017; a looser upper bound)"
-    else:
-        phrase = f"{used} accountant"
-    if not used.startswith(configured):
-        phrase += (f", because the configured {configured.upper()} accountant failed numerically for this mechanism "
-                   f"(`accountant_used: {used}`)")
-    return phrase
-
-
 def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
-    phrase, noun, long = _unit_words(dp)
+    """The data both card templates read besides the card metadata: the record ``dp`` and what their words
+    (``templates/dp_card_phrases.md``) need that Jinja does not compute: number formatting, e^ε, the guarantee's
+    notes as a list and the installed ``dp-accounting`` version (named when the PLD accountant produced ε)."""
     eps = dp.get("epsilon")
     if eps is None or not math.isfinite(float(eps)) or float(eps) > 700:
         exp_eps = "∞"
     else:
         e = math.exp(float(eps))
         exp_eps = f"{e:,.0f}" if 1e3 <= e < 1e9 else _fmt(e)
-    q = dp.get("sampling_rate")
-    sampling_phrase = (f"Poisson sampling, rate q = {_fmt(q, 4)}" if dp.get("sampling") == "poisson" else
-                       f"shuffled fixed-size batches, q = {_fmt(q, 4)} (ε assumes Poisson sampling: heuristic)")
-    accountant = dp.get("accountant", "prv")
     return {
         "dp": dict(dp),
-        "eps_text": f"ε = {_fmt(eps)}",
-        "delta_text": f"δ = {_fmt(dp.get('delta'))}",
-        "delta_value": _fmt(dp.get("delta")),
-        "eps_prv_text": _fmt(dp.get("epsilon_prv"), 4),
-        "eps_rdp_text": _fmt(dp.get("epsilon_rdp"), 4),
+        "fmt": _fmt,
         "exp_eps_text": exp_eps,
-        "unit_phrase": phrase,
-        "unit_noun": noun,
-        "unit_long": long,
-        "sampling_phrase": sampling_phrase,
-        "accountant_phrase": _accountant_phrase(dp),
-        "accountant_label": str(dp.get("accountant_used") or accountant).split(" (")[0].upper(),
-        "accountant_fell_back": not str(dp.get("accountant_used") or accountant).startswith(accountant),
-        "trained_phrase": _trained_phrase(dp.get("trained_parameters") or {}),
-        "clipping_phrase": _clipping_phrase(dp),
         "guarantee_notes": _guarantee_notes(dp),
+        "dp_accounting_version": _version("dp-accounting") or "",
     }
 
 
@@ -475,32 +407,6 @@ def _eval_results(eval_metrics: Mapping[str, Any] | None, task: str, dataset_lab
         out.append(EvalResult(task_type=task, dataset_type=kind, dataset_name=name, dataset_split=eval_dataset_split,
                               metric_type=metric, metric_name=metric, metric_value=_round(float(value))))
     return out
-
-
-def _audit_lines(audit: Mapping[str, Any]) -> list[str]:
-    """Plain-words lines for the card body about the empirical audits in the ``audit`` metadata."""
-    lines = []
-    mia = audit.get("membership_inference") if audit else None
-    if isinstance(mia, Mapping):
-        attacks = mia.get("attacks") or {}
-        parts = []
-        for name, m in attacks.items():
-            text = f"{name} attack AUC {_fmt(m.get('auc'), 3)}"
-            if m.get("epsilon_lower_bound") is not None:
-                text += f", empirical ε lower bound {_fmt(m.get('epsilon_lower_bound'), 3)}"
-            parts.append(text)
-        lines.append(
-            f"**Membership inference** ({mia.get('num_members')} training examples vs {mia.get('num_nonmembers')} "
-            f"held-out examples, at step {mia.get('step')}): {'; '.join(parts) or 'no attack result'}. These "
-            "results are computed from private training examples (their losses under the model): they are "
-            "statistics of the private data, **not covered by the guarantee**, which is why it is marked not strict.")
-    canary = audit.get("canary_exposure") if audit else None
-    if isinstance(canary, Mapping):
-        reps = canary.get("by_repetitions") or {}
-        shown = ", ".join(f"{_fmt((v or {}).get('mean'), 3)} bits for canaries repeated {r}×" for r, v in reps.items())
-        lines.append(f"**Canary exposure** (Carlini et al. 2019; maximum possible {_fmt(canary.get('max_exposure'), 3)}"
-                     f" bits): {shown or 'n/a'}. The canaries are synthetic secrets inserted by the data holder.")
-    return lines
 
 
 def _base_model(record: PrivacyRecord, explicit: Any = None) -> tuple[list[str], str | None]:
@@ -599,18 +505,17 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
         base_model=base_model,
         base_model_local=base_model_local,
         dataset_name=dataset_label,
-        optimizer_phrase=("DP-Adam (Adam on privatized gradients)" if opt_tag == "dp-adam" else
-                          "DP-SGD (the optimizer steps on privatized gradients)"),
+        optimizer_tag=opt_tag,
         is_peft=is_peft,
         load_best_model_at_end=bool(record.load_best_model_at_end),
         reproduce_code=reproduce_epsilon_code(dp),
         eval_results=[(r.metric_type, _fmt(r.metric_value, 4)) for r in eval_results or []],
         eval_dataset=(eval_results[0].dataset_name if eval_results else None),
-        audit_lines=_audit_lines(audit),
+        audit=audit,
         hyperparameters=list(hyperparameters or []),
         versions=_versions(is_peft),
     )
-    return ModelCard.from_template(card_data, template_str=load_template(MODEL_CARD_TEMPLATE), **template_kwargs)
+    return ModelCard.from_template(card_data, template_str=card_template(MODEL_CARD_TEMPLATE), **template_kwargs)
 
 
 def _block(text: str) -> str:

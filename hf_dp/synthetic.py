@@ -311,7 +311,7 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
     template_kwargs = cards._common_template_kwargs(dp)
     template_kwargs.update(pretty_name=pretty_name, num_samples=num_samples if num_samples is not None else "The",
                            generator=sampling.get("generator"), sampling_rows=rows)
-    card = DatasetCard.from_template(card_data, template_str=cards.load_template(cards.DATASET_CARD_TEMPLATE),
+    card = DatasetCard.from_template(card_data, template_str=cards.card_template(cards.DATASET_CARD_TEMPLATE),
                                      **template_kwargs)
     explicit = [k for k, v in (("license", license), ("language", language), ("pretty_name", pretty_name)) if v]
     explicit += ["synthetic_data", "size_categories", "task_categories"]
