@@ -72,7 +72,7 @@ def _plain(x: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------- the record
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PrivacyRecord:
     """A DP run's guarantee: a frozen description of the run plus its live accountant.
 
