@@ -622,13 +622,9 @@ def dp_run(name: str, model: torch.nn.Module, args: DPCLMArguments, data: datase
 
 
 def write_card(trainer: DPTrainer, **kwargs: Any) -> None:
-    """The privacy model card (``hf_dp.cards.create_model_card``) next to the saved model."""
-    try:
-        from hf_dp.cards import create_model_card
-    except ImportError:  # pragma: no cover - older hf_dp
-        logger.warning("hf_dp.cards is not available: no privacy model card written.")
-        return
-    create_model_card(trainer, **kwargs)
+    """The privacy model card next to the saved model (``DPTrainer.create_model_card``: ``hf_dp.cards`` rendering
+    the trainer's privacy record)."""
+    trainer.create_model_card(**kwargs)
 
 
 def non_private_run(name: str, model: torch.nn.Module, args: DPCLMArguments, max_steps: int,

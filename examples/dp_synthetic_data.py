@@ -83,7 +83,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import load_austen, load_fortunes  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
-from hf_dp.cards import create_model_card  # noqa: E402
 from hf_dp.synthetic import generate_synthetic_dataset, save_synthetic_dataset  # noqa: E402
 
 logger = logging.getLogger("dp_synthetic_data")
@@ -320,7 +319,7 @@ def main(args: SyntheticDataArguments) -> dict[str, Any]:
     gen_trainer = train_dp(args, generator, private, out / "generator", args.generator_lr)
     eps = gen_trainer.privacy_spent()["epsilon"]
     gen_trainer.save_model()
-    create_model_card(gen_trainer, model_name="dp-fortunes-generator", dataset_name="fortunes (private split)")
+    gen_trainer.create_model_card(model_name="dp-fortunes-generator", dataset_name="fortunes (private split)")
     record("generator", gen_trainer.model, "real private data", f"DP, ε={eps:.2f}", time.time() - t0)
     record("small", small_base, "public text only", "no private data", 0)
 

@@ -11,6 +11,7 @@ from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFl
 from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
+from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
 from .trainer import DPTrainer
@@ -52,6 +53,7 @@ __all__ = [
     "PoissonBatchSampler",
     "PoissonUserSampler",
     "PrivacyAccountant",
+    "PrivacyRecord",
     "ShuffledBatchSampler",
     "UnsupportedLayerError",
     "WithinLayerFlattening",

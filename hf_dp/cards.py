@@ -1,19 +1,23 @@
 """Privacy metadata in model cards: write it, validate it locally, read it back.
 
-A DP model is only as useful as what its card says about the guarantee. This module turns a :class:`~hf_dp.DPTrainer`
-into a ``differential_privacy`` mapping of the card's YAML metadata (a custom ``ModelCardData`` field, emitted as a
-nested mapping by ``huggingface_hub``) and a plain-words card body, rendered from the Jinja template
-``hf_dp/templates/dp_model_card.md`` with ``huggingface_hub.ModelCard.from_template``: the pattern of trl's
-``generate_model_card`` (``trl/trainer/utils.py``, template ``trl/templates/lm_model_card.md``).
+A DP model is only as useful as what its card says about the guarantee. This module turns a
+:class:`~hf_dp.record.PrivacyRecord` (what ``DPTrainer.privacy_record()`` returns, or what ``dp_state.json`` holds:
+:meth:`PrivacyRecord.load <hf_dp.record.PrivacyRecord.load>`) into a ``differential_privacy`` mapping of the card's
+YAML metadata (a custom ``ModelCardData`` field, emitted as a nested mapping by ``huggingface_hub``) and a
+plain-words card body, rendered from the Jinja template ``hf_dp/templates/dp_model_card.md`` with
+``huggingface_hub.ModelCard.from_template``: the pattern of trl's ``generate_model_card`` (``trl/trainer/utils.py``,
+template ``trl/templates/lm_model_card.md``). It never reads a trainer: what only the trainer knows and is not a
+privacy fact (hyperparameters, evaluation metrics, tags of the model) comes in as plain keyword metadata.
 
 * :func:`privacy_metadata` — the ``differential_privacy`` record: ε (PRV upper bound, Gopi, Lee & Wutschitz 2021,
   and RDP, Mironov 2017), δ, accountant and ``prv-accountant`` version, σ, q, sampling method, steps, epochs,
-  expected batch size, N, C, clipping mode (and group thresholds when the trainer has them), noise allocation,
-  privacy unit, trained parameters (full / LoRA / prefix / prompt, from the PEFT config) and ``dp_guarantee``.
+  expected batch size, N, C, clipping mode (and group thresholds), noise allocation, privacy unit, trained
+  parameters (full / LoRA / prefix / prompt) and ``dp_guarantee``.
 * :func:`create_model_card` — writes ``README.md``: the card body says what the guarantee covers and what it does
   not (pre-training data, hyperparameter tuning and model selection on private data, logged training loss, ...) and
   how to reproduce ε. The training loss is never written to the card. A README that ``peft`` wrote for an adapter
   is merged (its metadata and body are kept; the hf_dp block is inserted or replaced), never overwritten.
+* :func:`card_from_dp_state` — the same card from ``dp_state.json`` alone (what a Hub user has).
 * :func:`validate_card` — local validation (the Hub's ``/api/validate-yaml`` endpoint is unreachable offline):
   the YAML parses with ``ModelCard.load``, the required keys are present and have the right types, and
   ``base_model`` holds Hub ids only (a base model loaded from a local directory is named ``local files <name>`` in
@@ -27,32 +31,40 @@ The same record, unchanged, is the ``differential_privacy`` metadata of DP synth
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import numbers
 import os
 import re
 from collections.abc import Mapping, Sequence
-from importlib import metadata as _metadata
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.repocard import RepoCard
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import DPTrainer
+from .record import (
+    LOCAL_BASE_MODEL_PREFIX,
+    PrivacyRecord,
+    _plain,
+    _version,
+    is_hub_model_id,
+    name_base_models,
+    split_base_model,
+)
 
 __all__ = [
     "BLOCK_BEGIN",
     "BLOCK_END",
     "CARD_MARKER",
     "CARD_TAGS",
+    "LOCAL_BASE_MODEL_PREFIX",
+    "PHRASES_TEMPLATE",
     "REQUIRED_KEYS",
+    "card_from_dp_state",
+    "card_template",
     "create_model_card",
     "is_hub_model_id",
     "load_template",
@@ -119,19 +131,17 @@ _ACCOUNTANTS = ("prv", "rdp")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _SAMPLING = ("poisson", "shuffled")
 _UNITS = ("example", "user")
-_PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt", "P_TUNING": "p-tuning"}
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def _version(dist: str) -> str | None:
-    try:
-        return _metadata.version(dist)
-    except _metadata.PackageNotFoundError:
-        return None
+PHRASES_TEMPLATE = "dp_card_phrases.md"
+"""The words both card templates share (macros and variables over the record ``dp``), rendered in front of each."""
 
 
-def _hf_dp_version() -> str:
-    return _version("hf_dp") or "unknown"
+def card_template(name: str) -> str:
+    """The Jinja source a card is rendered from: the shared phrases (:data:`PHRASES_TEMPLATE`, which output
+    nothing) in front of the template ``name``."""
+    return load_template(PHRASES_TEMPLATE) + load_template(name)
 
 
 def load_template(name: str) -> str:
@@ -143,148 +153,14 @@ def load_template(name: str) -> str:
     return resources.files("hf_dp").joinpath("templates", name).read_text(encoding="utf-8")
 
 
-def _plain(x: Any) -> Any:
-    """Converts tensors, numpy scalars/arrays, enums, sets and tuples into YAML-safe Python values."""
-    if isinstance(x, enum.Enum):  # before str: transformers' ExplicitEnum subclasses str
-        return _plain(x.value)
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, numbers.Integral):
-        return int(x)
-    if isinstance(x, numbers.Real):
-        return float(x)
-    if hasattr(x, "tolist") and callable(x.tolist):  # torch.Tensor, numpy arrays and scalars
-        return _plain(x.tolist())
-    if hasattr(x, "item") and callable(x.item):
-        return _plain(x.item())
-    if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, (set, frozenset)):
-        return sorted((_plain(v) for v in x), key=str)
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    return str(x)
-
-
-def _first_attr(objs: Sequence[Any], names: Sequence[str]) -> Any:
-    """The first attribute among ``names`` that is set (not None) on any of ``objs``; None otherwise."""
-    for name in names:
-        for obj in objs:
-            value = getattr(obj, name, None)
-            if value is not None and not callable(value):
-                return value
-    return None
-
-
-def _unwrap(trainer: Any) -> Any:
-    model = trainer.model
-    accelerator = getattr(trainer, "accelerator", None)
-    if accelerator is not None:
-        try:
-            model = accelerator.unwrap_model(model)
-        except Exception:  # pragma: no cover - unwrap only fails for exotic wrappers
-            pass
-    return model
-
-
-def _optimizer_info(trainer: Any) -> tuple[str, str]:
-    """(optimizer description, ``dp-adam`` or ``dp-sgd`` tag) from the trainer's optimizer or ``args.optim``."""
-    opt = getattr(trainer, "optimizer", None)
-    opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
-    name = type(opt).__name__ if opt is not None else str(_plain(trainer.args.optim))
-    tag = "dp-adam" if "adam" in name.lower() else "dp-sgd"
-    label = "DP-Adam" if tag == "dp-adam" else "DP-SGD"
-    return f"{label} ({name})", tag
-
-
-def _trained_parameters(trainer: Any) -> dict[str, Any]:
-    """Which parameters were trained (and hence are covered): full / partial / LoRA / prefix / prompt, and counts."""
-    model = _unwrap(trainer)
-    engine = getattr(trainer, "clipping_engine", None)
-    params = getattr(engine, "params", None)
-    if not params:
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    seen: set[int] = set()
-    count = 0
-    for p in params.values():
-        if id(p) not in seen:
-            seen.add(id(p))
-            count += p.numel()
-    total = sum(p.numel() for p in model.parameters())  # parameters() deduplicates tied weights
-    info: dict[str, Any] = {"count": int(count), "total": int(total), "tensors": len(seen)}
-    peft_configs = getattr(model, "peft_config", None)
-    if isinstance(peft_configs, Mapping) and peft_configs:
-        active = getattr(model, "active_adapter", None)
-        if isinstance(active, (list, tuple)):
-            active = active[0] if active else None
-        cfg = peft_configs.get(active) if active in peft_configs else next(iter(peft_configs.values()))
-        peft_type = str(_plain(getattr(cfg, "peft_type", "unknown"))).upper()
-        info["method"] = _PEFT_METHODS.get(peft_type, peft_type.lower())
-        peft: dict[str, Any] = {"peft_type": peft_type, "peft_version": _version("peft")}
-        for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "num_virtual_tokens", "modules_to_save",
-                    "use_rslora", "use_dora", "prefix_projection", "task_type"):
-            value = getattr(cfg, key, None)
-            if value is not None and value is not False:
-                peft[key] = _plain(value)
-        info["peft"] = peft
-    else:
-        info["method"] = "full" if count == total else "partial"
-    return info
-
-
-def _trained_phrase(tp: Mapping[str, Any]) -> str:
-    method = tp.get("method", "unknown")
-    count, total = tp.get("count"), tp.get("total")
-    peft = tp.get("peft") or {}
-    if method == "full":
-        what = "all parameters (full fine-tuning)"
-    elif method == "partial":
-        what = "a subset of the parameters (the others were frozen)"
-    elif method == "lora":
-        targets = peft.get("target_modules")
-        what = f"LoRA adapters (r={peft.get('r')}, alpha={peft.get('lora_alpha')}" + (
-            f", on {', '.join(map(str, targets)) if isinstance(targets, list) else targets})" if targets else ")")
-    elif method in ("prefix", "prompt", "p-tuning"):
-        what = f"{method} tuning ({peft.get('num_virtual_tokens')} virtual tokens)"
-    else:
-        what = f"{method} parameters"
-    if isinstance(count, int) and isinstance(total, int) and total > 0:
-        what += f": {count:,} of {total:,} parameters ({100.0 * count / total:.3g} %)"
-    return what
-
-
-def _group_clipping(trainer: Any) -> tuple[Any, dict[str, Any] | None]:
-    """(final group thresholds ``{group: C_k}`` or None, adaptive-clipping settings or None), read defensively."""
-    gc = getattr(trainer, "group_clipper", None)
-    if gc is None:
-        return None, None
-    thresholds = _plain(getattr(gc, "thresholds", None))
-    names = [getattr(g, "name", str(i)) for i, g in enumerate(getattr(gc, "groups", None) or [])]
-    if isinstance(thresholds, list) and len(names) == len(thresholds):
-        thresholds = dict(zip(names, thresholds))
-    adaptive = None
-    if getattr(gc, "adaptive", False):
-        args = trainer.args
-        adaptive = {"target_quantile": _plain(getattr(gc, "target_quantile", getattr(args, "target_quantile", None))),
-                    "quantile_lr": _plain(getattr(gc, "quantile_lr", getattr(args, "quantile_lr", None)))}
-        split = getattr(trainer, "_quantile_noise", None)
-        if callable(split):
-            try:  # (σ of the gradient, σ_b of the clip counts); composed they are the accounted σ (Prop. 3.1)
-                sigma_grad, sigma_b = split()
-                adaptive.update(gradient_noise_multiplier=float(sigma_grad), count_noise_multiplier=float(sigma_b))
-            except Exception:  # pragma: no cover - only informative
-                pass
-    return thresholds, adaptive
-
-
-def _epsilons(trainer: Any, delta: float) -> tuple[float, float | None, float, str]:
+def _epsilons(record: PrivacyRecord, delta: float) -> tuple[float, float | None, float, str]:
     """(reported ε, PRV upper bound or None if PRV cannot compute it, RDP ε, accountant that produced the reported ε).
 
-    The reported ε and its accountant are the trainer's (``privacy_spent()``, whose ``accountant_used`` names the
-    accountant that actually produced the number, e.g. ``"pld (prv-accountant failed numerically)"``). Without that
-    key: the configured accountant, or RDP when the PRV computation fails (labelled as such).
+    The reported ε and its accountant are the record's (:meth:`PrivacyRecord.spent`, whose ``accountant_used`` names
+    the accountant that actually produced the number, e.g. ``"pld (prv-accountant failed numerically)"``). Without
+    that key: the configured accountant, or RDP when the PRV computation fails (labelled as such).
     """
-    acc = trainer.accountant
+    acc = record.accountant
     eps_rdp = float(acc.get_epsilon(delta, accountant="rdp"))
     try:
         eps_prv: float | None = float(acc.get_epsilon_bounds(delta)[2])
@@ -292,15 +168,13 @@ def _epsilons(trainer: Any, delta: float) -> tuple[float, float | None, float, s
         logger.warning("hf_dp: PRV accounting failed (%s); the card reports which accountant produced ε.", err)
         eps_prv = None
     spent = None
-    privacy_spent = getattr(trainer, "privacy_spent", None)
-    if callable(privacy_spent):
-        try:
-            spent = privacy_spent(delta)
-        except Exception as err:  # noqa: BLE001 - the card falls back to its own computation, said below
-            logger.warning("hf_dp: privacy_spent() failed (%s); the card computes ε from the accountant.", err)
+    try:
+        spent = record.spent(delta)
+    except Exception as err:  # noqa: BLE001 - the card falls back to its own computation, said below
+        logger.warning("hf_dp: the record's ε failed (%s); the card computes ε from the accountant.", err)
     if isinstance(spent, Mapping) and spent.get("accountant_used"):
         return float(spent["epsilon"]), eps_prv, eps_rdp, str(spent["accountant_used"])
-    configured = str(getattr(trainer.args, "accountant", "prv"))
+    configured = str(record.accountant_name or "prv")
     if configured == "rdp":
         return eps_rdp, eps_prv, eps_rdp, "rdp"
     if eps_prv is None:
@@ -324,21 +198,20 @@ def _round(x: float | None, digits: int = 6) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ the metadata
-def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
-    """The ``differential_privacy`` record of a trained :class:`~hf_dp.DPTrainer` (a YAML-safe dict).
+def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
+    """The ``differential_privacy`` record of a run (a YAML-safe dict), from its :class:`~hf_dp.record.PrivacyRecord`.
 
-    Reads the trainer's accountant and settings only, never a training example (``len(train_dataset)`` gives N).
-    Optional fields of group-wise / adaptive clipping and user-level DP are read defensively, so they appear as soon
-    as the trainer has them: ``trainer.group_clipper`` (its groups and current thresholds, i.e. the final ones for
-    adaptive clipping; or a ``trainer.group_thresholds`` attribute), ``noise_allocation`` (trainer or args),
-    ``args.privacy_unit`` and ``args.user_id_column``. ``base_model`` (the model's ``config._name_or_path`` or PEFT
-    base) is set when known: a Hub id, or ``"local files <name>"`` for a local directory.
+    Reads the record only (its accountant and its description of the run), never a training example. Optional
+    fields appear when the run has them: ``group_thresholds`` (group-wise clipping; the final thresholds for
+    adaptive clipping) and ``adaptive_clipping``, the user-level settings (``user_id_column``, ...), ``base_model``
+    (a Hub id, or ``"local files <name>"`` for a local directory).
 
     Args:
-        trainer: A DPTrainer after at least one DP step.
+        record: The run's record, after at least one DP step (``DPTrainer.privacy_record()``, or
+            ``PrivacyRecord.load("dp_state.json")``).
 
     Returns:
-        The mapping described in :data:`REQUIRED_KEYS` (plus optional keys): ``epsilon`` is the guarantee the trainer
+        The mapping described in :data:`REQUIRED_KEYS` (plus optional keys): ``epsilon`` is the guarantee the record
         reports (its configured accountant; the PRV upper bound by default), ``epsilon_prv`` the PRV upper bound and
         ``epsilon_rdp`` the RDP bound, all at ``delta``; ``mechanisms`` lists the (σ, q, steps) phases the
         accountant composed, enough to recompute ε without hf_dp.
@@ -346,86 +219,75 @@ def privacy_metadata(trainer: DPTrainer) -> dict[str, Any]:
     Raises:
         ValueError: If no DP step has run yet (there is no guarantee to describe).
     """
-    acc = trainer.accountant
+    acc = record.accountant
     steps = int(acc.steps)
     if steps == 0:
         raise ValueError("No DP step has been recorded yet: train before writing privacy metadata.")
-    args = trainer.args
-    delta = float(trainer.target_delta)
-    eps, eps_prv, eps_rdp, accountant_used = _epsilons(trainer, delta)
-    sigma = trainer.noise_multiplier
-    C = float(args.per_sample_max_grad_norm)
+    delta = float(record.delta)
+    eps, eps_prv, eps_rdp, accountant_used = _epsilons(record, delta)
+    C = float(record.per_sample_max_grad_norm)
     mechanisms = _aggregate_mechanisms(acc.history)
-    optimizer, _ = _optimizer_info(trainer)
-
-    objs = (trainer, args)
-    clipping = str(_plain(getattr(args, "clipping", "flat")))
-    group_thresholds, adaptive = _group_clipping(trainer)
-    if group_thresholds is None:
-        group_thresholds = _first_attr(objs, ("group_thresholds", "clipping_thresholds"))
+    group_thresholds = record.group_thresholds
     # L2 sensitivity of one step's summed clipped gradient: C (flat), ‖(C_1..C_K)‖ (groups; He et al. 2023 §3.3).
     sensitivity = C
     values = list(group_thresholds.values()) if isinstance(group_thresholds, Mapping) else group_thresholds
     if isinstance(values, list) and values and all(_is_number(v) for v in values):
         sensitivity = math.sqrt(sum(float(v) ** 2 for v in values))
-    noise_allocation = _first_attr(objs, ("noise_allocation",)) or "global"
-    unit = str(_plain(getattr(args, "privacy_unit", None) or "example"))
-    user_id_column = getattr(args, "user_id_column", None) if unit == "user" else None
+    unit = str(record.privacy_unit or "example")
 
     rec: dict[str, Any] = {
         "epsilon": _round(eps),
         "epsilon_prv": _round(eps_prv),
         "epsilon_rdp": _round(eps_rdp),
         "delta": float(delta),
-        "target_epsilon": _plain(args.target_epsilon),
-        "accountant": str(getattr(args, "accountant", "prv")),
+        "target_epsilon": _plain(record.target_epsilon),
+        "accountant": str(record.accountant_name),
         "accountant_used": accountant_used,
         "accountant_library": "prv-accountant",
-        "prv_accountant_version": str(acc.state_dict().get("prv_accountant_version") or _version("prv-accountant")),
+        "prv_accountant_version": str(record.prv_accountant_version or acc.state_dict().get("prv_accountant_version")
+                                      or _version("prv-accountant")),
         "eps_error": float(acc.eps_error),
         "delta_error": float(acc.delta_error) if acc.delta_error is not None else float(delta) / 1000,
-        "noise_multiplier": _plain(sigma),
-        "sampling_rate": float(trainer.sample_rate),
-        "sampling": "poisson" if args.poisson_sampling else "shuffled",
+        "noise_multiplier": _plain(record.noise_multiplier),
+        "sampling_rate": float(record.sample_rate),
+        "sampling": "poisson" if record.poisson_sampling else "shuffled",
         "steps": steps,
         "epochs": _round(sum(m["steps"] * m["sampling_rate"] for m in mechanisms), 4),
-        "expected_batch_size": int(trainer.expected_batch_size),
-        "dataset_size": int(trainer.num_examples_private),
+        "expected_batch_size": int(record.expected_batch_size),
+        "dataset_size": int(record.num_examples),
         "per_sample_max_grad_norm": C,
         "l2_sensitivity": _round(sensitivity),
-        "clipping": clipping,
+        "clipping": str(record.clipping),
     }
     if group_thresholds is not None:
         rec["group_thresholds"] = _plain(group_thresholds)
-    if adaptive is not None:
-        rec["adaptive_clipping"] = adaptive
-    rec["noise_allocation"] = str(_plain(noise_allocation))
+    if record.adaptive_clipping is not None:
+        rec["adaptive_clipping"] = _plain(record.adaptive_clipping)
+    rec["noise_allocation"] = str(record.noise_allocation or "global")
     rec["privacy_unit"] = unit
     if unit == "user":
-        rec["user_id_column"] = None if user_id_column is None else str(user_id_column)
+        rec["user_id_column"] = None if record.user_id_column is None else str(record.user_id_column)
         for key in ("max_examples_per_user", "user_contribution"):
-            value = getattr(args, key, None)
+            value = getattr(record, key)
             if value is not None:
                 rec[key] = _plain(value)
-        try:  # rows (examples) of all users; dataset_size counts users
-            rec["num_examples"] = int(len(trainer.train_dataset))
-        except (TypeError, AttributeError):
-            pass
-    rec["trained_parameters"] = _trained_parameters(trainer)
-    hub_ids, local = _base_model(_unwrap(trainer))
-    if hub_ids or local:  # what the guarantee does not cover: the base model's (non-private) pre-training
-        rec["base_model"] = "; ".join([*hub_ids, *([local] if local else [])])
+        if record.num_rows is not None:  # rows (examples) of all users; dataset_size counts users
+            rec["num_examples"] = int(record.num_rows)
+    rec["trained_parameters"] = _plain(record.trained_parameters or {})
+    if record.base_model:  # what the guarantee does not cover: the base model's (non-private) pre-training
+        rec["base_model"] = str(record.base_model)
     rec["mechanisms"] = mechanisms
-    rec["optimizer"] = optimizer
-    rec["dp_seed"] = "secret (drawn from the OS)" if args.dp_seed is None else "fixed (known seed: voids the guarantee)"
-    if getattr(args, "secure_mode", False):
+    rec["optimizer"] = str(record.optimizer)
+    rec["dp_seed"] = ("fixed (known seed: voids the guarantee)" if record.dp_seed == "fixed" else
+                      "secret (drawn from the OS)")
+    if record.secure_mode:
         rec["noise_source"] = ("secure mode: a fresh 64-bit OS seed per step, 4 Gaussian draws per coordinate "
                                "(Holohan & Braghin 2021, §5.1, as Opacus' secure_mode)")
     else:
         rec["noise_source"] = "torch generator; per-step seeds derived from the run's seed"
-    rec["budget_exhausted"] = bool(getattr(trainer, "budget_exhausted", False))
-    rec["dp_guarantee"] = str(trainer.dp_guarantee)
-    rec["hf_dp_version"] = _hf_dp_version()
+    rec["budget_exhausted"] = bool(record.budget_exhausted)
+    rec["dp_guarantee"] = str(record.dp_guarantee)
+    rec["hf_dp_version"] = str(record.hf_dp_version)
     return rec
 
 
@@ -470,17 +332,6 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return str(x)
 
 
-def _clipping_phrase(dp: Mapping[str, Any]) -> str:
-    mode = str(dp.get("clipping", "flat"))
-    gt = dp.get("group_thresholds")
-    if gt is None:
-        return f"{mode}, threshold C = {_fmt(dp.get('per_sample_max_grad_norm'), 4)}"
-    k = len(gt) if isinstance(gt, (Mapping, list)) else "?"
-    adaptive = " (adaptive: final thresholds)" if dp.get("adaptive_clipping") else ""
-    return (f"{mode}: {k} groups{adaptive}, ‖(C_1..C_K)‖ = {_fmt(dp.get('l2_sensitivity'), 4)}; the thresholds are "
-            "in the metadata (`group_thresholds`)")
-
-
 def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
     g = str(dp.get("dp_guarantee", ""))
     if g.startswith("not strict"):
@@ -489,96 +340,23 @@ def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _unit_words(dp: Mapping[str, Any]) -> tuple[str, str, str]:
-    """(phrase, noun, long explanation) for the privacy unit."""
-    if dp.get("privacy_unit") == "user":
-        col = dp.get("user_id_column")
-        key = f" (all rows with the same `{col}`)" if col else ""
-        return ("adding or removing all training examples of one user", "user",
-                f"one user{key}: all of a user's examples together are protected.")
-    return ("adding or removing one training example", "example",
-            "one training example (one row of the training set). A person who contributed several rows is protected "
-            "as a group of that many examples (see below).")
-
-
-def _accountant_phrase(dp: Mapping[str, Any]) -> str:
-    """Names the accountant that produced the reported ε (``accountant_used``; the configured one for older records),
-    and says so when it is not the configured one."""
-    configured = str(dp.get("accountant", "prv"))
-    used = str(dp.get("accountant_used") or configured)
-    if used.startswith("prv"):
-        phrase = f"PRV accountant (Gopi et al. 2021; upper bound of prv-accountant {dp.get('prv_accountant_version')})"
-    elif used.startswith("pld"):
-        phrase = ("PLD accountant (privacy loss distributions with a pessimistic discretisation, Google's "
-                  f"dp-accounting {_version('dp-accounting') or ''}".rstrip() + "; an upper bound)")
-    elif used.startswith("rdp"):
-        phrase = "RDP accountant (Mironov 2017; a looser upper bound)"
-    else:
-        phrase = f"{used} accountant"
-    if not used.startswith(configured):
-        phrase += (f", because the configured {configured.upper()} accountant failed numerically for this mechanism "
-                   f"(`accountant_used: {used}`)")
-    return phrase
-
-
 def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
-    phrase, noun, long = _unit_words(dp)
+    """The data both card templates read besides the card metadata: the record ``dp`` and what their words
+    (``templates/dp_card_phrases.md``) need that Jinja does not compute: number formatting, e^ε, the guarantee's
+    notes as a list and the installed ``dp-accounting`` version (named when the PLD accountant produced ε)."""
     eps = dp.get("epsilon")
     if eps is None or not math.isfinite(float(eps)) or float(eps) > 700:
         exp_eps = "∞"
     else:
         e = math.exp(float(eps))
         exp_eps = f"{e:,.0f}" if 1e3 <= e < 1e9 else _fmt(e)
-    q = dp.get("sampling_rate")
-    sampling_phrase = (f"Poisson sampling, rate q = {_fmt(q, 4)}" if dp.get("sampling") == "poisson" else
-                       f"shuffled fixed-size batches, q = {_fmt(q, 4)} (ε assumes Poisson sampling: heuristic)")
-    accountant = dp.get("accountant", "prv")
     return {
         "dp": dict(dp),
-        "eps_text": f"ε = {_fmt(eps)}",
-        "delta_text": f"δ = {_fmt(dp.get('delta'))}",
-        "delta_value": _fmt(dp.get("delta")),
-        "eps_prv_text": _fmt(dp.get("epsilon_prv"), 4),
-        "eps_rdp_text": _fmt(dp.get("epsilon_rdp"), 4),
+        "fmt": _fmt,
         "exp_eps_text": exp_eps,
-        "unit_phrase": phrase,
-        "unit_noun": noun,
-        "unit_long": long,
-        "sampling_phrase": sampling_phrase,
-        "accountant_phrase": _accountant_phrase(dp),
-        "accountant_label": str(dp.get("accountant_used") or accountant).split(" (")[0].upper(),
-        "accountant_fell_back": not str(dp.get("accountant_used") or accountant).startswith(accountant),
-        "trained_phrase": _trained_phrase(dp.get("trained_parameters") or {}),
-        "clipping_phrase": _clipping_phrase(dp),
         "guarantee_notes": _guarantee_notes(dp),
+        "dp_accounting_version": _version("dp-accounting") or "",
     }
-
-
-def _hyperparameters(trainer: Any) -> list[tuple[str, Any]]:
-    """The Trainer's training hyperparameters (public settings; never a metric computed on the data)."""
-    a = trainer.args
-    hp: list[tuple[str, Any]] = [
-        ("learning_rate", a.learning_rate),
-        ("optimizer", _optimizer_info(trainer)[0] + f", args.optim={_plain(a.optim)}"),
-    ]
-    if "adam" in str(_plain(a.optim)).lower():
-        hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
-        hp.append(("adam_epsilon", a.adam_epsilon))
-    hp += [
-        ("weight_decay", a.weight_decay),
-        ("lr_scheduler_type", _plain(a.lr_scheduler_type)),
-        ("warmup_steps", getattr(a, "warmup_steps", 0)),
-        ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
-        ("gradient_accumulation_steps", a.gradient_accumulation_steps),
-        ("num_processes", a.world_size),
-        ("expected_batch_size", trainer.expected_batch_size),
-        ("training_steps", trainer.accountant.steps),
-        ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
-        ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
-        ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
-        ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
-    ]
-    return hp
 
 
 def _versions(is_peft: bool) -> list[tuple[str, str]]:
@@ -586,69 +364,6 @@ def _versions(is_peft: bool) -> list[tuple[str, str]]:
     if is_peft:
         names.insert(2, "peft")
     return [(n, v) for n in names if (v := _version(n)) is not None]
-
-
-_GENERIC_DIR_NAMES = frozenset({"model", "models", "weights", "pretrained", "checkpoint", "final", "snapshot", "hf",
-                                 "transformers", "base", "base_model", "output", "outputs"})
-"""Directory names too generic to name a local base model alone (the parent is added: ``pkg/model``)."""
-LOCAL_BASE_MODEL_PREFIX = "local files "
-"""How a base model loaded from a local directory is named in the card body and the ``differential_privacy``
-record (``base_model: local files <name>``); the YAML ``base_model`` field only takes Hub ids."""
-
-
-def is_hub_model_id(name: Any, check_local: bool = True) -> bool:
-    """Whether ``name`` can go into the YAML ``base_model`` field: a Hub repo id (``name`` or ``namespace/name``,
-    :func:`huggingface_hub.utils.validate_repo_id`), not a path (absolute, ``./``, ``~``).
-
-    With ``check_local`` (when a card is written), a name that exists as a local file or directory is not a Hub id
-    either (trl's rule: that is what ``from_pretrained`` loaded). :func:`validate_card` checks the syntax only, so
-    its verdict does not depend on the current directory.
-    """
-    if not isinstance(name, str) or not name or os.path.isabs(name) or name.startswith(("~", ".")):
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return not (check_local and os.path.exists(name))
-
-
-def _local_model_name(path: str) -> str:
-    """A short name for a local base model directory (its last component; with the parent if that is generic)."""
-    parts = [p for p in re.split(r"[\\/]+", os.path.expanduser(path).strip()) if p not in ("", ".", "..")]
-    if not parts:
-        return "(unnamed)"
-    name = parts[-1]
-    if name.lower() in _GENERIC_DIR_NAMES and len(parts) > 1:
-        name = f"{parts[-2]}/{name}"
-    return name
-
-
-def _base_model(model: Any, explicit: Any = None) -> tuple[list[str], str | None]:
-    """``(hub_ids, local)``: where the model was fine-tuned from.
-
-    ``explicit`` (``finetuned_from`` / ``base_model`` given by the caller: a name, a path, or a list of them) wins;
-    otherwise the PEFT config's ``base_model_name_or_path``, then ``config._name_or_path``. Valid Hub ids
-    (:func:`is_hub_model_id`) are returned in ``hub_ids``, for the YAML ``base_model`` field and the Hub link;
-    anything else names local files and is returned as ``local`` (``"local files <name>"``, for the card body and
-    the privacy record), never as ``base_model``: a local path there renders as a broken Hub link and fails the
-    Hub's metadata validation.
-    """
-    def names(value: Any) -> list[str]:
-        values = list(value) if isinstance(value, (list, tuple)) else [value]
-        values = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in values]
-        return [v for v in values if isinstance(v, str) and v.strip()]
-
-    found = names(explicit)
-    if not found:
-        peft_configs = getattr(model, "peft_config", None)
-        if isinstance(peft_configs, Mapping):
-            found = names([getattr(c, "base_model_name_or_path", None) for c in peft_configs.values()])[:1]
-    if not found:
-        found = names(getattr(getattr(model, "config", None), "_name_or_path", None))
-    hub_ids = [n for n in found if is_hub_model_id(n)]
-    local = [LOCAL_BASE_MODEL_PREFIX + _local_model_name(n) for n in found if not is_hub_model_id(n)]
-    return hub_ids, "; ".join(local) or None
 
 
 def _hub_base_models(value: Any, check_local: bool = True) -> Any:
@@ -677,22 +392,17 @@ _TASK_PIPELINE = {"causal_lm": "text-generation", "seq2seq_lm": "text2text-gener
 _NOT_METRICS = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time", "epoch", "step")
 
 
-def _eval_results(trainer: Any, task: str, dataset_label: str | None, dataset_id: str | None,
-                  eval_dataset_name: str | None = None, eval_dataset_type: str | None = None,
+def _eval_results(eval_metrics: Mapping[str, Any] | None, task: str, dataset_label: str | None,
+                  dataset_id: str | None, eval_dataset_name: str | None = None, eval_dataset_type: str | None = None,
                   eval_dataset_split: str | None = None) -> list[EvalResult]:
-    """``EvalResult``s of the latest evaluation in ``trainer.state.log_history`` (``eval_*`` metrics, without
-    runtimes), for the card's ``model-index``; only called when the evaluation data is declared public."""
-    state = getattr(trainer, "state", None)
-    latest = None
-    for record in getattr(state, "log_history", None) or []:
-        if any(str(k).startswith("eval_") for k in record):
-            latest = record
-    if latest is None:
+    """``EvalResult``s of the latest evaluation (a log entry with ``eval_*`` metrics, without runtimes), for the
+    card's ``model-index``; only called when the evaluation data is declared public."""
+    if not eval_metrics:
         return []
     name = eval_dataset_name or (f"{dataset_label}, evaluation split" if dataset_label else "evaluation set")
     kind = eval_dataset_type or dataset_id or name
     out = []
-    for key, value in latest.items():
+    for key, value in eval_metrics.items():
         metric = str(key)[len("eval_"):]
         if not str(key).startswith("eval_") or metric.endswith(_NOT_METRICS) or not _is_number(value):
             continue
@@ -701,55 +411,51 @@ def _eval_results(trainer: Any, task: str, dataset_label: str | None, dataset_id
     return out
 
 
-def _audit_lines(audit: Mapping[str, Any]) -> list[str]:
-    """Plain-words lines for the card body about the empirical audits in the ``audit`` metadata."""
-    lines = []
-    mia = audit.get("membership_inference") if audit else None
-    if isinstance(mia, Mapping):
-        attacks = mia.get("attacks") or {}
-        parts = []
-        for name, m in attacks.items():
-            text = f"{name} attack AUC {_fmt(m.get('auc'), 3)}"
-            if m.get("epsilon_lower_bound") is not None:
-                text += f", empirical ε lower bound {_fmt(m.get('epsilon_lower_bound'), 3)}"
-            parts.append(text)
-        lines.append(
-            f"**Membership inference** ({mia.get('num_members')} training examples vs {mia.get('num_nonmembers')} "
-            f"held-out examples, at step {mia.get('step')}): {'; '.join(parts) or 'no attack result'}. These "
-            "results are computed from private training examples (their losses under the model): they are "
-            "statistics of the private data, **not covered by the guarantee**, which is why it is marked not strict.")
-    canary = audit.get("canary_exposure") if audit else None
-    if isinstance(canary, Mapping):
-        reps = canary.get("by_repetitions") or {}
-        shown = ", ".join(f"{_fmt((v or {}).get('mean'), 3)} bits for canaries repeated {r}×" for r, v in reps.items())
-        lines.append(f"**Canary exposure** (Carlini et al. 2019; maximum possible {_fmt(canary.get('max_exposure'), 3)}"
-                     f" bits): {shown or 'n/a'}. The canaries are synthetic secrets inserted by the data holder.")
-    return lines
+def _base_model(record: PrivacyRecord, explicit: Any = None) -> tuple[list[str], str | None]:
+    """``(hub_ids, local)``: where the model was fine-tuned from. ``explicit`` (``finetuned_from`` / ``base_model``
+    given by the caller: a name, a path, or a list of them) wins over the record's ``base_model``
+    (:func:`hf_dp.record.name_base_models`)."""
+    hub_ids, local = name_base_models(explicit)
+    if hub_ids or local:
+        return hub_ids, local
+    return split_base_model(record.base_model)
 
 
-def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset_name: str | None = None,
-                      tags: Sequence[str] | str | None = None, **kwargs: Any) -> ModelCard:
-    """Renders the full hf_dp model card of ``trainer`` (template ``dp_model_card.md``), without writing it.
+def _optimizer_tag(record: PrivacyRecord) -> str:
+    return "dp-adam" if str(record.optimizer or "").startswith("DP-Adam") else "dp-sgd"
+
+
+def render_model_card(record: PrivacyRecord, model_name: str | None = None, dataset_name: str | None = None,
+                      tags: Sequence[str] | str | None = None, *,
+                      hyperparameters: Sequence[tuple[str, Any]] | None = None,
+                      eval_metrics: Mapping[str, Any] | None = None, task: str | None = None,
+                      **kwargs: Any) -> ModelCard:
+    """Renders the full hf_dp model card of a run (template ``dp_model_card.md``) from its record, without writing it.
 
     Args:
-        trainer: A trained DPTrainer.
-        model_name: Title of the card (default: the output directory's name).
+        record: The run's :class:`~hf_dp.record.PrivacyRecord` (``DPTrainer.privacy_record()`` or
+            ``PrivacyRecord.load("dp_state.json")``).
+        model_name: Title of the card (default: ``"model"``).
         dataset_name: Name or Hub id of the private training data set (YAML ``datasets``).
         tags: Extra tags (``differential-privacy``, ``dp-sgd``/``dp-adam`` and ``hf_dp`` are always added).
+        hyperparameters: ``(name, value)`` pairs for the "Training hyperparameters" section (public settings,
+            never a metric computed on the data; ``DPTrainer.card_inputs()`` gathers them).
+        eval_metrics: The latest evaluation log entry (``eval_*`` metrics); used only when the record says the
+            evaluation data is public (``eval_data_is_public``).
+        task: The trainer's task (``causal_lm``, ...), naming the task of the evaluation results.
         **kwargs: ``ModelCardData`` fields (``license``, ``language``, ``base_model``, ``pipeline_tag``, ...) and the
             names ``Trainer.create_model_card`` uses: ``finetuned_from`` (→ ``base_model``), ``dataset`` (→
             ``datasets``), ``tasks`` (→ ``pipeline_tag``), ``dataset_tags``/``dataset_args`` (ignored).
-            Evaluation results go into ``model-index`` only when ``args.eval_data_is_public`` (the latest ``eval_*``
-            metrics of ``trainer.state.log_history``, or ``eval_results=[EvalResult, ...]`` if given), named by
-            ``eval_dataset_name``, ``eval_dataset_type`` (a Hub id; default: the training ``datasets`` id) and
-            ``eval_dataset_split``; without the flag they are left out (results on private data are not covered).
+            Evaluation results go into ``model-index`` only when the record's ``eval_data_is_public`` (the
+            ``eval_metrics``, or ``eval_results=[EvalResult, ...]`` if given), named by ``eval_dataset_name``,
+            ``eval_dataset_type`` (a Hub id; default: the training ``datasets`` id) and ``eval_dataset_split``;
+            without the flag they are left out (results on private data are not covered).
     """
-    dp = privacy_metadata(trainer)
-    model = _unwrap(trainer)
-    _, opt_tag = _optimizer_info(trainer)
+    dp = privacy_metadata(record)
+    opt_tag = _optimizer_tag(record)
     extra = dict(kwargs)
     finetuned_from = extra.pop("finetuned_from", None)
-    hub_ids, base_model_local = _base_model(model, extra.pop("base_model", None) or finetuned_from)
+    hub_ids, base_model_local = _base_model(record, extra.pop("base_model", None) or finetuned_from)
     if hub_ids or base_model_local:
         dp["base_model"] = "; ".join([*hub_ids, *([base_model_local] if base_model_local else [])])
     base_model = hub_ids[0] if hub_ids else None  # the one the body links to
@@ -765,27 +471,24 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
     given_results = extra.pop("eval_results", None)
     eval_names = {k: extra.pop(k, None) for k in ("eval_dataset_name", "eval_dataset_type", "eval_dataset_split")}
     is_peft = "peft" in dp["trained_parameters"]
-    all_tags = _merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags,
-                           getattr(model, "model_tags", None))
+    all_tags = _merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags)
     if model_name is None:
-        model_name = Path(trainer.args.output_dir).name or "model"
+        model_name = "model"
     dataset_label = ", ".join(datasets) if datasets else None
     if datasets and not all(_HUB_ID.match(d) for d in datasets):
         datasets = None  # the YAML `datasets` field takes Hub ids; a free-form name goes to the body only
     eval_results = None
-    if getattr(trainer.args, "eval_data_is_public", False):  # declared public or held out: model-index
-        task = extra.get("pipeline_tag") or _TASK_PIPELINE.get(getattr(trainer, "task", None)) or "other"
-        eval_results = given_results or _eval_results(trainer, task, dataset_label, datasets[0] if datasets else None,
-                                                      **eval_names)
+    if record.eval_data_is_public:  # declared public or held out: model-index
+        task_type = extra.get("pipeline_tag") or _TASK_PIPELINE.get(task) or "other"
+        eval_results = given_results or _eval_results(eval_metrics, task_type, dataset_label,
+                                                      datasets[0] if datasets else None, **eval_names)
         if eval_results:
             dp["evaluation_results"] = ("in model-index: evaluation data declared public or held out "
                                         "(eval_data_is_public=True), not covered by the guarantee")
     elif given_results:
         logger.warning("hf_dp: eval_results are left out of the card: the evaluation data is not declared public "
                        "(DPTrainingArguments(eval_data_is_public=True)); results on private data are not covered.")
-    from .audit import audit_report  # the audit package imports nothing from cards; imported here to stay light
-
-    audit = _plain(audit_report(trainer)) if hasattr(trainer, "callback_handler") else {}
+    audit = _plain(record.audit) if record.audit else {}
     if audit:  # empirical audits (issue 8): membership inference is computed on private members, not covered
         extra["audit"] = audit
     card_data = ModelCardData(
@@ -804,18 +507,17 @@ def render_model_card(trainer: DPTrainer, model_name: str | None = None, dataset
         base_model=base_model,
         base_model_local=base_model_local,
         dataset_name=dataset_label,
-        optimizer_phrase=("DP-Adam (Adam on privatized gradients)" if opt_tag == "dp-adam" else
-                          "DP-SGD (the optimizer steps on privatized gradients)"),
+        optimizer_tag=opt_tag,
         is_peft=is_peft,
-        load_best_model_at_end=bool(getattr(trainer.args, "load_best_model_at_end", False)),
+        load_best_model_at_end=bool(record.load_best_model_at_end),
         reproduce_code=reproduce_epsilon_code(dp),
         eval_results=[(r.metric_type, _fmt(r.metric_value, 4)) for r in eval_results or []],
         eval_dataset=(eval_results[0].dataset_name if eval_results else None),
-        audit_lines=_audit_lines(audit),
-        hyperparameters=_hyperparameters(trainer),
+        audit=audit,
+        hyperparameters=list(hyperparameters or []),
         versions=_versions(is_peft),
     )
-    return ModelCard.from_template(card_data, template_str=load_template(MODEL_CARD_TEMPLATE), **template_kwargs)
+    return ModelCard.from_template(card_data, template_str=card_template(MODEL_CARD_TEMPLATE), **template_kwargs)
 
 
 def _block(text: str) -> str:
@@ -932,38 +634,59 @@ def _canonical(card: RepoCard) -> RepoCard:
     return type(card)(f"---\n{yaml.safe_dump(ordered, sort_keys=False, allow_unicode=True)}---\n{card.text}")
 
 
-def create_model_card(trainer: DPTrainer, output_dir: str | os.PathLike | None = None, model_name: str | None = None,
+def create_model_card(record: PrivacyRecord, output_dir: str | os.PathLike, model_name: str | None = None,
                       dataset_name: str | None = None, tags: Sequence[str] | str | None = None,
-                      **kwargs: Any) -> ModelCard | None:
+                      **kwargs: Any) -> ModelCard:
     """Writes ``output_dir/README.md``: the model card with the ``differential_privacy`` metadata.
 
     A card written by hf_dp is re-rendered in full. A README written by someone else — in particular the one
     ``peft`` writes next to an adapter (``library_name: peft``) — is merged: its metadata and body are kept, the
     ``differential_privacy`` mapping and the tags are added, and the hf_dp block (between ``<!-- hf_dp:begin -->``
     and ``<!-- hf_dp:end -->``) is inserted or replaced. The card is validated (:func:`validate_card`) before it is
-    written. Only processes that save (``args.should_save``) write.
+    written. ``DPTrainer`` calls this on the processes that save, with its record and ``card_inputs()``.
 
     Args:
-        trainer: A trained DPTrainer.
-        output_dir: Where to write (default: ``trainer.args.output_dir``).
-        model_name, dataset_name, tags, **kwargs: As for :func:`render_model_card`.
+        record: The run's :class:`~hf_dp.record.PrivacyRecord`.
+        output_dir: Where to write.
+        model_name: Title of the card (default: the name of ``output_dir``).
+        dataset_name, tags, **kwargs: As for :func:`render_model_card`.
 
     Returns:
-        The card written (None on processes that do not save).
+        The card written.
     """
-    if not getattr(trainer.args, "should_save", True):  # the processes that save weights write the card
-        return None
-    out = Path(output_dir if output_dir is not None else trainer.args.output_dir)
+    out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if model_name is None:
         model_name = out.name or None
-    card = render_model_card(trainer, model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
+    card = render_model_card(record, model_name=model_name, dataset_name=dataset_name, tags=tags, **kwargs)
     explicit = [k for k in ("license", "language", "base_model", "pipeline_tag") if kwargs.get(k)]
     if kwargs.get("finetuned_from"):
         explicit.append("base_model")
     if dataset_name or kwargs.get("dataset") or kwargs.get("datasets"):
         explicit.append("datasets")
     return _write_card(out / "README.md", card, explicit)
+
+
+def card_from_dp_state(path: str | os.PathLike, output_dir: str | os.PathLike | None = None,
+                       **metadata: Any) -> ModelCard:
+    """The model card of a run from its ``dp_state.json`` alone (what a Hub user downloads next to the weights).
+
+    The ``differential_privacy`` metadata is the one the trainer wrote (same keys, same values: the record is the
+    run's); what the file does not hold (hyperparameters, evaluation metrics, tags of the model, license, ...) can be
+    given as ``metadata`` (see :func:`render_model_card`). The card is validated; with ``output_dir`` it is written
+    there (merged with an existing README, as :func:`create_model_card` does).
+
+    Args:
+        path: ``dp_state.json``, or a directory holding it (a saved model or checkpoint).
+        output_dir: Where to write ``README.md`` (default: return the card without writing it).
+        **metadata: ``model_name``, ``dataset_name``, ``tags``, ``license``, ... as for :func:`render_model_card`.
+    """
+    record = PrivacyRecord.load(path)
+    if output_dir is not None:
+        return create_model_card(record, output_dir, **metadata)
+    card = render_model_card(record, **metadata)
+    validate_card(card)
+    return card
 
 
 # ------------------------------------------------------------------------------------------- validate / read back

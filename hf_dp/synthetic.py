@@ -12,7 +12,8 @@ synthetic data set is (ε, δ)-DP with the generator's (ε, δ), however many te
   :class:`datasets.Dataset` whose ``info.description`` records the sampling settings and the privacy record.
 * :func:`write_dataset_card` — the data set's ``README.md`` (``huggingface_hub.DatasetCard``, template
   ``hf_dp/templates/dp_dataset_card.md``) whose ``differential_privacy`` metadata is the generator's record
-  (:func:`hf_dp.cards.privacy_metadata`), unchanged, plus the sampling settings (``synthetic_data``).
+  (:func:`hf_dp.cards.privacy_metadata` of its :class:`~hf_dp.record.PrivacyRecord`), unchanged, plus the sampling
+  settings (``synthetic_data``).
 
 Nothing here reads the private training data: given a ``DPTrainer`` as ``privacy``, only its accountant and settings
 are read (N comes from ``len(train_dataset)``; no row is ever accessed). Prompts are published with the data and are
@@ -33,6 +34,7 @@ from huggingface_hub import DatasetCard, DatasetCardData
 from tqdm.auto import tqdm
 
 from . import cards
+from .record import PrivacyRecord
 
 __all__ = [
     "generate_synthetic_dataset",
@@ -47,12 +49,14 @@ _SEED_STRIDE = 1_000_003  # per-batch seeds seed * stride + batch index: batches
 
 
 def resolve_privacy(privacy: Any) -> dict[str, Any] | None:
-    """The ``differential_privacy`` record from a record, a ``DPTrainer``, or a model card / model directory.
+    """The ``differential_privacy`` record from a record, a ``DPTrainer``, a ``dp_state.json`` or a model card.
 
     Args:
-        privacy: ``None``; a mapping (a record, validated); an object with an ``accountant`` (a DPTrainer:
-            :func:`hf_dp.cards.privacy_metadata`, which reads no training example); or a path to the generator's
-            model card or saved model directory (:func:`hf_dp.cards.privacy_report`).
+        privacy: ``None``; a mapping (a ``differential_privacy`` record, validated); a
+            :class:`~hf_dp.record.PrivacyRecord`, or an object with a ``privacy_record()`` method (a ``DPTrainer``),
+            read with :func:`hf_dp.cards.privacy_metadata` (no training example is read); a path to the generator's
+            ``dp_state.json``; or a path to its model card or saved model directory
+            (:func:`hf_dp.cards.privacy_report`).
 
     Raises:
         ValueError: For a malformed record or a card without privacy metadata.
@@ -65,11 +69,16 @@ def resolve_privacy(privacy: Any) -> dict[str, Any] | None:
         if problems:
             raise ValueError("Invalid differential_privacy record:\n  - " + "\n  - ".join(problems))
         return dict(privacy)
-    if hasattr(privacy, "accountant") and hasattr(privacy, "args"):
+    if isinstance(privacy, PrivacyRecord):
         return cards.privacy_metadata(privacy)
+    if callable(getattr(privacy, "privacy_record", None)):
+        return cards.privacy_metadata(privacy.privacy_record())
     if isinstance(privacy, (str, os.PathLike)):
+        if os.fspath(privacy).endswith(".json"):
+            return cards.privacy_metadata(PrivacyRecord.load(privacy))
         return cards.privacy_report(privacy)
-    raise TypeError(f"privacy must be a differential_privacy record, a DPTrainer or a card path, got {type(privacy)}.")
+    raise TypeError(f"privacy must be a differential_privacy record, a PrivacyRecord, a DPTrainer or a card path, "
+                    f"got {type(privacy)}.")
 
 
 def _start_token_id(tokenizer: Any) -> int:
@@ -302,7 +311,7 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
     template_kwargs = cards._common_template_kwargs(dp)
     template_kwargs.update(pretty_name=pretty_name, num_samples=num_samples if num_samples is not None else "The",
                            generator=sampling.get("generator"), sampling_rows=rows)
-    card = DatasetCard.from_template(card_data, template_str=cards.load_template(cards.DATASET_CARD_TEMPLATE),
+    card = DatasetCard.from_template(card_data, template_str=cards.card_template(cards.DATASET_CARD_TEMPLATE),
                                      **template_kwargs)
     explicit = [k for k, v in (("license", license), ("language", language), ("pretty_name", pretty_name)) if v]
     explicit += ["synthetic_data", "size_categories", "task_categories"]

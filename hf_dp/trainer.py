@@ -18,7 +18,6 @@ of the guarantee are in ``guarantee.py``. The trainer keeps the ``Trainer`` over
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
 from .arguments import DPTrainingArguments
+from .audit import audit_report
 from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
@@ -68,6 +68,14 @@ from .losses import (
 )
 from .noise import NoiseGenerator, group_noise_stds
 from .peft_support import adapter_advice, apply_peft_config, per_example_prompts
+from .record import (
+    PrivacyRecord,
+    _plain,
+    describe_optimizer,
+    describe_trained_parameters,
+    latest_eval_metrics,
+    model_base_model,
+)
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
@@ -860,29 +868,30 @@ class DPTrainer(Trainer):
         sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else self._calibrate_noise(steps)
         acc = self._new_accountant()
         acc.step(sigma, self.sample_rate, steps)
-        epsilon = acc.get_epsilon(self.target_delta)
+        record = self.privacy_record(accountant=acc, noise_multiplier=sigma)  # the planned run's record
+        spent = record.spent()
         d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        c = self.args.per_sample_max_grad_norm
-        ratio = sigma * c * math.sqrt(d) / (self.sample_rate * self.num_examples_private) / c
+        c = record.per_sample_max_grad_norm
+        ratio = sigma * c * math.sqrt(d) / (record.sample_rate * record.num_examples) / c
         run_ratio = ratio / math.sqrt(max(steps, 1))
         plan = {
-            "target_epsilon": self.args.target_epsilon,
-            "epsilon": epsilon,
-            "delta": self.target_delta,
+            "target_epsilon": record.target_epsilon,
+            "epsilon": spent["epsilon"],
+            "delta": record.delta,
             "noise_multiplier": sigma,
             "noise_multiplier_calibrated": self.args.noise_multiplier is None,
-            "sample_rate": self.sample_rate,
-            "expected_batch_size": self.expected_batch_size,
-            "num_examples": self.num_examples_private,
+            "sample_rate": record.sample_rate,
+            "expected_batch_size": record.expected_batch_size,
+            "num_examples": record.num_examples,
             "steps": steps,
             "epochs": steps / self.steps_per_epoch,
             "per_sample_max_grad_norm": c,
-            "clipping": self.args.clipping,
-            "privacy_unit": self.args.privacy_unit,
-            "accountant": self.args.accountant,
-            "accountant_used": acc.accountant_used,
-            "accountant_eps_error": self.args.accountant_eps_error,
-            "poisson_sampling": self.args.poisson_sampling,
+            "clipping": record.clipping,
+            "privacy_unit": record.privacy_unit,
+            "accountant": record.accountant_name,
+            "accountant_used": spent["accountant_used"],
+            "accountant_eps_error": acc.eps_error,
+            "poisson_sampling": record.poisson_sampling,
             "trainable_parameters": d,
             "noise_to_signal": ratio,
             "noise_to_signal_over_run": run_ratio,
@@ -926,36 +935,92 @@ class DPTrainer(Trainer):
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
+    def privacy_record(self, accountant: PrivacyAccountant | None = None,
+                       noise_multiplier: float | None = None) -> PrivacyRecord:
+        """The run's :class:`~hf_dp.record.PrivacyRecord`: a snapshot of the run's description (δ, σ, q, N, C,
+        clipping, unit, sampling, accountant, noise source, trained parameters, optimizer, base model, guarantee
+        notes, audits) holding the live accountant, ``self.accountant`` itself (``accountant`` / ``noise_multiplier``
+        describe a planned run instead, :meth:`privacy_plan`). The logs, :meth:`privacy_spent`, ``dp_state.json``,
+        the model card, the dataset card of synthetic data and the audit reports all read it.
+
+        Before ``train()``, σ is the one the run will use (calibrated as ``train()`` will, :meth:`privacy_plan`).
+        """
+        args = self.args
+        acc = self.accountant if accountant is None else accountant
+        sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if sigma is None and self.train_dataset is not None:
+            sigma = self._calibrate_noise(self.planned_max_steps())
+        gc = self.group_clipper
+        thresholds = adaptive = group_state = None
+        if gc is not None:
+            thresholds = _plain(gc.thresholds)
+            names = [g.name for g in gc.groups]
+            if isinstance(thresholds, list) and len(names) == len(thresholds):
+                thresholds = dict(zip(names, thresholds))
+            group_state = gc.state_dict()
+            if gc.adaptive:
+                adaptive = {"target_quantile": _plain(gc.target_quantile), "quantile_lr": _plain(gc.quantile_lr)}
+                try:  # (σ of the gradient, σ_b of the clip counts); composed they are the accounted σ (Prop. 3.1)
+                    sigma_grad, sigma_b = self._quantile_noise()
+                    adaptive.update(gradient_noise_multiplier=float(sigma_grad), count_noise_multiplier=float(sigma_b))
+                except Exception:  # noqa: BLE001 - only informative (σ not known yet)
+                    pass
+        user = self.user_level
+        model = self._unwrapped_model()
+        return PrivacyRecord(
+            accountant=acc,
+            delta=float(self.target_delta),
+            noise_multiplier=_plain(sigma),
+            sample_rate=float(self.sample_rate),
+            num_examples=int(self.num_examples_private),
+            expected_batch_size=int(self.expected_batch_size),
+            per_sample_max_grad_norm=float(args.per_sample_max_grad_norm),
+            target_epsilon=_plain(args.target_epsilon),
+            clipping=str(_plain(args.clipping)),
+            poisson_sampling=bool(args.poisson_sampling),
+            accountant_name=str(args.accountant),
+            noise_allocation=str(_plain(self.noise_allocation or "global")),
+            group_thresholds=thresholds,
+            adaptive_clipping=adaptive,
+            group_clipping=group_state,
+            privacy_unit=str(args.privacy_unit or "example"),
+            user_id_column=args.user_id_column if user else None,
+            max_examples_per_user=args.max_examples_per_user if user else None,
+            user_contribution=args.user_contribution if user else None,
+            num_rows=len(self.train_dataset) if user else None,
+            secure_mode=bool(args.secure_mode),
+            dp_seed="secret" if args.dp_seed is None else "fixed",
+            trained_parameters=describe_trained_parameters(model, getattr(self.clipping_engine, "params", None)),
+            optimizer=describe_optimizer(self.optimizer, args.optim),
+            base_model=model_base_model(model),
+            dp_guarantee=self.dp_guarantee,
+            load_best_model_at_end=bool(args.load_best_model_at_end),
+            budget_exhausted=bool(self.budget_exhausted),
+            eval_data_is_public=bool(args.eval_data_is_public),
+            audit=_plain(audit_report(self)) or None,
+            prv_accountant_version=acc.state_dict().get("prv_accountant_version"),
+        )
+
+    def _unwrapped_model(self) -> torch.nn.Module:
+        try:
+            return self.accelerator.unwrap_model(self.model)
+        except Exception:  # noqa: BLE001 - unwrap only fails for exotic wrappers
+            return self.model
+
     def privacy_spent(self, delta: float | None = None) -> dict[str, Any]:
-        """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism.
+        """The guarantee so far: ε at δ (configured accountant; PRV upper bound by default) and the mechanism
+        (:meth:`PrivacyRecord.spent <hf_dp.record.PrivacyRecord.spent>` of :meth:`privacy_record`).
 
         ``accountant_used`` names the accountant that produced ``epsilon`` (``"pld (prv-accountant failed
         numerically)"`` where prv-accountant fails). Before ``train()``, ``noise_multiplier`` is the σ the run will
         use (calibrated as ``train()`` will, :meth:`privacy_plan`).
         """
-        delta = self.target_delta if delta is None else delta
-        exact = self.accountant.copy()
-        exact.planned_steps = None  # a discretisation sized for exactly the steps taken, as in the calibration
-        epsilon = exact.get_epsilon(delta)
-        sigma = self.noise_multiplier
-        if sigma is None and self.train_dataset is not None:
-            sigma = self._calibrate_noise(self.planned_max_steps())
-        return {
-            "epsilon": epsilon,
-            "delta": delta,
-            "accountant": self.args.accountant,
-            "accountant_used": exact.accountant_used,
-            "steps": self.accountant.steps,
-            "noise_multiplier": sigma,
-            "sample_rate": self.sample_rate,
-            "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
-            "poisson_sampling": self.args.poisson_sampling,
-            "dp_guarantee": self.dp_guarantee,
-        }
+        return self.privacy_record().spent(delta)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Adds ``epsilon`` (spent so far) and ``delta`` to every training log, next to the loss; at the end of
-        training (the Trainer's ``train_runtime`` log) also the steps taken and the accountant that computed ε.
+        training (the Trainer's ``train_runtime`` log) also the steps taken and the accountant that computed ε
+        (:meth:`PrivacyRecord.log_fields <hf_dp.record.PrivacyRecord.log_fields>`).
 
         A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is dropped;
         ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
@@ -963,10 +1028,7 @@ class DPTrainer(Trainer):
         if "grad_norm" in logs:
             logs = {k: v for k, v in logs.items() if k != "grad_norm"}
         if self.accountant.steps > 0 and self.train_dataset is not None:
-            logs = {**logs, "epsilon": round(self.accountant.get_epsilon(self.target_delta), 4),
-                    "delta": self.target_delta}
-            if "train_runtime" in logs:
-                logs.update(dp_steps=self.accountant.steps, dp_accountant=self.accountant.accountant_used)
+            logs = {**logs, **self.privacy_record().log_fields(final="train_runtime" in logs)}
             if self.group_clipper is not None:
                 logs.update(self._group_logs())
         super().log(logs, *args, **kwargs)
@@ -1029,64 +1091,90 @@ class DPTrainer(Trainer):
                     self.accountant.steps,
                 )
                 self.budget_exhausted = True
-                return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.accountant.get_epsilon(
-                    self.target_delta)})
+                return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
 
     def _dp_state(self) -> dict[str, Any]:
-        return {
-            "accountant": self.accountant.state_dict(),
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-            "per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
-            "num_examples": self.num_examples_private,
-            "target_epsilon": self.args.target_epsilon,
-            "target_delta": self.target_delta,
-            "poisson_sampling": self.args.poisson_sampling,
-            "clipping": self.args.clipping,
-            "accountant_name": self.args.accountant,
-            "epsilon": self.accountant.get_epsilon(self.target_delta) if self.accountant.steps else 0.0,
-            "expected_batch_size": self.expected_batch_size,
-            "accountant_used": self._accountant_used(),
-            "dp_guarantee": self.dp_guarantee,
-            "noise_allocation": self.noise_allocation if self.group_clipper is not None else None,
-            "group_clipping": self.group_clipper.state_dict() if self.group_clipper is not None else None,
-            "secure_mode": self.args.secure_mode,  # noise.py: fresh OS entropy per step, 4-draw Gaussian
-            "eval_data_is_public": self.args.eval_data_is_public,  # release.py / cards.py: eval results published
-        }
+        """The content of ``dp_state.json``: :meth:`privacy_record` as a dict."""
+        return self.privacy_record().to_dict()
 
-    def _accountant_used(self) -> str | None:
-        """The accountant that produced the recorded ε (``"prv"``, ``"pld (prv-accountant failed numerically)"``,
-        ``"rdp"``, ...)."""
-        if not self.accountant.steps:
+    def card_inputs(self, tags: Any = None) -> dict[str, Any]:
+        """What a model card needs besides the record, gathered here as plain data (``hf_dp.cards`` never reads a
+        trainer): the tags (``tags`` and the model's own, e.g. trl's), the training hyperparameters, the latest
+        evaluation metrics (published only when the evaluation data is declared public) and the task."""
+        model_tags = getattr(self._unwrapped_model(), "model_tags", None)
+        merged: list[str] = []
+        for group in (tags, model_tags):
+            for t in [group] if isinstance(group, str) else group or []:
+                if t and t not in merged:
+                    merged.append(str(t))
+        return {"tags": merged or None, "hyperparameters": self._card_hyperparameters(),
+                "eval_metrics": latest_eval_metrics(getattr(self.state, "log_history", None)), "task": self.task}
+
+    def _card_hyperparameters(self) -> list[tuple[str, Any]]:
+        """The Trainer's training hyperparameters (public settings; never a metric computed on the data)."""
+        a = self.args
+        hp: list[tuple[str, Any]] = [
+            ("learning_rate", a.learning_rate),
+            ("optimizer", describe_optimizer(self.optimizer, a.optim) + f", args.optim={_plain(a.optim)}"),
+        ]
+        if "adam" in str(_plain(a.optim)).lower():
+            hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
+            hp.append(("adam_epsilon", a.adam_epsilon))
+        hp += [
+            ("weight_decay", a.weight_decay),
+            ("lr_scheduler_type", _plain(a.lr_scheduler_type)),
+            ("warmup_steps", getattr(a, "warmup_steps", 0)),
+            ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
+            ("gradient_accumulation_steps", a.gradient_accumulation_steps),
+            ("num_processes", a.world_size),
+            ("expected_batch_size", self.expected_batch_size),
+            ("training_steps", self.accountant.steps),
+            ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
+            ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
+            ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
+            ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
+        ]
+        return hp
+
+    def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:
+        """``hf_dp.cards.create_model_card`` with this run's record and :meth:`card_inputs`, on the processes that
+        save (the card is written next to the weights)."""
+        if not self.args.should_save:
             return None
-        self.accountant.get_epsilon(self.target_delta)
-        return self.accountant.accountant_used
+        record = self.privacy_record() if record is None else record
+        inputs = self.card_inputs(kwargs.pop("tags", None))
+        return create_model_card(record, output_dir, **{**inputs, **kwargs})
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
         """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
 
         ``Trainer._save_checkpoint`` saves through this method, so every checkpoint holds the accountant's state.
+        ``dp_state.json`` and the card are written from the same :meth:`privacy_record`.
         """
         super().save_model(output_dir, *args, **kwargs)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):
-            with open(os.path.join(output_dir, DP_STATE_NAME), "w") as f:
-                json.dump(self._dp_state(), f, indent=2)
+            record = self.privacy_record()
+            record.save(os.path.join(output_dir, DP_STATE_NAME))
             # Every checkpoint and the final output carry a card with the privacy metadata (cards.py).
-            create_model_card(self, output_dir=output_dir, model_name=os.path.basename(os.path.normpath(
+            self._write_model_card(output_dir, record, model_name=os.path.basename(os.path.normpath(
                 self.args.output_dir)))
 
     def create_model_card(self, language: str | None = None, license: str | None = None, tags: Any = None,
                           model_name: str | None = None, finetuned_from: str | None = None, tasks: Any = None,
                           dataset_tags: Any = None, dataset: Any = None, dataset_args: Any = None,
-                          **kwargs: Any) -> None:
+                          **kwargs: Any) -> Any:
         """The model card with a ``differential_privacy`` record (``hf_dp/cards.py``), also what ``push_to_hub``
-        uploads. Same signature as ``Trainer.create_model_card``."""
+        uploads. Same signature as ``Trainer.create_model_card``, plus ``output_dir`` (default: ``args.output_dir``)
+        and the keywords of :func:`hf_dp.cards.render_model_card` (``dataset_name``, ``eval_results``, ...).
+        Returns the card written (None before the first DP step and on processes that do not save)."""
         if self.accountant.steps == 0:
             return None
-        create_model_card(self, output_dir=self.args.output_dir, model_name=model_name, tags=tags, language=language,
-                          license=license, finetuned_from=finetuned_from, tasks=tasks, dataset=dataset, **kwargs)
+        output_dir = kwargs.pop("output_dir", None) or self.args.output_dir
+        return self._write_model_card(output_dir, model_name=model_name, tags=tags, language=language,
+                                      license=license, finetuned_from=finetuned_from, tasks=tasks, dataset=dataset,
+                                      **kwargs)
 
     def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
         """``Trainer._push_from_checkpoint``, uploading the checkpoint's privacy card and redacted training records.
@@ -1123,13 +1211,11 @@ class DPTrainer(Trainer):
         os.makedirs(output_dir, exist_ok=True)
         state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
         if os.path.isfile(state_path):
-            with open(state_path) as f:
-                checkpoint_steps = sum(int(r["steps"]) for r in json.load(f)["accountant"]["history"])
+            checkpoint_steps = PrivacyRecord.load(state_path).steps
             card_path = os.path.join(checkpoint_folder, "README.md")
             target = os.path.join(output_dir, "README.md")
             if checkpoint_steps == self.accountant.steps and os.path.isfile(target):
-                create_model_card(self, output_dir=output_dir, model_name=os.path.basename(os.path.normpath(
-                    output_dir)))
+                self._write_model_card(output_dir, model_name=os.path.basename(os.path.normpath(output_dir)))
             elif os.path.isfile(card_path):
                 shutil.copy(card_path, target)
             else:
@@ -1164,18 +1250,16 @@ class DPTrainer(Trainer):
                 f"{checkpoint} has no {DP_STATE_NAME}: the privacy spent before it is unknown, so resuming would "
                 "under-count ε. Resume only from checkpoints written by DPTrainer."
             )
-        with open(path) as f:
-            state = json.load(f)
-        self.accountant = self._new_accountant()
-        self.accountant.load_state_dict(state["accountant"])
-        if self.group_clipper is not None and state.get("group_clipping"):
-            self.group_clipper.load_state_dict(state["group_clipping"])  # thresholds continue where they were
+        record = PrivacyRecord.load(path)
+        self.accountant = record.accountant  # ε continues from the checkpoint's mechanisms
+        if self.group_clipper is not None and record.group_clipping:
+            self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
         if self.args.noise_multiplier is None:
-            self.noise_multiplier = state["noise_multiplier"]
+            self.noise_multiplier = record.noise_multiplier
         else:
             self.noise_multiplier = self.args.noise_multiplier
-        if abs(state["sample_rate"] - self.sample_rate) > 1e-12 or \
-                state["per_sample_max_grad_norm"] != self.args.per_sample_max_grad_norm:
+        if abs(record.sample_rate - self.sample_rate) > 1e-12 or \
+                record.per_sample_max_grad_norm != self.args.per_sample_max_grad_norm:
             warnings.warn(
                 "Resuming with a different sampling rate or clipping norm than the checkpoint; the accountant "
                 "composes both mechanisms.",

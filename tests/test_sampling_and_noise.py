@@ -223,7 +223,8 @@ def test_secure_mode_in_training_has_the_right_std_and_is_fresh(tmp_path, monkey
     assert trainer._noise.secure_mode and trainer.args.secure_mode
     from hf_dp.cards import privacy_metadata
 
-    assert privacy_metadata(trainer)["noise_source"].startswith("secure mode") and trainer._dp_state()["secure_mode"]
+    assert privacy_metadata(trainer.privacy_record())["noise_source"].startswith("secure mode")
+    assert trainer._dp_state()["secure_mode"]
     b, _ = _q1_update(tmp_path / "b", sigma, seed=None, secure=True, max_norm=c)
     za, zb = (a - clean).numpy(), (b - clean).numpy()
     expected = sigma * c / trainer.expected_batch_size

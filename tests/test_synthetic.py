@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hf_dp import DPTrainer, DPTrainingArguments
-from hf_dp.cards import create_model_card, privacy_metadata, privacy_report, validate_card
+from hf_dp.cards import privacy_metadata, privacy_report, validate_card
 from hf_dp.synthetic import (
     generate_synthetic_dataset,
     save_synthetic_dataset,
@@ -117,12 +117,12 @@ def test_nothing_in_the_synthetic_path_reads_the_private_data(trained, tmp_path)
         ds = gen(trainer.model, privacy=trainer)
         info = synthetic_info(ds)
         card = write_dataset_card(tmp_path / "syn", trainer, info["sampling"])
-        create_model_card(trainer, output_dir=tmp_path / "model")
+        trainer.create_model_card(output_dir=tmp_path / "model")
         ds2 = gen(trainer.model, privacy=str(tmp_path / "model"))  # from the generator's model card
     finally:
         trainer.train_dataset = original
         del trainer.get_train_dataloader
-    assert info["differential_privacy"] == privacy_metadata(trainer)
+    assert info["differential_privacy"] == privacy_metadata(trainer.privacy_record())
     assert card.data.to_dict()["differential_privacy"]["dataset_size"] == 32
     assert synthetic_info(ds2)["differential_privacy"] == info["differential_privacy"]
 
@@ -134,7 +134,7 @@ def test_dataset_card_carries_the_generators_record_and_the_sampling_settings(tr
     assert (out / "data" / "train.jsonl").is_file()
     card = DatasetCard.load(out / "README.md")
     data = card.data.to_dict()
-    dp = privacy_metadata(trainer)
+    dp = privacy_metadata(trainer.privacy_record())
     assert data["differential_privacy"] == dp  # post-processing: the same (ε, δ) and mechanism
     assert privacy_report(out) == dp
     validate_card(out)

@@ -68,15 +68,24 @@ class AuditCallback(TrainerCallback):
         """The most recent result (``None`` before the first run)."""
         return self.history[-1]["result"] if self.history else None
 
+    def _record(self) -> Any:
+        """The attached trainer's privacy record (``privacy_record()``: a :class:`hf_dp.record.PrivacyRecord`)."""
+        make = getattr(self.trainer, "privacy_record", None)
+        if not callable(make):
+            return None
+        try:
+            return make()
+        except Exception:  # noqa: BLE001 - e.g. no train_dataset: report without ε
+            return None
+
     def _privacy(self) -> dict[str, Any]:
-        spent = getattr(self.trainer, "privacy_spent", None)
-        if callable(spent):
-            try:
-                p = spent()
-                return {"epsilon": p["epsilon"], "delta": p["delta"]}
-            except Exception:  # noqa: BLE001 - e.g. no train_dataset: report without ε
-                return {}
-        return {}
+        record = self._record()
+        if record is None:
+            return {}
+        try:
+            return {"epsilon": record.epsilon(), "delta": record.delta}
+        except Exception:  # noqa: BLE001 - report without ε
+            return {}
 
     def _run(self, args: TrainingArguments, state: TrainerState, event: str, model: Any,
              metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -213,10 +222,8 @@ class MembershipInferenceCallback(AuditCallback):
     def _delta(self) -> float | None:
         if self.delta is not None:
             return self.delta
-        try:
-            return float(self.trainer.target_delta) if self.trainer is not None else None
-        except (AttributeError, ValueError):
-            return None
+        record = self._record()
+        return None if record is None or record.delta is None else float(record.delta)
 
     def compute(self, model: Any, **kwargs: Any) -> dict[str, Any]:
         lin, cin = self._losses(model, self.members, counts=True)

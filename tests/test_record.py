@@ -1,0 +1,238 @@
+"""The PrivacyRecord (issue 16): one record built by the trainer, read by the logs, privacy_spent(), dp_state.json and
+the card; the card renders from dp_state.json alone; old dp_state.json files still resume; cards/synthetic/audit never
+import the trainer."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import lm_dataset, tiny_gpt2
+from huggingface_hub import ModelCard
+from transformers import TrainerCallback
+
+from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, PrivacyRecord
+from hf_dp.cards import privacy_report, validate_card
+
+REPO = Path(__file__).resolve().parents[1]
+
+OLD_DP_STATE_KEYS = ("accountant", "noise_multiplier", "sample_rate", "per_sample_max_grad_norm", "num_examples",
+                     "target_epsilon", "target_delta", "poisson_sampling", "clipping", "accountant_name", "epsilon",
+                     "expected_batch_size", "accountant_used", "dp_guarantee", "noise_allocation", "group_clipping",
+                     "secure_mode", "eval_data_is_public")
+"""The keys of dp_state.json before the record (hf_dp session 5): files with only these must still resume."""
+
+
+def make_trainer(out, n=32, data=None, callbacks=None, **kw) -> DPTrainer:
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=3, use_cpu=True,
+                report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
+                per_sample_max_grad_norm=1.0, dp_self_check=False)
+    base.update(kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        args = DPTrainingArguments(**base)
+    torch.manual_seed(0)
+    return DPTrainer(model=tiny_gpt2(), args=args, train_dataset=data if data is not None else lm_dataset(n),
+                     callbacks=callbacks)
+
+
+def user_data():
+    authors = ["ann", "bob", "bob", "cy", "ann", "dee", "bob", "eve", "ann", "cy", "bob", "dee"] * 2
+    return lm_dataset(len(authors), seed=11).add_column("author", authors)
+
+
+class StopAt(TrainerCallback):
+    """Stops training after ``step`` steps: the accountant's planned run (max_steps) is longer than the steps taken,
+    so a report that read ε off the run-sized discretisation would differ from one computed for the steps taken."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+_RENDER_FROM_STATE = r"""
+import json, sys
+from hf_dp.cards import card_from_dp_state, validate_card
+card = card_from_dp_state(sys.argv[1], model_name=sys.argv[2])
+validate_card(card)
+print(json.dumps({"data": card.data.to_dict(), "text": card.text}))
+"""
+
+
+# ------------------------------------------------------------------------------- the card from dp_state.json alone
+@pytest.mark.parametrize("kind", ["flat", "adaptive_user"])
+def test_card_renders_from_dp_state_alone_and_matches_the_trainers(tmp_path, kind):
+    out = tmp_path / "run"
+    if kind == "flat":
+        trainer = make_trainer(out)
+    else:  # group thresholds, adaptive clipping's noise split and the user-level settings must survive too
+        trainer = make_trainer(out, data=user_data(), clipping="adaptive_per_layer", privacy_unit="user",
+                               user_id_column="author", per_device_train_batch_size=2, max_examples_per_user=2)
+    trainer.train()
+    trainer.save_model()
+    written = ModelCard.load(out / "README.md")
+    alone = tmp_path / "hub-user"
+    alone.mkdir()
+    shutil.copy(out / "dp_state.json", alone / "dp_state.json")  # only the record: no weights, no README
+    del trainer
+    proc = subprocess.run([sys.executable, "-c", _RENDER_FROM_STATE, str(alone / "dp_state.json"), "run"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rendered = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours, theirs = rendered["data"]["differential_privacy"], written.data.to_dict()["differential_privacy"]
+    assert list(ours) == list(theirs)  # same keys, same order
+    for key in theirs:
+        assert ours[key] == theirs[key], key
+    if kind == "adaptive_user":
+        assert ours["privacy_unit"] == "user" and ours["user_id_column"] == "author" and ours["num_examples"] == 24
+        assert len(ours["group_thresholds"]) == 15 and "count_noise_multiplier" in ours["adaptive_clipping"]
+    # the body's privacy part is the same text (only the hyperparameters, which dp_state.json does not hold, differ)
+    cut = "## Training hyperparameters"
+    assert rendered["text"].split(cut)[0] == written.text.split(cut)[0]
+    validate_card(written)
+
+
+# -------------------------------------------------------------------------- one run, four places, field by field
+def test_logs_privacy_spent_dp_state_and_card_agree_field_by_field(tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(out, max_steps=8, callbacks=[StopAt(3)])
+    trainer.train()
+    trainer.save_model()
+    assert trainer.accountant.steps == 3 and trainer.accountant.planned_steps == 8  # stopped early
+    log = [h for h in trainer.state.log_history if "epsilon" in h][-1]
+    assert "train_runtime" in log
+    spent = trainer.privacy_spent()
+    state = json.loads((out / "dp_state.json").read_text())
+    card = privacy_report(out)
+    validate_card(out)
+    rows = [  # (field, log, privacy_spent(), dp_state.json, card)
+        ("epsilon", log["epsilon"], spent["epsilon"], state["epsilon"], card["epsilon"]),
+        ("delta", log["delta"], spent["delta"], state["target_delta"], card["delta"]),
+        ("steps", log["dp_steps"], spent["steps"], sum(r["steps"] for r in state["accountant"]["history"]),
+         card["steps"]),
+        ("accountant_used", log["dp_accountant"], spent["accountant_used"], state["accountant_used"],
+         card["accountant_used"]),
+        ("accountant", None, spent["accountant"], state["accountant_name"], card["accountant"]),
+        ("noise_multiplier", None, spent["noise_multiplier"], state["noise_multiplier"], card["noise_multiplier"]),
+        ("sample_rate", None, spent["sample_rate"], state["sample_rate"], card["sampling_rate"]),
+        ("per_sample_max_grad_norm", None, spent["per_sample_max_grad_norm"], state["per_sample_max_grad_norm"],
+         card["per_sample_max_grad_norm"]),
+        ("poisson_sampling", None, spent["poisson_sampling"], state["poisson_sampling"], card["sampling"] == "poisson"),
+        ("dp_guarantee", None, spent["dp_guarantee"], state["dp_guarantee"], card["dp_guarantee"]),
+        ("clipping", None, None, state["clipping"], card["clipping"]),
+        ("privacy_unit", None, None, state["privacy_unit"], card["privacy_unit"]),
+        ("expected_batch_size", None, None, state["expected_batch_size"], card["expected_batch_size"]),
+        ("num_examples", None, None, state["num_examples"], card["dataset_size"]),
+        ("eps_error", None, None, state["accountant"]["eps_error"], card["eps_error"]),
+        ("mechanisms", None, None, [{"noise_multiplier": r["noise_multiplier"], "sampling_rate": r["sample_rate"],
+                                     "steps": r["steps"]} for r in state["accountant"]["history"]], card["mechanisms"]),
+        ("trained_parameters", None, None, state["trained_parameters"], card["trained_parameters"]),
+        ("optimizer", None, None, state["optimizer"], card["optimizer"]),
+        ("prv_accountant_version", None, None, state["accountant"]["prv_accountant_version"],
+         card["prv_accountant_version"]),
+        ("hf_dp_version", None, None, state["hf_dp_version"], card["hf_dp_version"]),
+        ("budget_exhausted", None, None, state["budget_exhausted"], card["budget_exhausted"]),
+    ]
+    for field, in_log, in_spent, in_state, in_card in rows:
+        values = [v for v in (in_spent, in_state) if v is not None]
+        assert all(v == values[0] for v in values), (field, values)  # the two exact places: identical
+        if field == "epsilon":  # the log rounds to 4 decimals, the card to 6 significant digits
+            assert in_log == round(in_spent, 4), (field, in_log, in_spent)
+            assert in_card == float(f"{in_spent:.6g}"), (field, in_card, in_spent)
+        else:
+            for v in (in_log, in_card):
+                assert v is None or v == values[0], (field, v, values[0])
+    assert math.isfinite(card["epsilon"]) and card["epsilon"] > 0
+
+
+# ------------------------------------------------------------------------------------------- dp_state.json itself
+def test_record_round_trips_through_dp_state(tmp_path):
+    trainer = make_trainer(tmp_path / "run", clipping="per_layer", max_steps=2)
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.accountant is trainer.accountant  # the contract with the DP step: the record reads it live
+    state = json.loads(json.dumps(record.to_dict()))
+    assert set(OLD_DP_STATE_KEYS) <= set(state)
+    back = PrivacyRecord.from_dict(state)
+    for f in dataclasses.fields(PrivacyRecord):
+        if f.name != "accountant":
+            assert getattr(back, f.name) == getattr(record, f.name), f.name
+    assert back.accountant.state_dict() == record.accountant.state_dict()
+    assert back.to_dict() == state and back.spent() == record.spent() and back.epsilon() == record.epsilon()
+    assert back.log_fields(final=True) == record.log_fields(final=True)
+    record.save(tmp_path / "dp_state.json")
+    assert PrivacyRecord.load(tmp_path).to_dict() == state  # a directory holding dp_state.json, or the file
+
+
+def test_old_dp_state_without_the_new_keys_still_resumes(tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(out, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer.train()
+    path = out / "checkpoint-2" / "dp_state.json"
+    state = json.loads(path.read_text())
+    old = {k: state[k] for k in OLD_DP_STATE_KEYS}  # as session 5 wrote it
+    path.write_text(json.dumps(old, indent=2))
+    record = PrivacyRecord.from_dict(old)
+    assert record.steps == 2 and record.privacy_unit == "example" and record.noise_allocation == "global"
+    assert record.epsilon() == pytest.approx(state["epsilon"], rel=1e-12)
+    resumed = make_trainer(out, max_steps=3, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.accountant.steps == 3 and resumed.state.global_step == 3
+    fresh = make_trainer(tmp_path / "fresh", max_steps=3)
+    fresh.train()  # the same mechanism, 3 steps in one go: ε continues exactly
+    assert resumed.privacy_spent()["epsilon"] == pytest.approx(fresh.privacy_spent()["epsilon"], rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ one-way imports
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in the file (function-local and ``if TYPE_CHECKING:`` imports too),
+    as absolute names; ``from pkg import name`` also counts ``pkg.name`` (a submodule or a re-export)."""
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            out.add(module)
+            out.update(f"{module}.{a.name}" for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("module", ["hf_dp/cards.py", "hf_dp/record.py", "hf_dp/synthetic.py",
+                                    "hf_dp/audit/__init__.py", "hf_dp/audit/callbacks.py", "hf_dp/audit/canaries.py",
+                                    "hf_dp/audit/membership.py"])
+def test_readers_of_the_record_never_import_the_trainer(module):
+    trainer_names = {"hf_dp.trainer", "hf_dp.trainer.DPTrainer", "hf_dp.DPTrainer", "hf_dp.sft", "hf_dp.DPSFTTrainer"}
+    seen, todo = set(), [REPO / module]
+    while todo:  # the module and every hf_dp module it imports, transitively
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        imported = _imported_modules(path)
+        assert not imported & trainer_names, f"{path.relative_to(REPO)} imports {sorted(imported & trainer_names)}"
+        for name in imported:
+            if name.startswith("hf_dp."):
+                stem = REPO / name.replace(".", "/")
+                for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
+                    if candidate.is_file():
+                        todo.append(candidate)
+    assert REPO / "hf_dp" / "trainer.py" not in seen
