@@ -8,12 +8,14 @@ from .accounting import MechanismRecord, PrivacyAccountant, calibrate_noise_mult
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import CanaryExposureCallback, MembershipInferenceCallback, audit_report, make_canaries
 from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
+from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
+from .synthetic import generate_synthetic_dataset, save_synthetic_dataset
 from .trainer import DPTrainer
 
 __version__ = "0.1.0"
@@ -58,11 +60,16 @@ __all__ = [
     "UnsupportedLayerError",
     "WithinLayerFlattening",
     "calibrate_noise_multiplier",
+    "card_from_dp_state",
     "causal_lm_loss",
     "default_per_example_loss",
+    "generate_synthetic_dataset",
     "group_privacy",
     "loss_landscape",
+    "privacy_report",
+    "save_synthetic_dataset",
     "sequence_classification_loss",
     "sharpness",
     "token_loss",
+    "validate_card",
 ]

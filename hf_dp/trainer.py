@@ -1055,8 +1055,7 @@ class DPTrainer(Trainer):
         self._resumed = bool(resume_from_checkpoint)
         self._dp_sampler = None  # set by get_train_dataloader; checked at train start (a subclass may bypass it)
         self._grad_guard.reset()
-        self._chunks_in_step = 0
-        self._nonfinite_in_step = 0
+        self._dp_step.reset()  # a half-done logical step of an earlier run is dropped
         if self.model_init is None:
             self._sync_trainable_set(at_step_boundary=True, at_train_begin=True)  # (model_init: call_model_init)
         if resume_from_checkpoint:
@@ -1076,8 +1075,6 @@ class DPTrainer(Trainer):
         self._dp_steps_at_begin = self.accountant.steps
         self.budget_exhausted = False
         self._self_checked = False
-        if self._fsdp is not None:
-            self._fsdp.reset()
         if self.train_dataset is not None:
             self._validate_against_dataset()
         if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:

@@ -145,16 +145,6 @@ def test_graph_reads_every_module(graph):
 
 
 # ---------------------------------------------------------------------- hf_dp's structure
-def _without_cards_to_trainer(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: deps - {TRAINER} if m == CARDS else deps for m, deps in graph.items()}
-
-
-def test_no_import_cycle_apart_from_cards(graph):
-    """Everything but the one edge the record branch removes (cards.py's TYPE_CHECKING import of the trainer)."""
-    assert cycles(_without_cards_to_trainer(graph)) == []
-
-
-@pytest.mark.xfail(strict=True, reason="record branch: cards.py still imports the trainer under TYPE_CHECKING")
 def test_no_import_cycle(graph):
     assert cycles(graph) == []
 
@@ -164,11 +154,10 @@ def test_clipping_does_not_import_the_trainer(graph):
     assert offenders == set(), "the DP step strategies receive their pieces, never the trainer"
 
 
-@pytest.mark.xfail(strict=True, reason="record branch: cards.py takes a PrivacyRecord, not a trainer")
 def test_cards_do_not_import_the_trainer(graph):
     assert TRAINER not in graph[CARDS]
 
 
 def test_only_the_package_and_trainer_subclasses_import_the_trainer(graph):
-    assert importers_of(graph, TRAINER) - {CARDS} <= TRAINER_IMPORTERS  # cards.py: test_cards_do_not_import_...
+    assert importers_of(graph, TRAINER) <= TRAINER_IMPORTERS
 
