@@ -198,6 +198,18 @@ def _round(x: float | None, digits: int = 6) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ the metadata
+def _as_record(source: Any) -> PrivacyRecord:
+    """The :class:`~hf_dp.record.PrivacyRecord` of ``source``: a record, or a run that produces one through a public
+    ``privacy_record()`` method (``DPTrainer``; read once, never its internals)."""
+    if isinstance(source, PrivacyRecord):
+        return source
+    make = getattr(source, "privacy_record", None)
+    if callable(make):
+        return make()
+    raise TypeError(f"expected a PrivacyRecord (DPTrainer.privacy_record(), PrivacyRecord.load('dp_state.json')), "
+                    f"got {type(source).__name__}")
+
+
 def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
     """The ``differential_privacy`` record of a run (a YAML-safe dict), from its :class:`~hf_dp.record.PrivacyRecord`.
 
@@ -208,7 +220,8 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
 
     Args:
         record: The run's record, after at least one DP step (``DPTrainer.privacy_record()``, or
-            ``PrivacyRecord.load("dp_state.json")``).
+            ``PrivacyRecord.load("dp_state.json")``); a run with a ``privacy_record()`` method (a ``DPTrainer``)
+            is read through that method.
 
     Returns:
         The mapping described in :data:`REQUIRED_KEYS` (plus optional keys): ``epsilon`` is the guarantee the record
@@ -219,6 +232,7 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
     Raises:
         ValueError: If no DP step has run yet (there is no guarantee to describe).
     """
+    record = _as_record(record)
     acc = record.accountant
     steps = int(acc.steps)
     if steps == 0:
@@ -434,7 +448,9 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
 
     Args:
         record: The run's :class:`~hf_dp.record.PrivacyRecord` (``DPTrainer.privacy_record()`` or
-            ``PrivacyRecord.load("dp_state.json")``).
+            ``PrivacyRecord.load("dp_state.json")``), or a run with public ``privacy_record()`` and
+            ``card_inputs(tags)`` methods (a ``DPTrainer``): its record, and its plain card data for the
+            ``tags``/``hyperparameters``/``eval_metrics``/``task`` not given here.
         model_name: Title of the card (default: ``"model"``).
         dataset_name: Name or Hub id of the private training data set (YAML ``datasets``).
         tags: Extra tags (``differential-privacy``, ``dp-sgd``/``dp-adam`` and ``hf_dp`` are always added).
@@ -451,6 +467,14 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
             ``eval_dataset_type`` (a Hub id; default: the training ``datasets`` id) and ``eval_dataset_split``;
             without the flag they are left out (results on private data are not covered).
     """
+    inputs = getattr(record, "card_inputs", None)
+    if not isinstance(record, PrivacyRecord) and callable(inputs):  # a run (DPTrainer): its plain card data
+        given = inputs(tags)
+        tags = given.get("tags")
+        hyperparameters = given.get("hyperparameters") if hyperparameters is None else hyperparameters
+        eval_metrics = given.get("eval_metrics") if eval_metrics is None else eval_metrics
+        task = given.get("task") if task is None else task
+    record = _as_record(record)
     dp = privacy_metadata(record)
     opt_tag = _optimizer_tag(record)
     extra = dict(kwargs)
@@ -646,7 +670,7 @@ def create_model_card(record: PrivacyRecord, output_dir: str | os.PathLike, mode
     written. ``DPTrainer`` calls this on the processes that save, with its record and ``card_inputs()``.
 
     Args:
-        record: The run's :class:`~hf_dp.record.PrivacyRecord`.
+        record: The run's :class:`~hf_dp.record.PrivacyRecord`, or a ``DPTrainer`` (as for :func:`render_model_card`).
         output_dir: Where to write.
         model_name: Title of the card (default: the name of ``output_dir``).
         dataset_name, tags, **kwargs: As for :func:`render_model_card`.

@@ -236,3 +236,20 @@ def test_readers_of_the_record_never_import_the_trainer(module):
                     if candidate.is_file():
                         todo.append(candidate)
     assert REPO / "hf_dp" / "trainer.py" not in seen
+
+
+# -------------------------------------------------------------------------- cards read a run through its record
+def test_cards_given_a_trainer_read_its_record_and_card_inputs(tmp_path):
+    from hf_dp import cards
+
+    trainer = make_trainer(tmp_path / "run", max_steps=2)
+    trainer.train()
+    record = trainer.privacy_record()
+    assert cards.privacy_metadata(trainer) == cards.privacy_metadata(record)
+    via_trainer = cards.create_model_card(trainer, tmp_path / "a", model_name="m")
+    via_method = trainer.create_model_card(output_dir=str(tmp_path / "b"), model_name="m")
+    assert via_trainer.data.to_dict() == via_method.data.to_dict()
+    assert str(via_trainer) == str(via_method)  # hyperparameters and tags came from card_inputs()
+    assert "## Training hyperparameters" in str(via_trainer)
+    with pytest.raises(TypeError, match="PrivacyRecord"):
+        cards.privacy_metadata(object())
