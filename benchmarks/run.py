@@ -954,7 +954,8 @@ class PhaseClock:
 PHASES = [("forward (model; non-private: + HF batch loss)", False), ("per-example loss", False),
           ("backward", False), ("fused per-layer clipping (inside backward)", True),
           ("ghost norms: per_example_norms_sq", False), ("clipped sums: accumulate_clipped", False),
-          ("finish_fused", False), ("_finish_dp_step", False), ("noise: privatize (inside _finish_dp_step)", True),
+          ("finish_fused", False), ("finish_step (the DP step strategy)", False),
+          ("noise: privatize (inside finish_step)", True),
           ("optimizer step (AdamW)", False), ("optimizer step (DP optimizer)", False)]
 
 
