@@ -138,6 +138,11 @@ PHRASES_TEMPLATE = "dp_card_phrases.md"
 """The words both card templates share (macros and variables over the record ``dp``), rendered in front of each."""
 
 
+UNKNOWN = "unknown"
+"""What the record says of a field an old ``dp_state.json`` (written before the record) does not hold."""
+_NOT_RECORDED = "not recorded in this dp_state.json, written by an older hf_dp"
+
+
 def card_template(name: str) -> str:
     """The Jinja source a card is rendered from: the shared phrases (:data:`PHRASES_TEMPLATE`, which output
     nothing) in front of the template ``name``."""
@@ -287,13 +292,14 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
                 rec[key] = _plain(value)
         if record.num_rows is not None:  # rows (examples) of all users; dataset_size counts users
             rec["num_examples"] = int(record.num_rows)
-    rec["trained_parameters"] = _plain(record.trained_parameters or {})
+    # An old dp_state.json (before the record) does not say which parameters were trained, nor the optimizer.
+    rec["trained_parameters"] = _plain(record.trained_parameters or {"method": UNKNOWN})
     if record.base_model:  # what the guarantee does not cover: the base model's (non-private) pre-training
         rec["base_model"] = str(record.base_model)
     rec["mechanisms"] = mechanisms
-    rec["optimizer"] = str(record.optimizer)
-    rec["dp_seed"] = ("fixed (known seed: voids the guarantee)" if record.dp_seed == "fixed" else
-                      "secret (drawn from the OS)")
+    rec["optimizer"] = str(record.optimizer) if record.optimizer else f"{UNKNOWN} ({_NOT_RECORDED})"
+    rec["dp_seed"] = {"fixed": "fixed (known seed: voids the guarantee)", "secret": "secret (drawn from the OS)"}.get(
+        record.dp_seed, f"{UNKNOWN} ({_NOT_RECORDED})")
     if record.secure_mode:
         rec["noise_source"] = ("secure mode: a fresh 64-bit OS seed per step, 4 Gaussian draws per coordinate "
                                "(Holohan & Braghin 2021, §5.1, as Opacus' secure_mode)")
@@ -804,7 +810,8 @@ def _record_problems(dp: Any) -> list[str]:
     tp = dp["trained_parameters"]
     if not isinstance(tp.get("method"), str):
         problems.append(f"`differential_privacy.trained_parameters.method` must be a str, got {tp.get('method')!r}")
-    if not (isinstance(tp.get("count"), int) and not isinstance(tp.get("count"), bool) and tp["count"] >= 0):
+    count_ok = isinstance(tp.get("count"), int) and not isinstance(tp.get("count"), bool) and tp["count"] >= 0
+    if not count_ok and not (tp.get("method") == UNKNOWN and tp.get("count") is None):  # old dp_state.json
         problems.append(f"`differential_privacy.trained_parameters.count` must be an int >= 0, got {tp.get('count')!r}")
     total = 0
     for i, m in enumerate(dp["mechanisms"]):

@@ -71,6 +71,16 @@ def _plain(x: Any) -> Any:
     return str(x)
 
 
+def _old_dp_seed(state: Mapping[str, Any]) -> str:
+    """``dp_seed`` of a ``dp_state.json`` written before the record held it: its guarantee notes said "fixed dp_seed"
+    whenever the seed was known (``DPTrainer.dp_guarantee_notes``), so a file with notes and without that one had a
+    secret seed; a file without ``dp_guarantee`` does not say (``"unknown"``)."""
+    guarantee = state.get("dp_guarantee")
+    if not isinstance(guarantee, str):
+        return "unknown"
+    return "fixed" if "fixed dp_seed" in guarantee else "secret"
+
+
 # ------------------------------------------------------------------------------------------------- the record
 @dataclasses.dataclass(frozen=True)
 class PrivacyRecord:
@@ -99,7 +109,8 @@ class PrivacyRecord:
         user_id_column, max_examples_per_user, user_contribution: User-level DP settings (None at example level).
         num_rows: Rows (examples) of all users, with ``privacy_unit="user"``.
         secure_mode: Noise from fresh OS entropy per step (Holohan & Braghin 2021, §5.1).
-        dp_seed: ``"secret"`` (drawn from the OS) or ``"fixed"`` (a known seed: voids the guarantee).
+        dp_seed: ``"secret"`` (drawn from the OS) or ``"fixed"`` (a known seed: voids the guarantee); ``"unknown"``
+            for an old ``dp_state.json`` that does not say.
         trained_parameters: Which parameters were trained (:func:`describe_trained_parameters`).
         optimizer: ``"DP-Adam (AdamW)"``, ``"DP-SGD (SGD)"``, ... (:func:`describe_optimizer`).
         base_model: Where the model was fine-tuned from: Hub ids and/or ``local files <name>``, ``"; "``-joined.
@@ -274,7 +285,7 @@ class PrivacyRecord:
             user_contribution=state.get("user_contribution"),
             num_rows=state.get("num_rows"),
             secure_mode=bool(state.get("secure_mode", False)),
-            dp_seed=state.get("dp_seed") or "secret",
+            dp_seed=state.get("dp_seed") or _old_dp_seed(state),
             trained_parameters=state.get("trained_parameters"),
             optimizer=state.get("optimizer"),
             base_model=state.get("base_model"),

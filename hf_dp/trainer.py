@@ -198,6 +198,28 @@ class _DPGradientCheck(TrainerCallback):
         self.trainer._check_step_gradients()
 
 
+def _check_compute_loss_not_overridden(cls: type) -> None:
+    """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
+
+    Checked before ``Trainer.__init__`` runs, so that ``class X(DPTrainer, SomeTrlTrainer)`` (every trl trainer
+    overrides ``compute_loss``) is refused with this reason, not with whatever its ``__init__`` trips over first
+    (e.g. a trl config field missing from ``DPTrainingArguments``).
+    """
+    owner = overriding_class(cls, "compute_loss")
+    if owner in (Trainer, DPTrainer) or getattr(owner, "_dp_compute_loss_is_not_trained", False):
+        return
+    trl_hint = ""
+    if owner.__module__.split(".")[0] == "trl":
+        trl_hint = (" For trl's SFTTrainer use hf_dp.DPSFTTrainer with hf_dp.DPSFTConfig; other trl trainers (their "
+                    "losses span pairs, reference models or generations) are not supported by DPTrainer.")
+    raise ValueError(
+        f"{owner.__name__} overrides compute_loss, but DPTrainer never calls compute_loss in training (each "
+        "example's loss is computed by per_example_loss, then clipped), so your loss would be silently "
+        "ignored in training and used only in evaluation. Pass per_example_loss=fn with fn(outputs, labels) "
+        "-> one loss per example (Tensor[B]) instead; for evaluation-only changes override prediction_step." + trl_hint
+    )
+
+
 class DPTrainer(Trainer):
     """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD; DP-Adam with AdamW).
 
@@ -221,6 +243,7 @@ class DPTrainer(Trainer):
 
     def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, peft_config: Any = None,
                  **kwargs: Any):
+        _check_compute_loss_not_overridden(type(self))  # before Trainer.__init__: a trl trainer's would fail first
         self._peft_config = peft_config  # also applied to every model that model_init builds (call_model_init)
         if peft_config is not None:
             if args:
@@ -234,14 +257,6 @@ class DPTrainer(Trainer):
             raise ValueError(
                 "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
                 "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
-            )
-        owner = overriding_class(type(self), "compute_loss")
-        if owner not in (Trainer, DPTrainer) and not getattr(owner, "_dp_compute_loss_is_not_trained", False):
-            raise ValueError(
-                f"{owner.__name__} overrides compute_loss, but DPTrainer never calls compute_loss in training (each "
-                "example's loss is computed by per_example_loss, then clipped), so your loss would be silently "
-                "ignored in training and used only in evaluation. Pass per_example_loss=fn with fn(outputs, labels) "
-                "-> one loss per example (Tensor[B]) instead; for evaluation-only changes override prediction_step."
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")

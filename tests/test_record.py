@@ -196,6 +196,35 @@ def test_old_dp_state_without_the_new_keys_still_resumes(tmp_path):
     assert resumed.privacy_spent()["epsilon"] == pytest.approx(fresh.privacy_spent()["epsilon"], rel=1e-12)
 
 
+@pytest.mark.parametrize("dp_seed", [None, 5], ids=["secret", "fixed"])
+def test_card_from_an_old_dp_state_says_what_it_does_not_record(tmp_path, dp_seed):
+    """A dp_state.json written before the record (session 5 keys only) renders a valid card with its ε; what the old
+    file does not hold (trained parameters, optimizer) is said to be unknown, and the seed is read from the old
+    guarantee notes (a fixed dp_seed was always noted there), not assumed secret."""
+    from hf_dp import card_from_dp_state
+    from hf_dp.synthetic import resolve_privacy
+
+    out = tmp_path / "run"
+    trainer = make_trainer(out, max_steps=2, dp_seed=dp_seed)
+    trainer.train()
+    trainer.save_model()
+    state = json.loads((out / "dp_state.json").read_text())
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    (old_dir / "dp_state.json").write_text(json.dumps({k: state[k] for k in OLD_DP_STATE_KEYS}))
+    card = card_from_dp_state(old_dir, output_dir=old_dir)
+    validate_card(old_dir / "README.md")
+    dp = privacy_report(old_dir)
+    assert dp["epsilon"] == privacy_report(out)["epsilon"] and dp["steps"] == 2
+    assert dp["dp_seed"] == privacy_report(out)["dp_seed"]  # fixed -> fixed, secret -> secret
+    assert dp["trained_parameters"]["method"] == "unknown" and "unknown" in dp["optimizer"]
+    assert "not recorded" in card.text
+    assert resolve_privacy(str(old_dir / "dp_state.json"))["epsilon"] == dp["epsilon"]  # synthetic data's card too
+    del state["dp_guarantee"]  # older still: nothing says whether the seed was fixed
+    (old_dir / "dp_state.json").write_text(json.dumps({k: state[k] for k in OLD_DP_STATE_KEYS if k in state}))
+    assert "unknown" in card_from_dp_state(old_dir).data.to_dict()["differential_privacy"]["dp_seed"]
+
+
 # ------------------------------------------------------------------------------------------------ one-way imports
 def _imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports, anywhere in the file (function-local and ``if TYPE_CHECKING:`` imports too),

@@ -18,7 +18,7 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 
-from hf_dp import DPSFTConfig, DPSFTTrainer, DPTrainingArguments, PoissonBatchSampler  # noqa: E402
+from hf_dp import DPSFTConfig, DPSFTTrainer, DPTrainer, DPTrainingArguments, PoissonBatchSampler  # noqa: E402
 
 WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"] + (
     "hello hi how are you fine thanks what is your name my bot good day the cat sat on mat a dog ran").split()
@@ -144,6 +144,24 @@ def test_dp_training_arguments_upgraded_and_plain_sftconfig_refused(tmp_path):
     assert isinstance(trainer.args, DPSFTConfig) and trainer.args.per_sample_max_grad_norm == 0.3
     with pytest.raises(TypeError, match="DPSFTConfig"):
         make_trainer(tiny_llama(), dataset("text"), SFTConfig(output_dir=str(tmp_path), use_cpu=True))
+
+
+@pytest.mark.parametrize("trl_trainer", ["SFTTrainer", "DPOTrainer", "RewardTrainer"])
+def test_dptrainer_mixed_with_a_trl_trainer_by_hand_is_refused_with_the_reason(tmp_path, trl_trainer):
+    """``class X(DPTrainer, trl.SomeTrainer)`` with DPTrainingArguments: refused because trl's compute_loss would be
+    ignored in training (pointing to DPSFTTrainer), not with whatever trl's __init__ trips over first (a trl config
+    field missing from DPTrainingArguments)."""
+    import trl
+
+    class HandMade(DPTrainer, getattr(trl, trl_trainer)):
+        pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_device_train_batch_size=2,
+                                   max_steps=1, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match=f"{trl_trainer} overrides compute_loss.*hf_dp.DPSFTTrainer"):
+        HandMade(model=tiny_llama(), args=args, train_dataset=dataset("text"), processing_class=chat_tokenizer())
 
 
 def test_gradient_checkpointing_refused(tmp_path):
