@@ -24,8 +24,8 @@ from torch import nn
 
 from .clipping.layers import UnsupportedLayerError
 
-__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "adapter_summary", "adapter_advice",
-           "explain_adapter_refusal"]
+__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "check_adapter_objective",
+           "adapter_summary", "adapter_advice", "explain_adapter_refusal"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -80,6 +80,30 @@ def per_example_prompts(model: nn.Module) -> None:
 
     model.get_prompt = types.MethodType(get_prompt, model)
     model._hf_dp_per_example_prompts = True
+
+
+def check_adapter_objective(model: nn.Module) -> None:
+    """Refuse an adapter whose model adds a term to its own loss that DPTrainer does not train.
+
+    AdaLoRA (Zhang et al. 2023, Eq. 4) adds ``orth_reg_weight · R(P, Q)``, an orthogonality penalty on every
+    ``lora_A`` / ``lora_B``, to ``outputs.loss`` (``AdaLoraModel.forward``). DPTrainer trains each example's own loss
+    computed from the logits (``losses.py``), so that term would silently be left out (DESIGN invariant 9); and its
+    gradient reaches ``lora_A`` / ``lora_B`` outside any layer's forward, where no hook could clip it per example.
+    """
+    if not is_peft_model(model):
+        return
+    from peft import PeftType
+
+    for name, config in model.peft_config.items():
+        weight = getattr(config, "orth_reg_weight", 0.0) or 0.0
+        if config.peft_type == PeftType.ADALORA and weight > 0:
+            raise ValueError(
+                f"AdaLoRA adapter {name!r} has orth_reg_weight={weight}: PEFT adds an orthogonality penalty on "
+                "lora_A / lora_B to the model's own loss, which DPTrainer does not train (each example's loss is "
+                "computed from the logits, and the penalty's gradient reaches lora_A / lora_B outside any layer's "
+                "forward, where it cannot be clipped per example). Set `AdaLoraConfig(..., orth_reg_weight=0.0)`: "
+                "AdaLoRA's adapters are then trained exactly, per example."
+            )
 
 
 def adapter_summary(model: nn.Module) -> dict[str, Any]:

@@ -67,7 +67,7 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds
-from .peft_support import adapter_advice, apply_peft_config, per_example_prompts
+from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
 from .record import (
     PrivacyRecord,
     _plain,
@@ -300,6 +300,7 @@ class DPTrainer(Trainer):
         book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
         set changes (``model_init``, a parameter unfrozen before ``train()``)."""
         per_example_prompts(self.model)
+        check_adapter_objective(self.model)
         if not self._custom_loss:
             self.per_example_loss, self.task = default_per_example_loss(self.model)
         fsdp = self.is_fsdp_enabled
