@@ -323,10 +323,11 @@ class DPTrainingArguments(TrainingArguments):
                 NotPrivateWarning,
                 stacklevel=2,
             )
-        if self.load_best_model_at_end:
+        if self.load_best_model_at_end or self.save_strategy == "best":
+            what = "load_best_model_at_end" if self.load_best_model_at_end else "save_strategy='best'"
             warnings.warn(
-                "load_best_model_at_end selects a checkpoint by evaluation metrics. If the evaluation set is private "
-                "data, that selection is not covered by the DP guarantee.",
+                f"{what} selects a checkpoint by evaluation metrics. If the evaluation set is private data, that "
+                "selection is not covered by the DP guarantee.",
                 NotPrivateWarning,
                 stacklevel=2,
             )

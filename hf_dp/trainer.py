@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
-from .arguments import DPTrainingArguments
+from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .cards import create_model_card
 from .clipping.engine import ClippingEngine
@@ -706,6 +706,10 @@ class DPTrainer(Trainer):
             self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
         self.accountant.planned_steps = self.accountant.steps + remaining
         self._allowed_steps = self._steps_within_budget(remaining)
+        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
+            warnings.warn("EarlyStoppingCallback stops training by evaluation metrics. If the evaluation set is "
+                          "private data, that choice is not covered by the DP guarantee.", NotPrivateWarning,
+                          stacklevel=2)
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
@@ -812,6 +816,12 @@ class DPTrainer(Trainer):
             notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
         if self.args.load_best_model_at_end:
             notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+        elif self.args.save_strategy == "best":
+            notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
+                         "among them is not covered if the evaluation data is private")
+        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
+            notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
+                         "evaluation data is private")
         if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
             notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
                          "private data and selecting among them is not covered")

@@ -260,3 +260,25 @@ def test_dp_guarantee_collects_reasons_from_trainer_and_callbacks(tmp_path):
                       callbacks=[Regulariser()])
     assert loose.dp_guarantee.startswith("not strict: ")
     assert "fixed dp_seed" in loose.dp_guarantee and "regulariser" in loose.dp_guarantee
+
+
+def test_model_selection_by_private_evaluation_is_warned_and_noted(tmp_path):
+    """save_strategy='best' (checkpoints kept only when the evaluation metric improves) and EarlyStoppingCallback
+    (the number of steps chosen by evaluation metrics) select the released model on the evaluation data, like
+    load_best_model_at_end: warned, and dp_guarantee (hence the card) says so (DESIGN invariant 7)."""
+    from transformers import EarlyStoppingCallback
+
+    evaluation = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss", target_epsilon=1.0,
+                      dp_seed=None)
+    with pytest.warns(NotPrivateWarning, match="save_strategy='best' selects a checkpoint"):
+        args = make_args(tmp_path, save_strategy="best", **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4))
+    assert "save_strategy='best'" in trainer.dp_guarantee
+
+    args = make_args(tmp_path, max_steps=2, **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4),
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    assert "EarlyStoppingCallback" in trainer.dp_guarantee
+    with pytest.warns(NotPrivateWarning, match="EarlyStoppingCallback stops training"):
+        trainer.train()
+    assert "EarlyStoppingCallback" in trainer.privacy_record().dp_guarantee
