@@ -135,12 +135,47 @@ def explain_adapter_refusal(message: str, model: nn.Module) -> str | None:
     names = sorted({next((o for o in outer if n == o or n.startswith(o + ".")), n) for n in names})
     if not names:
         return None
-    listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return (f"The refused parameters belong to PEFT adapter layers ({listing}), so training through an adapter is not "
-            "the way forward for them: leave these layers out of the adapter, by listing the layers to adapt in "
-            "`target_modules` (e.g. the attention projections, on which LoRA is exact) instead of \"all-linear\" (on "
-            "mixture-of-experts models it also adapts the router and the expert parameters) and keeping them out of "
-            "`target_parameters`; or freeze their adapter parameters.")
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    except ImportError:  # pragma: no cover
+        TrainableTokensLayer = ()  # noqa: N806
+    modules = dict(model.named_modules())
+    lora = [n for n in names if isinstance(modules[n], LoraLayer)]
+    tied = any(getattr(m, "tied_adapter", None) is not None for m in modules.values()
+               if isinstance(m, TrainableTokensLayer))  # PEFT's trainable tokens also in a tied output layer
+    tokens = [n for n in names if tied and isinstance(modules[n], TrainableTokensLayer)]
+    other = [n for n in names if n not in lora and n not in tokens]
+
+    def listing(layers: list[str]) -> str:
+        return ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+
+    notes = []
+    if lora:
+        notes.append(
+            f"The refused parameters belong to PEFT adapter layers ({listing(lora)}), so training through an adapter "
+            "is not the way forward for them: leave these layers out of the adapter, by listing the layers to adapt "
+            "in `target_modules` (e.g. the attention projections, on which LoRA is exact) instead of \"all-linear\" "
+            "(on mixture-of-experts models it also adapts the router and the expert parameters) and keeping them out "
+            "of `target_parameters`; or freeze their adapter parameters.")
+    if tokens:
+        notes.append(
+            f"The refused parameters belong to PEFT's trainable tokens ({listing(tokens)}, from "
+            "`trainable_token_indices`): with input embeddings tied to the output layer, PEFT also applies the new "
+            "tokens' rows in the output layer's weight, outside the embedding's forward. Drop "
+            "`trainable_token_indices` (LoRA on the attention projections is exact), or untie the embeddings "
+            "(`tie_word_embeddings=False`), with which trainable tokens are exact.")
+    if other:
+        kinds = sorted({type(modules[n]).__module__.split(".")[2] if type(modules[n]).__module__.startswith(
+            "peft.tuners.") else type(modules[n]).__name__ for n in other})
+        notes.append(
+            f"The refused parameters belong to PEFT adapter layers ({listing(other)}) of a kind ({', '.join(kinds)}) "
+            "whose weight delta PEFT computes from the adapter parameters outside any layer hf_dp can clip per "
+            "example. Adapters trained exactly: LoRA (also DoRA, rsLoRA, AdaLoRA), IA3, VeRA, prefix tuning, prompt "
+            "tuning and P-tuning: use e.g. `LoraConfig` with the same `target_modules`, or freeze these adapter "
+            "parameters.")
+    return "\n".join(notes)
 
 
 @contextlib.contextmanager

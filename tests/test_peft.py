@@ -11,6 +11,8 @@ import torch
 from helpers import cls_dataset, lm_dataset, seq2seq_dataset, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from peft import (
     AdaLoraConfig,
+    LoHaConfig,
+    LoKrConfig,
     LoraConfig,
     PrefixTuningConfig,
     PromptEncoderConfig,
@@ -21,7 +23,7 @@ from peft import (
 from test_groupwise import run_group_step
 from test_oracle import check_update, dp_args
 
-from hf_dp import DPTrainer
+from hf_dp import DPTrainer, UnsupportedLayerError
 
 
 def lora_gpt2():
@@ -156,6 +158,35 @@ def test_adalora_orthogonal_regularization_is_refused(tmp_path):
     cfg = AdaLoraConfig(task_type=TaskType.CAUSAL_LM, init_r=4, target_r=2, target_modules=["q_proj"], total_step=10)
     with pytest.raises(ValueError, match="orthogonality penalty"):
         DPTrainer(model=tiny_llama(), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(4), peft_config=cfg)
+
+
+def test_trainable_tokens_untied_matches_oracle(tmp_path):
+    """``trainable_token_indices`` (PEFT's new-token rows, by the generic fallback) with LoRA, untied embeddings."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj"],
+                                                    trainable_token_indices=[3, 5, 7], lora_dropout=0.0))
+    assert any("trainable_tokens_delta" in n for n, p in model.named_parameters() if p.requires_grad)
+    check_update(model, lm_dataset(6), tmp_path, per_device=2, ga=3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: get_peft_model(tiny_llama(), LoHaConfig(task_type=TaskType.CAUSAL_LM, r=2,
+                                                     target_modules=["q_proj", "v_proj"])), r"\(loha\).*`LoraConfig`"),
+    (lambda: get_peft_model(tiny_llama(), LoKrConfig(task_type=TaskType.CAUSAL_LM, r=2,
+                                                     target_modules=["q_proj", "v_proj"])), r"\(lokr\).*`LoraConfig`"),
+    (lambda: get_peft_model(tiny_gpt2(), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["c_attn"],
+                                                    trainable_token_indices=[3, 5], fan_in_fan_out=True)),
+     r"trainable tokens.*tied.*tie_word_embeddings=False"),
+], ids=["loha", "lokr", "trainable_tokens_tied"])
+def test_adapter_refusal_names_the_adapter_kind_and_the_way_forward(tmp_path, make, match):
+    """Adapters whose weight delta PEFT builds outside any hooked layer (LoHa, LoKr; trainable tokens on tied
+    embeddings, also applied in the LM head) are refused at the first step; the advice is about the adapter the user
+    chose (use LoRA; untie or drop the trainable tokens), not about narrowing "all-linear", which they did not use."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=make(), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(4))
+    with pytest.raises(UnsupportedLayerError, match=match) as err:
+        trainer.train()
+    assert "all-linear" not in str(err.value) and trainer.accountant.steps == 0
 
 
 @pytest.mark.parametrize("case", ["prompt_gpt2", "p_tuning_gpt2"])
