@@ -584,6 +584,18 @@ class DPTrainer(Trainer):
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
 
+    def _track_num_input_tokens(self, inputs: dict, *args: Any, **kwargs: Any) -> None:
+        """``include_num_input_tokens_seen``: an empty Poisson chunk holds no tokens. It still takes part in the
+        Trainer's gather of the count (a rank that skipped it would leave the others waiting in the collective) and
+        does not reach the Trainer's warning about a model without ``main_input_name``."""
+        if not _is_empty(inputs):
+            return super()._track_num_input_tokens(inputs, *args, **kwargs)
+        if self.args.include_num_input_tokens_seen in ("no", False, None):
+            return None
+        zero = torch.zeros((), device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+        return None
+
     # ------------------------------------------------------------------ the DP step's hooks (clipping/step.py)
     _slice_batch = staticmethod(slice_batch)
 

@@ -282,3 +282,24 @@ def test_model_selection_by_private_evaluation_is_warned_and_noted(tmp_path):
     with pytest.warns(NotPrivateWarning, match="EarlyStoppingCallback stops training"):
         trainer.train()
     assert "EarlyStoppingCallback" in trainer.privacy_record().dp_guarantee
+
+
+@pytest.mark.parametrize("count", ["all", "non_padding"])
+def test_num_input_tokens_seen_with_empty_poisson_batches(tmp_path, count):
+    """include_num_input_tokens_seen: every chunk, empty ones included, takes part in the Trainer's gather of the
+    token count (a rank that skipped it would hang the others under DDP), and the count is the sampled tokens'."""
+    data = lm_dataset(16)
+    args = make_args(tmp_path, noise_multiplier=1.0, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                     max_steps=12, include_num_input_tokens_seen=count, logging_steps=100)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=data)
+    gathered, seen = [], []
+    plain_gather = trainer.accelerator.gather
+    trainer.accelerator.gather = lambda t: gathered.append(int(t)) or plain_gather(t)
+    plain_step = trainer.training_step
+    trainer.training_step = lambda model, inputs, *a, **k: seen.append(inputs) or plain_step(model, inputs, *a, **k)
+    trainer.train()
+    assert len(gathered) == len(seen) == 12
+    assert any(int(v) == 0 for v in gathered)  # q = 1/16: some chunks were empty
+    key = "attention_mask" if count == "non_padding" else "input_ids"
+    expected = sum(int(b[key].sum()) if count == "non_padding" else b[key].numel() for b in seen if key in b)
+    assert trainer.state.num_input_tokens_seen == expected == sum(gathered)
