@@ -831,6 +831,9 @@ class DPTrainer(Trainer):
         elif self.args.save_strategy == "best":
             notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
                          "among them is not covered if the evaluation data is private")
+        if self.args.lr_scheduler_type == "reduce_lr_on_plateau":
+            notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
+                         "evaluation data is private")
         if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
             notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
                          "evaluation data is private")

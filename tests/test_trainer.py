@@ -263,9 +263,10 @@ def test_dp_guarantee_collects_reasons_from_trainer_and_callbacks(tmp_path):
 
 
 def test_model_selection_by_private_evaluation_is_warned_and_noted(tmp_path):
-    """save_strategy='best' (checkpoints kept only when the evaluation metric improves) and EarlyStoppingCallback
-    (the number of steps chosen by evaluation metrics) select the released model on the evaluation data, like
-    load_best_model_at_end: warned, and dp_guarantee (hence the card) says so (DESIGN invariant 7)."""
+    """save_strategy='best' (checkpoints kept only when the evaluation metric improves), EarlyStoppingCallback (the
+    number of steps chosen by evaluation metrics) and reduce_lr_on_plateau (the learning rate chosen by them) use the
+    evaluation data to shape the released model, like load_best_model_at_end: warned, and dp_guarantee (hence the
+    card) says so (DESIGN invariant 7)."""
     from transformers import EarlyStoppingCallback
 
     evaluation = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss", target_epsilon=1.0,
@@ -282,6 +283,11 @@ def test_model_selection_by_private_evaluation_is_warned_and_noted(tmp_path):
     with pytest.warns(NotPrivateWarning, match="EarlyStoppingCallback stops training"):
         trainer.train()
     assert "EarlyStoppingCallback" in trainer.privacy_record().dp_guarantee
+
+    with pytest.warns(NotPrivateWarning, match="reduce_lr_on_plateau' lowers the learning rate"):
+        args = make_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4))
+    assert "reduce_lr_on_plateau" in trainer.dp_guarantee
 
 
 @pytest.mark.parametrize("count", ["all", "non_padding"])
