@@ -1114,6 +1114,9 @@ class DPTrainer(Trainer):
                     self.accountant.steps,
                 )
                 self.budget_exhausted = True
+                # The model the accountant describes is the checkpoint's (as the plain Trainer resuming a finished
+                # run leaves it), not the one this trainer was built with, which save_model() would release as such.
+                self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
 

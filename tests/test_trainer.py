@@ -309,3 +309,22 @@ def test_num_input_tokens_seen_with_empty_poisson_batches(tmp_path, count):
     key = "attention_mask" if count == "non_padding" else "input_ids"
     expected = sum(int(b[key].sum()) if count == "non_padding" else b[key].numel() for b in seen if key in b)
     assert trainer.state.num_input_tokens_seen == expected == sum(gathered)
+
+
+def test_resume_of_a_spent_budget_leaves_the_checkpoint_model(tmp_path):
+    """resume_from_checkpoint=True on a run whose budget is spent trains no step and leaves the trainer with the
+    checkpoint's model, the one its accountant describes (as the plain Trainer resuming a finished run does), not the
+    fresh model it was built with, which save_model() would otherwise release under a card claiming those steps."""
+    def args():
+        return make_args(tmp_path, target_epsilon=3.0, max_steps=2, save_strategy="steps", save_steps=1)
+
+    torch.manual_seed(0)
+    first = DPTrainer(model=tiny_gpt2(), args=args(), train_dataset=lm_dataset(16))
+    first.train()
+    trained = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+    torch.manual_seed(1)
+    second = DPTrainer(model=tiny_gpt2(), args=args(), train_dataset=lm_dataset(16))
+    second.train(resume_from_checkpoint=True)
+    assert second.budget_exhausted and second.accountant.steps == 2
+    for k, v in second.model.state_dict().items():
+        torch.testing.assert_close(v, trained[k], msg=k)
