@@ -323,10 +323,18 @@ class DPTrainingArguments(TrainingArguments):
                 NotPrivateWarning,
                 stacklevel=2,
             )
-        if self.load_best_model_at_end:
+        if self.lr_scheduler_type == "reduce_lr_on_plateau":
             warnings.warn(
-                "load_best_model_at_end selects a checkpoint by evaluation metrics. If the evaluation set is private "
-                "data, that selection is not covered by the DP guarantee.",
+                "lr_scheduler_type='reduce_lr_on_plateau' lowers the learning rate by evaluation metrics. If the "
+                "evaluation set is private data, that use of it is not covered by the DP guarantee.",
+                NotPrivateWarning,
+                stacklevel=2,
+            )
+        if self.load_best_model_at_end or self.save_strategy == "best":
+            what = "load_best_model_at_end" if self.load_best_model_at_end else "save_strategy='best'"
+            warnings.warn(
+                f"{what} selects a checkpoint by evaluation metrics. If the evaluation set is private data, that "
+                "selection is not covered by the DP guarantee.",
                 NotPrivateWarning,
                 stacklevel=2,
             )

@@ -24,8 +24,8 @@ from torch import nn
 
 from .clipping.layers import UnsupportedLayerError
 
-__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "adapter_summary", "adapter_advice",
-           "explain_adapter_refusal"]
+__all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "check_adapter_objective",
+           "adapter_summary", "adapter_advice", "explain_adapter_refusal"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -82,6 +82,30 @@ def per_example_prompts(model: nn.Module) -> None:
     model._hf_dp_per_example_prompts = True
 
 
+def check_adapter_objective(model: nn.Module) -> None:
+    """Refuse an adapter whose model adds a term to its own loss that DPTrainer does not train.
+
+    AdaLoRA (Zhang et al. 2023, Eq. 4) adds ``orth_reg_weight · R(P, Q)``, an orthogonality penalty on every
+    ``lora_A`` / ``lora_B``, to ``outputs.loss`` (``AdaLoraModel.forward``). DPTrainer trains each example's own loss
+    computed from the logits (``losses.py``), so that term would silently be left out (DESIGN invariant 9); and its
+    gradient reaches ``lora_A`` / ``lora_B`` outside any layer's forward, where no hook could clip it per example.
+    """
+    if not is_peft_model(model):
+        return
+    from peft import PeftType
+
+    for name, config in model.peft_config.items():
+        weight = getattr(config, "orth_reg_weight", 0.0) or 0.0
+        if config.peft_type == PeftType.ADALORA and weight > 0:
+            raise ValueError(
+                f"AdaLoRA adapter {name!r} has orth_reg_weight={weight}: PEFT adds an orthogonality penalty on "
+                "lora_A / lora_B to the model's own loss, which DPTrainer does not train (each example's loss is "
+                "computed from the logits, and the penalty's gradient reaches lora_A / lora_B outside any layer's "
+                "forward, where it cannot be clipped per example). Set `AdaLoraConfig(..., orth_reg_weight=0.0)`: "
+                "AdaLoRA's adapters are then trained exactly, per example."
+            )
+
+
 def adapter_summary(model: nn.Module) -> dict[str, Any]:
     """What is trained: ``{"method": "full" | "lora" | "prefix_tuning" | "prompt_tuning", "trainable_parameters"}``."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -111,12 +135,47 @@ def explain_adapter_refusal(message: str, model: nn.Module) -> str | None:
     names = sorted({next((o for o in outer if n == o or n.startswith(o + ".")), n) for n in names})
     if not names:
         return None
-    listing = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-    return (f"The refused parameters belong to PEFT adapter layers ({listing}), so training through an adapter is not "
-            "the way forward for them: leave these layers out of the adapter, by listing the layers to adapt in "
-            "`target_modules` (e.g. the attention projections, on which LoRA is exact) instead of \"all-linear\" (on "
-            "mixture-of-experts models it also adapts the router and the expert parameters) and keeping them out of "
-            "`target_parameters`; or freeze their adapter parameters.")
+    from peft.tuners.lora import LoraLayer
+
+    try:
+        from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    except ImportError:  # pragma: no cover
+        TrainableTokensLayer = ()  # noqa: N806
+    modules = dict(model.named_modules())
+    lora = [n for n in names if isinstance(modules[n], LoraLayer)]
+    tied = any(getattr(m, "tied_adapter", None) is not None for m in modules.values()
+               if isinstance(m, TrainableTokensLayer))  # PEFT's trainable tokens also in a tied output layer
+    tokens = [n for n in names if tied and isinstance(modules[n], TrainableTokensLayer)]
+    other = [n for n in names if n not in lora and n not in tokens]
+
+    def listing(layers: list[str]) -> str:
+        return ", ".join(layers[:6]) + (f" and {len(layers) - 6} more" if len(layers) > 6 else "")
+
+    notes = []
+    if lora:
+        notes.append(
+            f"The refused parameters belong to PEFT adapter layers ({listing(lora)}), so training through an adapter "
+            "is not the way forward for them: leave these layers out of the adapter, by listing the layers to adapt "
+            "in `target_modules` (e.g. the attention projections, on which LoRA is exact) instead of \"all-linear\" "
+            "(on mixture-of-experts models it also adapts the router and the expert parameters) and keeping them out "
+            "of `target_parameters`; or freeze their adapter parameters.")
+    if tokens:
+        notes.append(
+            f"The refused parameters belong to PEFT's trainable tokens ({listing(tokens)}, from "
+            "`trainable_token_indices`): with input embeddings tied to the output layer, PEFT also applies the new "
+            "tokens' rows in the output layer's weight, outside the embedding's forward. Drop "
+            "`trainable_token_indices` (LoRA on the attention projections is exact), or untie the embeddings "
+            "(`tie_word_embeddings=False`), with which trainable tokens are exact.")
+    if other:
+        kinds = sorted({type(modules[n]).__module__.split(".")[2] if type(modules[n]).__module__.startswith(
+            "peft.tuners.") else type(modules[n]).__name__ for n in other})
+        notes.append(
+            f"The refused parameters belong to PEFT adapter layers ({listing(other)}) of a kind ({', '.join(kinds)}) "
+            "whose weight delta PEFT computes from the adapter parameters outside any layer hf_dp can clip per "
+            "example. Adapters trained exactly: LoRA (also DoRA, rsLoRA, AdaLoRA), IA3, VeRA, prefix tuning, prompt "
+            "tuning and P-tuning: use e.g. `LoraConfig` with the same `target_modules`, or freeze these adapter "
+            "parameters.")
+    return "\n".join(notes)
 
 
 @contextlib.contextmanager

@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
-from transformers import Trainer, TrainerCallback
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
 from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
-from .arguments import DPTrainingArguments
+from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .cards import create_model_card
 from .clipping.engine import ClippingEngine
@@ -67,7 +67,7 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds
-from .peft_support import adapter_advice, apply_peft_config, per_example_prompts
+from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
 from .record import (
     PrivacyRecord,
     _plain,
@@ -315,6 +315,7 @@ class DPTrainer(Trainer):
         book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
         set changes (``model_init``, a parameter unfrozen before ``train()``)."""
         per_example_prompts(self.model)
+        check_adapter_objective(self.model)
         if not self._custom_loss:
             self.per_example_loss, self.task = default_per_example_loss(self.model)
         fsdp = self.is_fsdp_enabled
@@ -598,6 +599,18 @@ class DPTrainer(Trainer):
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
 
+    def _track_num_input_tokens(self, inputs: dict, *args: Any, **kwargs: Any) -> None:
+        """``include_num_input_tokens_seen``: an empty Poisson chunk holds no tokens. It still takes part in the
+        Trainer's gather of the count (a rank that skipped it would leave the others waiting in the collective) and
+        does not reach the Trainer's warning about a model without ``main_input_name``."""
+        if not _is_empty(inputs):
+            return super()._track_num_input_tokens(inputs, *args, **kwargs)
+        if self.args.include_num_input_tokens_seen in ("no", False, None):
+            return None
+        zero = torch.zeros((), device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
+        return None
+
     # ------------------------------------------------------------------ the DP step's hooks (clipping/step.py)
     _slice_batch = staticmethod(slice_batch)
 
@@ -720,6 +733,10 @@ class DPTrainer(Trainer):
             self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
         self.accountant.planned_steps = self.accountant.steps + remaining
         self._allowed_steps = self._steps_within_budget(remaining)
+        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
+            warnings.warn("EarlyStoppingCallback stops training by evaluation metrics. If the evaluation set is "
+                          "private data, that choice is not covered by the DP guarantee.", NotPrivateWarning,
+                          stacklevel=2)
         if not self.args.poisson_sampling:
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
@@ -826,6 +843,15 @@ class DPTrainer(Trainer):
             notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
         if self.args.load_best_model_at_end:
             notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+        elif self.args.save_strategy == "best":
+            notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
+                         "among them is not covered if the evaluation data is private")
+        if self.args.lr_scheduler_type == "reduce_lr_on_plateau":
+            notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
+                         "evaluation data is private")
+        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
+            notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
+                         "evaluation data is private")
         if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
             notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
                          "private data and selecting among them is not covered")
@@ -1103,6 +1129,9 @@ class DPTrainer(Trainer):
                     self.accountant.steps,
                 )
                 self.budget_exhausted = True
+                # The model the accountant describes is the checkpoint's (as the plain Trainer resuming a finished
+                # run leaves it), not the one this trainer was built with, which save_model() would release as such.
+                self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
         return super().train(resume_from_checkpoint or None, *args, **kwargs)
 

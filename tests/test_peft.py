@@ -10,6 +10,9 @@ import pytest
 import torch
 from helpers import cls_dataset, lm_dataset, seq2seq_dataset, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from peft import (
+    AdaLoraConfig,
+    LoHaConfig,
+    LoKrConfig,
     LoraConfig,
     PrefixTuningConfig,
     PromptEncoderConfig,
@@ -20,7 +23,7 @@ from peft import (
 from test_groupwise import run_group_step
 from test_oracle import check_update, dp_args
 
-from hf_dp import DPTrainer
+from hf_dp import DPTrainer, UnsupportedLayerError
 
 
 def lora_gpt2():
@@ -81,9 +84,22 @@ def _nonzero_init(model):
     return model
 
 
+def adalora_llama(orth_reg_weight: float = 0.0):
+    """AdaLoRA's E starts at zero (so A and B get no gradient at step 0): randomise it so all three are tested."""
+    cfg = AdaLoraConfig(task_type=TaskType.CAUSAL_LM, init_r=4, target_r=2, target_modules=["q_proj", "v_proj"],
+                        total_step=10, lora_dropout=0.0, orth_reg_weight=orth_reg_weight)
+    model = get_peft_model(tiny_llama(), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_E" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
 CASES = {
     "lora_gpt2_conv1d": (lambda: _nonzero_init(lora_gpt2()), lambda: lm_dataset(6)),
     "lora_bert": (lambda: _nonzero_init(lora_bert()), lambda: cls_dataset(6, 2)),
+    "adalora_llama": (adalora_llama, lambda: lm_dataset(6)),
     "prefix_gpt2": (lambda: prefix_gpt2(False), lambda: lm_dataset(6)),
     "prefix_gpt2_projection": (lambda: prefix_gpt2(True), lambda: lm_dataset(6)),
     "prompt_gpt2": (prompt_gpt2, lambda: lm_dataset(6)),
@@ -132,6 +148,45 @@ def test_peft_config_argument_wraps_the_model(tmp_path):
     assert trainer.accountant.steps == 2
     with pytest.raises(ValueError, match="already a PeftModel"):
         DPTrainer(model=lora_gpt2(), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(8), peft_config=cfg)
+
+
+def test_adalora_orthogonal_regularization_is_refused(tmp_path):
+    """AdaLoRA's own loss adds orth_reg_weight · R(lora_A, lora_B) (PEFT's default 0.5), which the per-example loss
+    does not train: refused at construction, with orth_reg_weight=0.0 as the way forward (exact: CASES above)."""
+    with pytest.raises(ValueError, match="orth_reg_weight=0.0"):
+        DPTrainer(model=adalora_llama(0.5), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(4))
+    cfg = AdaLoraConfig(task_type=TaskType.CAUSAL_LM, init_r=4, target_r=2, target_modules=["q_proj"], total_step=10)
+    with pytest.raises(ValueError, match="orthogonality penalty"):
+        DPTrainer(model=tiny_llama(), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(4), peft_config=cfg)
+
+
+def test_trainable_tokens_untied_matches_oracle(tmp_path):
+    """``trainable_token_indices`` (PEFT's new-token rows, by the generic fallback) with LoRA, untied embeddings."""
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj"],
+                                                    trainable_token_indices=[3, 5, 7], lora_dropout=0.0))
+    assert any("trainable_tokens_delta" in n for n, p in model.named_parameters() if p.requires_grad)
+    check_update(model, lm_dataset(6), tmp_path, per_device=2, ga=3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: get_peft_model(tiny_llama(), LoHaConfig(task_type=TaskType.CAUSAL_LM, r=2,
+                                                     target_modules=["q_proj", "v_proj"])), r"\(loha\).*`LoraConfig`"),
+    (lambda: get_peft_model(tiny_llama(), LoKrConfig(task_type=TaskType.CAUSAL_LM, r=2,
+                                                     target_modules=["q_proj", "v_proj"])), r"\(lokr\).*`LoraConfig`"),
+    (lambda: get_peft_model(tiny_gpt2(), LoraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["c_attn"],
+                                                    trainable_token_indices=[3, 5], fan_in_fan_out=True)),
+     r"trainable tokens.*tied.*tie_word_embeddings=False"),
+], ids=["loha", "lokr", "trainable_tokens_tied"])
+def test_adapter_refusal_names_the_adapter_kind_and_the_way_forward(tmp_path, make, match):
+    """Adapters whose weight delta PEFT builds outside any hooked layer (LoHa, LoKr; trainable tokens on tied
+    embeddings, also applied in the LM head) are refused at the first step; the advice is about the adapter the user
+    chose (use LoRA; untie or drop the trainable tokens), not about narrowing "all-linear", which they did not use."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=make(), args=dp_args(tmp_path, 2, 1, 1.0), train_dataset=lm_dataset(4))
+    with pytest.raises(UnsupportedLayerError, match=match) as err:
+        trainer.train()
+    assert "all-linear" not in str(err.value) and trainer.accountant.steps == 0
 
 
 @pytest.mark.parametrize("case", ["prompt_gpt2", "p_tuning_gpt2"])

@@ -260,3 +260,71 @@ def test_dp_guarantee_collects_reasons_from_trainer_and_callbacks(tmp_path):
                       callbacks=[Regulariser()])
     assert loose.dp_guarantee.startswith("not strict: ")
     assert "fixed dp_seed" in loose.dp_guarantee and "regulariser" in loose.dp_guarantee
+
+
+def test_model_selection_by_private_evaluation_is_warned_and_noted(tmp_path):
+    """save_strategy='best' (checkpoints kept only when the evaluation metric improves), EarlyStoppingCallback (the
+    number of steps chosen by evaluation metrics) and reduce_lr_on_plateau (the learning rate chosen by them) use the
+    evaluation data to shape the released model, like load_best_model_at_end: warned, and dp_guarantee (hence the
+    card) says so (DESIGN invariant 7)."""
+    from transformers import EarlyStoppingCallback
+
+    evaluation = dict(eval_strategy="steps", eval_steps=1, metric_for_best_model="eval_loss", target_epsilon=1.0,
+                      dp_seed=None)
+    with pytest.warns(NotPrivateWarning, match="save_strategy='best' selects a checkpoint"):
+        args = make_args(tmp_path, save_strategy="best", **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4))
+    assert "save_strategy='best'" in trainer.dp_guarantee
+
+    args = make_args(tmp_path, max_steps=2, **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4),
+                        callbacks=[EarlyStoppingCallback(early_stopping_patience=1)])
+    assert "EarlyStoppingCallback" in trainer.dp_guarantee
+    with pytest.warns(NotPrivateWarning, match="EarlyStoppingCallback stops training"):
+        trainer.train()
+    assert "EarlyStoppingCallback" in trainer.privacy_record().dp_guarantee
+
+    with pytest.warns(NotPrivateWarning, match="reduce_lr_on_plateau' lowers the learning rate"):
+        args = make_args(tmp_path, lr_scheduler_type="reduce_lr_on_plateau", **evaluation)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(4))
+    assert "reduce_lr_on_plateau" in trainer.dp_guarantee
+
+
+@pytest.mark.parametrize("count", ["all", "non_padding"])
+def test_num_input_tokens_seen_with_empty_poisson_batches(tmp_path, count):
+    """include_num_input_tokens_seen: every chunk, empty ones included, takes part in the Trainer's gather of the
+    token count (a rank that skipped it would hang the others under DDP), and the count is the sampled tokens'."""
+    data = lm_dataset(16)
+    args = make_args(tmp_path, noise_multiplier=1.0, per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                     max_steps=12, include_num_input_tokens_seen=count, logging_steps=100)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=data)
+    gathered, seen = [], []
+    plain_gather = trainer.accelerator.gather
+    trainer.accelerator.gather = lambda t: gathered.append(int(t)) or plain_gather(t)
+    plain_step = trainer.training_step
+    trainer.training_step = lambda model, inputs, *a, **k: seen.append(inputs) or plain_step(model, inputs, *a, **k)
+    trainer.train()
+    assert len(gathered) == len(seen) == 12
+    assert any(int(v) == 0 for v in gathered)  # q = 1/16: some chunks were empty
+    key = "attention_mask" if count == "non_padding" else "input_ids"
+    expected = sum(int(b[key].sum()) if count == "non_padding" else b[key].numel() for b in seen if key in b)
+    assert trainer.state.num_input_tokens_seen == expected == sum(gathered)
+
+
+def test_resume_of_a_spent_budget_leaves_the_checkpoint_model(tmp_path):
+    """resume_from_checkpoint=True on a run whose budget is spent trains no step and leaves the trainer with the
+    checkpoint's model, the one its accountant describes (as the plain Trainer resuming a finished run does), not the
+    fresh model it was built with, which save_model() would otherwise release under a card claiming those steps."""
+    def args():
+        return make_args(tmp_path, target_epsilon=3.0, max_steps=2, save_strategy="steps", save_steps=1)
+
+    torch.manual_seed(0)
+    first = DPTrainer(model=tiny_gpt2(), args=args(), train_dataset=lm_dataset(16))
+    first.train()
+    trained = {k: v.detach().clone() for k, v in first.model.state_dict().items()}
+    torch.manual_seed(1)
+    second = DPTrainer(model=tiny_gpt2(), args=args(), train_dataset=lm_dataset(16))
+    second.train(resume_from_checkpoint=True)
+    assert second.budget_exhausted and second.accountant.steps == 2
+    for k, v in second.model.state_dict().items():
+        torch.testing.assert_close(v, trained[k], msg=k)
