@@ -955,7 +955,8 @@ class DPTrainer(Trainer):
         ratio = float(self.noise_multiplier) * math.sqrt(d) / (self.sample_rate * self.num_examples_private)
         run_ratio = ratio / math.sqrt(max(steps, 1))
         block = {
-            "dp_target_epsilon": self.args.target_epsilon if self.args.target_epsilon is not None else planned_epsilon,
+            # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
+            **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
             "dp_planned_epsilon": round(planned_epsilon, 4),
             "delta": self.target_delta,
             "dp_noise_multiplier": round(float(self.noise_multiplier), 6),

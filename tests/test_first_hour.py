@@ -219,3 +219,15 @@ def test_dp_strategies_example_smoke(tmp_path):
         assert 0 <= r["non_private_accuracy"] <= 1 and r["accountant_used"]
         assert r["noise_to_signal"] == pytest.approx(r["noise_multiplier"] * math.sqrt(r["trainable_parameters"]) / 8)
     assert (tmp_path / "results.json").is_file()
+
+
+def test_banner_names_no_target_when_the_user_set_noise_multiplier(tmp_path):
+    torch.manual_seed(0)
+    data = cls_dataset(64, num_labels=2)
+    trainer = DPTrainer(model=frozen_bert_head_only(), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=2),
+                        train_dataset=data)
+    trainer.train()
+    banner = trainer.state.log_history[0]
+    assert banner["dp_noise_multiplier"] == 1.0
+    assert "dp_target_epsilon" not in banner  # the user set σ, not a target: the label would misstate the run
+    assert banner["dp_planned_epsilon"] == pytest.approx(trainer.privacy_spent()["epsilon"], abs=1e-3)
