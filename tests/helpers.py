@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 from datasets import Dataset
@@ -218,3 +219,18 @@ def flat_clipped_sum(grads: list[dict[str, torch.Tensor]], max_norm: float) -> d
 
 def example_norms(grads: list[dict[str, torch.Tensor]]) -> list[float]:
     return [float(torch.sqrt(sum(t.pow(2).sum() for t in g.values()))) for g in grads]
+
+
+def quick_dp_args(out, **overrides):
+    """``DPTrainingArguments`` for a short CPU run with σ = 1 and C = 1, logging every step, saving nothing unless
+    asked (``dp_self_check`` off: the run is about what the trainer reports, not coverage); the warning that a
+    fixed or missing setting is not private is silenced. ``overrides`` replace any of these."""
+    from hf_dp import DPTrainingArguments, NotPrivateWarning
+
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=3, use_cpu=True,
+                report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
+                per_sample_max_grad_norm=1.0, dp_self_check=False)
+    base.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        return DPTrainingArguments(**base)

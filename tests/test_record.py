@@ -11,16 +11,15 @@ import math
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import lm_dataset, tiny_gpt2
+from helpers import lm_dataset, quick_dp_args, tiny_gpt2
 from huggingface_hub import ModelCard
 from transformers import TrainerCallback
 
-from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, PrivacyRecord
+from hf_dp import DPTrainer, PrivacyRecord
 from hf_dp.cards import privacy_report, validate_card
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,13 +32,7 @@ OLD_DP_STATE_KEYS = ("accountant", "noise_multiplier", "sample_rate", "per_sampl
 
 
 def make_trainer(out, n=32, data=None, callbacks=None, **kw) -> DPTrainer:
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=3, use_cpu=True,
-                report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
-                per_sample_max_grad_norm=1.0, dp_self_check=False)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotPrivateWarning)
-        args = DPTrainingArguments(**base)
+    args = quick_dp_args(out, **kw)
     torch.manual_seed(0)
     return DPTrainer(model=tiny_gpt2(), args=args, train_dataset=data if data is not None else lm_dataset(n),
                      callbacks=callbacks)

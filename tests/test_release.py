@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,12 +11,12 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import lm_dataset, tiny_gpt2
+from helpers import lm_dataset, quick_dp_args, tiny_gpt2
 from huggingface_hub import HfApi
 from huggingface_hub.utils import filter_repo_objects
 from transformers import TrainerState
 
-from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
+from hf_dp import DPTrainer
 from hf_dp.release import PRIVATE_DIR, PUBLIC_KEYS, PUBLIC_PREFIXES, STAGING_DIR, redact_trainer_state
 
 PRIVATE_LOG_KEYS = ("loss", "train_loss", "grad_norm", "total_flos", "num_input_tokens_seen", "eval_loss",
@@ -25,13 +24,7 @@ PRIVATE_LOG_KEYS = ("loss", "train_loss", "grad_norm", "total_flos", "num_input_
 
 
 def _make(out: Path, **kw) -> DPTrainer:
-    base = dict(output_dir=str(out), per_device_train_batch_size=4, noise_multiplier=1.0, max_steps=2, use_cpu=True,
-                report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, learning_rate=1e-3,
-                per_sample_max_grad_norm=1.0, dp_self_check=False)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotPrivateWarning)
-        args = DPTrainingArguments(**base)
+    args = quick_dp_args(out, **{"max_steps": 2, **kw})
     torch.manual_seed(0)
     return DPTrainer(model=tiny_gpt2(), args=args, train_dataset=lm_dataset(16), eval_dataset=lm_dataset(8, seed=1))
 
