@@ -281,7 +281,8 @@ def dp_run(method: str, public: Path, script_args: ScriptArguments, args: DPSFTE
     if run_args.should_save:
         trainer.save_model()
     quantised = " on nf4" if script_args.load_in_4bit else " on int8" if script_args.load_in_8bit else ""
-    return {**privacy, "run": f"DP SFT of public model ({method}{quantised})", "runtime": result.metrics["train_runtime"],
+    return {**privacy, "run": f"DP SFT of public model ({method}{quantised})",
+            "runtime": result.metrics["train_runtime"],
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "perplexity": completion_perplexity(trainer.model, tokenizer, chats["test"], args.max_length)}
 
