@@ -11,6 +11,7 @@ from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFl
 from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
+from .guarantee import post_processing
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
@@ -66,6 +67,7 @@ __all__ = [
     "generate_synthetic_dataset",
     "group_privacy",
     "loss_landscape",
+    "post_processing",
     "privacy_report",
     "save_synthetic_dataset",
     "sequence_classification_loss",

@@ -13,15 +13,18 @@ trainer calls them at train start, at collation, at every step's first chunk and
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StepGradientGuard", "trainable_set_difference", "describe_difference", "check_trainable_set_change",
+__all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGradientGuard",
+           "trainable_set_difference", "describe_difference", "check_trainable_set_change",
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
            "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows"]
@@ -89,6 +92,238 @@ def check_trainable_set_change(what: str, *, sharded: bool, at_step_boundary: bo
         )
 
 
+# ---------------------------------------------------------------------- only the DP release changes what is released
+_ACTIVE_GUARDS: weakref.WeakSet[ReleasedStateGuard] = weakref.WeakSet()
+_POST_PROCESSING_DEPTH = [0]
+
+_ADVICE_POST = ("A change computed from the released model alone (an EMA or average of the weights, a perturbation "
+                "that is undone, a public-data step) is post-processing: make it inside `with hf_dp.post_processing():`"
+                ". A change computed from the training data (a forward or backward on private examples, running "
+                "statistics) is not covered by the DP guarantee: remove it.")
+
+
+def optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """Every tensor in the optimizer's param groups (``param_groups[g]["params"]``), in order (none: no optimizer)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    return [t for g in groups for t in g.get("params", ()) if isinstance(t, torch.Tensor)]
+
+
+def _innermost_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The ``torch.optim.Optimizer`` that applies the update, where step hooks fire (accelerate's
+    ``AcceleratedOptimizer`` wraps it as ``.optimizer`` without running ``Optimizer.__init__``); None if there is
+    none (then the trainer's callbacks bracket the step instead)."""
+    inner = optimizer
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+        inner = inner.optimizer
+    if isinstance(inner, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(inner):
+        return inner
+    return None
+
+
+def _key(t: torch.Tensor) -> tuple[int, int]:
+    """(version counter, storage pointer): an in-place op bumps the first, ``p.data = x`` changes the second."""
+    return t._version, (t.data_ptr() if t.layout == torch.strided else id(t))
+
+
+class ReleasedStateGuard:
+    """DESIGN invariant 10: between two DP steps nothing that is saved, pushed or used by the next step changes,
+    except by the optimizer applying the gradients the DP step wrote.
+
+    Tracked: every parameter (trainable or frozen) and every buffer (persistent or not) of the model, and every
+    tensor in the optimizer's param groups, in the model or not. :meth:`snapshot` records each one's identity,
+    storage pointer and version counter (every in-place op bumps it: ``add_``, ``copy_``, ``load_state_dict``, an
+    optimizer's update); it is taken at train start, right after every ``optimizer.step()`` and after every
+    :func:`post_processing` block. Compared (:meth:`check`) at each DP step's first chunk (changes between steps), at
+    its release (changes inside the step: forward, backward, first-step checks), right before ``optimizer.step()``
+    (a pre-step hook on the ``torch.optim.Optimizer``, after every callback) and before anything is saved; right
+    after ``optimizer.step()``, the tensors the optimizer does not hold must be unchanged. The first difference
+    stops the run, naming the tensor. Cost: one walk over the modules and one integer comparison per tensor
+    (``benchmarks/guard_cost.py``).
+
+    Not seen: a write through ``p.data`` (``p.data.add_(x)``, ``p.data.copy_(x)``), which has its own version counter
+    (``p.data = x`` is seen: the storage changes); state the user's code keeps outside the model and the optimizer;
+    the optimizer's own state (moments), which only ``optimizer.step()`` updates. FSDP2 runs without it (README).
+    """
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.optimizer: Any = None
+        self.active = False
+        self.in_step = False
+        self.hooked = False  # the optimizer's step hooks bracket optimizer.step()
+        self.post_processing_blocks = 0  # post_processing() blocks entered while active
+        self._tensors: list[torch.Tensor] = []
+        self._keys: list[tuple[int, int]] = []
+        self._held: set[int] = set()
+        self._handles: list[Any] = []
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self, model: nn.Module, optimizer: Any) -> None:
+        """At train start (after the optimizer is built and any checkpoint is loaded): hook the optimizer, snapshot."""
+        self.stop()
+        self.model, self.optimizer = model, optimizer
+        inner = _innermost_optimizer(optimizer)
+        if inner is not None:
+            self._handles = [inner.register_step_pre_hook(self._pre_step_hook),
+                             inner.register_step_post_hook(self._post_step_hook)]
+        self.hooked = inner is not None
+        self.active = True
+        self.in_step = False
+        _ACTIVE_GUARDS.add(self)
+        self.snapshot()
+
+    def stop(self) -> None:
+        """At train end (or when ``train()`` raises): unhook; nothing is tracked until the next :meth:`start`."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.active = self.in_step = False
+        _ACTIVE_GUARDS.discard(self)
+        self._tensors, self._keys, self._held = [], [], set()
+
+    # ------------------------------------------------------------------ snapshot and comparison
+    def _collect(self) -> list[torch.Tensor]:
+        out = [t for m in self.model.modules() for d in (m._parameters, m._buffers) for t in d.values()
+               if t is not None]
+        return out + optimizer_tensors(self.optimizer)
+
+    def snapshot(self) -> None:
+        if not self.active:
+            return
+        self._tensors = self._collect()
+        self._keys = [_key(t) for t in self._tensors]
+        self._held = {id(t) for t in optimizer_tensors(self.optimizer)}
+
+    def changed(self, skip_held: bool = False) -> list[str]:
+        """Names of the tracked tensors changed since the last snapshot (``skip_held``: except the optimizer's)."""
+        if not self.active:
+            return []
+        current = self._collect()
+        before = {id(t) for t in self._tensors}
+        if len(current) != len(self._tensors) or any(a is not b for a, b in zip(current, self._tensors)):
+            now = {id(t) for t in current}
+            names = self._names()
+            added = [names.get(id(t), f"a tensor of shape {tuple(t.shape)}") + " (new or replaced)"
+                     for t in current if id(t) not in before]
+            removed = [f"a tensor of shape {tuple(t.shape)} (removed or replaced)"
+                       for t in self._tensors if id(t) not in now]
+            return list(dict.fromkeys(added + removed)) or ["the order of the model's tensors (modules moved)"]
+        bad = [t for t, k in zip(current, self._keys) if _key(t) != k and not (skip_held and id(t) in self._held)]
+        if not bad:
+            return []
+        names = self._names()
+        return list(dict.fromkeys(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in bad))
+
+    def _names(self) -> dict[int, str]:
+        """``{id: "name (kind)"}`` of every tracked tensor (only computed to name a violation)."""
+        names: dict[int, str] = {}
+        for mname, m in self.model.named_modules(remove_duplicate=False):
+            prefix = f"{mname}." if mname else ""
+            for n, p in m._parameters.items():
+                if p is not None:
+                    names.setdefault(id(p), f"{prefix}{n} ({'trainable' if p.requires_grad else 'frozen'} parameter)")
+            for n, b in m._buffers.items():
+                if b is not None:
+                    kind = "non-persistent buffer" if n in m._non_persistent_buffers_set else "buffer"
+                    names.setdefault(id(b), f"{prefix}{n} ({kind})")
+        for gi, g in enumerate(getattr(self.optimizer, "param_groups", None) or []):
+            for pi, t in enumerate(g.get("params", ())):
+                names.setdefault(id(t), f"optimizer.param_groups[{gi}]['params'][{pi}] (a tensor of shape "
+                                        f"{tuple(t.shape)} that the optimizer trains but is not part of the model)")
+        return names
+
+    def check(self, where: str) -> None:
+        """Refuse any change since the last snapshot; ``where``: ``"between_steps"``, ``"in_step"``,
+        ``"before_optimizer_step"``, ``"before_save"`` or ``"post_processing"``."""
+        changed = self.changed()
+        if changed:
+            self._refuse(changed, where)
+
+    def _refuse(self, changed: list[str], where: str) -> None:
+        listed = ", ".join(changed[:8]) + (f" (+{len(changed) - 8} more)" if len(changed) > 8 else "")
+        head = "hf_dp: only the DP release may change what is trained, saved or pushed (DESIGN invariant 10), but "
+        if where == "in_step":
+            msg = (f"these tensors changed inside a DP step (the forward, backward or first-step checks on the private "
+                   f"batch): {listed}. A module that writes its own weights or buffers from the batch it sees (running "
+                   "statistics, a cache sized by the batch, a renormalisation such as nn.Embedding(max_norm=...), a "
+                   "loss that updates a tensor in place) carries private data into the next step and the checkpoint "
+                   "without clipping or noise. Make the module stop writing in train mode; a learnable value must be "
+                   "a trainable parameter of a supported layer, whose update is the DP release.")
+        elif where == "optimizer_step":
+            msg = (f"optimizer.step() changed tensors that are not in its param groups: {listed}. Only the "
+                   "optimizer's own parameters may be updated, and only from the gradients the DP step wrote.")
+        else:
+            span = {"between_steps": "between two DP steps (after the last optimizer step, before this step's "
+                                     "first forward)",
+                    "before_optimizer_step": "after this step's DP release and before optimizer.step()",
+                    "before_save": "since the last optimizer step, before saving",
+                    "post_processing": "outside any hf_dp.post_processing() block (before this one began)",
+                    "train_end": "after the last optimizer step, before the end of train()"}.get(where, where)
+            msg = f"these tensors changed {span}: {listed}. " + _ADVICE_POST
+        raise RuntimeError(head + msg + " Training stopped before the change was released.")
+
+    # ------------------------------------------------------------------ the points of the step
+    def begin_step(self) -> None:
+        """A DP step's first chunk: nothing changed since the last optimizer step (or post-processing)."""
+        if self.active:
+            self.check("between_steps")
+            self.in_step = True
+
+    def before_release(self) -> None:
+        """The DP step is about to release (or, at a budget stop, to release nothing): nothing changed inside it."""
+        if self.active:
+            self.check("in_step")
+            self.in_step = False
+
+    def optimizer_stepped(self) -> None:
+        """Right after ``optimizer.step()``: what the optimizer does not hold is unchanged; new snapshot."""
+        if not self.active:
+            return
+        changed = self.changed(skip_held=True)
+        if changed:
+            self._refuse(changed, "optimizer_step")
+        self.snapshot()
+
+    def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.check("before_optimizer_step")
+
+    def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.optimizer_stepped()
+
+
+@contextlib.contextmanager
+def post_processing() -> Iterator[None]:
+    """Declare that the changes to the model or the optimizer's tensors made inside are post-processing of the DP
+    release: computed from the released model (and public data) alone, such as an EMA of the weights or a
+    perturbation that is undone before the next update (Dwork & Roth 2014, Prop. 2.1: post-processing keeps DP).
+
+    During ``DPTrainer.train()`` every change between DP steps outside such a block is refused
+    (:class:`ReleasedStateGuard`); inside a DP step (the forward and backward on the private batch) the block itself
+    is refused. The declaration is the user's: hf_dp cannot see what a change was computed from. Outside ``train()``
+    it does nothing. hf_dp's own callbacks (``hf_dp.callbacks``) change weights only inside it.
+    """
+    guards = [g for g in list(_ACTIVE_GUARDS) if g.active]
+    outermost = _POST_PROCESSING_DEPTH[0] == 0
+    if outermost:
+        for g in guards:
+            if g.in_step:
+                raise RuntimeError(
+                    "hf_dp.post_processing() inside a DP step (between its first forward and its release): the model "
+                    "is then computing on the private batch, and a change made there is not post-processing of a "
+                    "release. Change weights between steps (on_step_begin / on_step_end / on_pre_optimizer_step of a "
+                    "callback) instead.")
+            g.check("post_processing")
+            g.post_processing_blocks += 1
+    _POST_PROCESSING_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _POST_PROCESSING_DEPTH[0] -= 1
+        if outermost:
+            for g in guards:
+                g.snapshot()
+
+
 # ---------------------------------------------------------------------- the gradients the optimizer applies
 def discard_stale_gradients(model: nn.Module) -> int:
     """At a step's first chunk no parameter should hold a gradient (the Trainer zeroes them after every optimizer
@@ -127,9 +362,16 @@ class StepGradientGuard:
         self._written = {}
         self.has_released = False
 
-    def check(self, model: nn.Module, allowed_version_bumps: int = 0) -> None:
+    def check(self, model: nn.Module, allowed_version_bumps: int = 0, optimizer: Any = None) -> None:
+        """``optimizer``: its param groups' tensors outside the model are checked too (one handed to the optimizer and
+        used in the loss gets an unclipped, un-noised gradient from the backward of ``Σ_i L_i``)."""
         escaped, modified = [], []
-        for name, p in model.named_parameters():
+        named = list(model.named_parameters())
+        in_model = {id(p) for _, p in named}
+        outside = [(f"optimizer.param_groups[{gi}]['params'][{pi}] (shape {tuple(t.shape)}, not part of the model)", t)
+                   for gi, g in enumerate(getattr(optimizer, "param_groups", None) or [])
+                   for pi, t in enumerate(g.get("params", ())) if id(t) not in in_model]
+        for name, p in named + outside:
             if p.grad is None:
                 continue
             mine = self._written.get(id(p))
@@ -145,7 +387,9 @@ class StepGradientGuard:
                 + (f" (+{len(escaped) - 8} more)" if len(escaped) > 8 else "") + ". Typical causes: a subclass's "
                 "`training_step` that calls `loss.backward()` / `accelerator.backward()` itself instead of "
                 "`super().training_step(...)`, a callback that runs a backward pass, or a parameter made trainable "
-                "in the middle of a step. Compute extra losses through `per_example_loss=` instead. Training stopped "
+                "in the middle of a step; or a tensor outside the model handed to the optimizer and used in the loss "
+                "(only parameters of the model's supported layers are clipped per example: make it one, or set "
+                "requires_grad=False). Compute extra losses through `per_example_loss=` instead. Training stopped "
                 "before the optimizer applied it."
             )
         if modified:
@@ -158,12 +402,12 @@ class StepGradientGuard:
 
 
 def check_step_gradients(guard: StepGradientGuard, model: nn.Module, engine_params: Mapping[str, nn.Parameter],
-                         allowed_version_bumps: int = 0) -> None:
+                         allowed_version_bumps: int = 0, optimizer: Any = None) -> None:
     """Before the optimizer step: the gradients are this step's DP release and nothing else
     (:class:`StepGradientGuard`), and the trainable set did not change during the step's backward pass (a parameter
     made trainable there got a gradient the engine never clipped)."""
     released = guard.has_released
-    guard.check(model, allowed_version_bumps=allowed_version_bumps)
+    guard.check(model, allowed_version_bumps=allowed_version_bumps, optimizer=optimizer)
     added, removed = trainable_set_difference(model, engine_params)
     if released and (added or removed):
         raise RuntimeError(

@@ -43,6 +43,7 @@ from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
 from .clipping.step import UNIT_KEY, DPStep, StepPieces, slice_batch
 from .guarantee import (
+    ReleasedStateGuard,
     StepGradientGuard,
     budget_allows,
     check_batch_rows,
@@ -163,6 +164,7 @@ class _DPCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._dp_step.reset()  # a step left half-done by an interrupted train() is dropped
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
+        self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self.trainer._dp_sampler
@@ -196,6 +198,18 @@ class _DPGradientCheck(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._check_step_gradients()
+        guard = self.trainer._state_guard
+        if not guard.hooked:  # else the optimizer's own pre-step hook checks, after every callback
+            guard.check("before_optimizer_step")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        guard = self.trainer._state_guard
+        if not guard.hooked:  # else the optimizer's own post-step hook did
+            guard.optimizer_stepped()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._state_guard.check("train_end")
+        self.trainer._state_guard.stop()
 
 
 def _check_compute_loss_not_overridden(cls: type) -> None:
@@ -288,6 +302,7 @@ class DPTrainer(Trainer):
         self.noise_allocation = self.args.noise_allocation or (
             "equal_budget" if self.args.clipping == "per_device" else "global")
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
+        self._state_guard = ReleasedStateGuard()  # nothing but the optimizer changes what is released (guarantee.py)
         self._dp_step: DPStep | None = None
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
@@ -367,6 +382,7 @@ class DPTrainer(Trainer):
             unwrap_model=lambda model: self.accelerator.unwrap_model(model),
             sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
             optimizer=lambda: self.optimizer,
+            check_release=lambda: self._state_guard.before_release(),
         )
 
     def _stop_for_budget(self) -> None:
@@ -694,6 +710,7 @@ class DPTrainer(Trainer):
             self._sync_trainable_set(at_step_boundary=at_boundary)
             if at_boundary:
                 self._discard_stale_gradients()
+                self._state_guard.begin_step()  # nothing changed since the last optimizer step
         return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
 
     # ------------------------------------------------------------------ accounting
@@ -783,7 +800,21 @@ class DPTrainer(Trainer):
         # With max_grad_norm > 0 the Trainer rescales every gradient in place once before this point (clip_grad_norm_:
         # post-processing of the released gradient). Its norm-only pass is off (_get_grad_norm), so otherwise none.
         check_step_gradients(self._grad_guard, self.model, self.clipping_engine.params,
-                             allowed_version_bumps=1 if self.args.max_grad_norm > 0 else 0)
+                             allowed_version_bumps=1 if self.args.max_grad_norm > 0 else 0, optimizer=self.optimizer)
+
+    def _start_state_guard(self) -> None:
+        """At train start: from here on only the optimizer applying the DP release changes the model's parameters and
+        buffers and the optimizer's tensors (``guarantee.ReleasedStateGuard``). Not under FSDP2, whose sharded
+        parameters are swapped by FSDP itself around every forward and backward (README)."""
+        if self._fsdp is None:
+            self._state_guard.start(self.model, self.optimizer)
+
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> Any:
+        """``load_best_model_at_end``: the run's releases end here (the choice is named in ``dp_guarantee``); what
+        changed before it is checked first."""
+        self._state_guard.check("train_end")
+        self._state_guard.stop()
+        return super()._load_best_model(*args, **kwargs)
 
     def _report_nonfinite(self, step: int) -> None:
         """Warn about (and log as ``nonfinite_examples``) examples of the last step with a non-finite loss or norm."""
@@ -1134,7 +1165,10 @@ class DPTrainer(Trainer):
                 # run leaves it), not the one this trainer was built with, which save_model() would release as such.
                 self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
-        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        finally:
+            self._state_guard.stop()  # the run's releases are over (also when train() raised)
 
     def _dp_state(self) -> dict[str, Any]:
         """The content of ``dp_state.json``: :meth:`privacy_record` as a dict."""
@@ -1192,8 +1226,10 @@ class DPTrainer(Trainer):
         """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
 
         ``Trainer._save_checkpoint`` saves through this method, so every checkpoint holds the accountant's state.
-        ``dp_state.json`` and the card are written from the same :meth:`privacy_record`.
+        ``dp_state.json`` and the card are written from the same :meth:`privacy_record`. During ``train()``, the
+        model saved must be the one the last optimizer step left (``guarantee.ReleasedStateGuard``).
         """
+        self._state_guard.check("before_save")
         super().save_model(output_dir, *args, **kwargs)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save and self.accountant.steps > 0 and os.path.isdir(output_dir):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..guarantee import post_processing
 from ..sharpness import mean_loss, sharpness
 
 __all__ = ["WithinLayerFlattening", "CrossLayerFlattening", "CrossModelFlattening"]
@@ -87,7 +88,7 @@ class WithinLayerFlattening(TrainerCallback):
             scale *= math.sqrt(sum(float(p.detach().pow(2).sum()) for p in params.values()))
         self._applied = {n: direction[n] * scale for n in params if n in direction}
         self.perturbation_norms.append(norm * scale)
-        with torch.no_grad():
+        with torch.no_grad(), post_processing():  # a function of the last release (strict); "paper" is noted
             for n, v in self._applied.items():
                 params[n].add_(v)
 
@@ -96,7 +97,7 @@ class WithinLayerFlattening(TrainerCallback):
             return
         params = _trainable(model)
         if self._applied is not None:  # back to w: the gradient taken at w + v is applied to w
-            with torch.no_grad():
+            with torch.no_grad(), post_processing():
                 for n, v in self._applied.items():
                     params[n].sub_(v)
             self._applied = None
@@ -192,7 +193,12 @@ class CrossLayerFlattening(TrainerCallback):
         return mask
 
     def select(self, model: nn.Module) -> list[int]:
-        """Run the greedy elimination; returns the removed layers (also applied to the model)."""
+        """Run the greedy elimination; returns the removed layers (also applied to the model). Its changes to the
+        prefix are declared post-processing (on private batches the run is noted not strict)."""
+        with post_processing():
+            return self._select(model)
+
+    def _select(self, model: nn.Module) -> list[int]:
         weight, config = self._prefix(model)
         kept = list(range(config.num_layers))
         original = weight.detach().clone()

@@ -100,6 +100,7 @@ class LocalDPStep(DPStep):
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
         pc = self.pieces
         self._chunk_in_step = 0
+        pc.check_release()  # nothing changed inside the step (guarantee.ReleasedStateGuard)
         engine = self.engine
         summed = engine.pop_summed_grads()
         if not pc.budget_allows(1):

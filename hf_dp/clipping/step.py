@@ -77,6 +77,8 @@ class StepPieces:
     unwrap_model: Callable[[nn.Module], nn.Module]
     sync_gradients: Callable[[], bool]
     optimizer: Callable[[], Any]
+    # called first thing when a step releases (or, at a budget stop, releases nothing): the released-state check
+    check_release: Callable[[], None] = lambda: None
 
 
 class DPStep(abc.ABC):
