@@ -27,7 +27,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "trainable_set_difference", "describe_difference", "check_trainable_set_change",
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
            "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
-           "steps_within_budget", "budget_allows"]
+           "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -322,6 +322,33 @@ def post_processing() -> Iterator[None]:
         if outermost:
             for g in guards:
                 g.snapshot()
+
+
+# ---------------------------------------------------------------------- the model handed to DPTrainer
+def check_not_compiled(model: Any) -> None:
+    """Refuse a model wrapped by ``torch.compile`` (an ``OptimizedModule``): the clipping engine hooks the model's
+    own layers and calls its forward; the Trainer's own ``torch_compile=True`` compiles the model DPTrainer hooks."""
+    from accelerate.utils import is_compiled_module
+
+    if model is not None and is_compiled_module(model):
+        raise ValueError(
+            "hf_dp: the model was passed through torch.compile (an OptimizedModule). DPTrainer hooks the model's own "
+            "layers to clip each example's gradient, and needs the model itself. Pass the uncompiled model and set "
+            "DPTrainingArguments(torch_compile=True): the Trainer then compiles that model in place, and the "
+            "per-example clipping stays exact. (The clipping hooks split the compiled graph, so expect little or no "
+            "speed-up, and a slow first step while torch.compile retraces.)"
+        )
+
+
+def check_something_trainable(model: nn.Module) -> None:
+    """Refuse a model with no trainable parameter: every DP step would spend privacy budget and change nothing."""
+    if model is not None and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "hf_dp: the model has no trainable parameter (every parameter has requires_grad=False), so a DP step "
+            "would have nothing to update while spending privacy budget. Unfreeze what you want to train (e.g. "
+            "`model.classifier.requires_grad_(True)`) before constructing DPTrainer or calling train(), or pass "
+            "peft_config=... to train an adapter. To only evaluate a model, use transformers.Trainer.evaluate."
+        )
 
 
 # ---------------------------------------------------------------------- the gradients the optimizer applies

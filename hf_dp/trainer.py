@@ -50,6 +50,8 @@ from .guarantee import (
     check_budget_left,
     check_delta,
     check_noise_std,
+    check_not_compiled,
+    check_something_trainable,
     check_step_gradients,
     check_train_loader,
     check_trainable_set_change,
@@ -258,6 +260,7 @@ class DPTrainer(Trainer):
     def __init__(self, *args: Any, per_example_loss: PerExampleLoss | None = None, peft_config: Any = None,
                  **kwargs: Any):
         _check_compute_loss_not_overridden(type(self))  # before Trainer.__init__: a trl trainer's would fail first
+        check_not_compiled(args[0] if args else kwargs.get("model"))  # before peft_config is applied to it
         self._peft_config = peft_config  # also applied to every model that model_init builds (call_model_init)
         if peft_config is not None:
             if args:
@@ -329,6 +332,8 @@ class DPTrainer(Trainer):
         once per model: FSDP2's two-pass ghost clipping (``clipping/fsdp.py``) when accelerate runs FSDP, else the
         book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
         set changes (``model_init``, a parameter unfrozen before ``train()``)."""
+        check_not_compiled(self.model)  # (model_init may return one)
+        check_something_trainable(self.model)
         per_example_prompts(self.model)
         check_adapter_objective(self.model)
         if not self._custom_loss:

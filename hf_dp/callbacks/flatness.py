@@ -66,7 +66,10 @@ class WithinLayerFlattening(TrainerCallback):
         params = _trainable(model)
         if self.privacy == "strict":
             return self._last_private_grad  # None at the first step: no perturbation
-        batch = next(b for b in iter(train_dataloader) if "labels" in b)
+        batch = next((b for b in iter(train_dataloader) if "labels" in b), None)
+        if batch is None:
+            raise ValueError("WithinLayerFlattening(privacy='paper') needs a training batch with `labels`; the train "
+                             "dataloader yielded none.")
         device = next(iter(params.values())).device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         loss = model(**batch).loss
