@@ -275,6 +275,18 @@ class ReleasedStateGuard:
             self.check("in_step")
             self.in_step = False
 
+    def explain(self, err: BaseException) -> None:
+        """The DP step raised ``err``: if a tracked tensor changed inside the step (a frozen weight written in the
+        forward makes autograd's backward fail first), refuse with that cause instead, chained to ``err``."""
+        if not (self.active and self.in_step):
+            return
+        changed = self.changed()
+        if changed:
+            try:
+                self._refuse(changed, "in_step")
+            except RuntimeError as refusal:
+                raise refusal from err
+
     def optimizer_stepped(self) -> None:
         """Right after ``optimizer.step()``: what the optimizer does not hold is unchanged; new snapshot."""
         if not self.active:

@@ -716,7 +716,11 @@ class DPTrainer(Trainer):
             if at_boundary:
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
-        return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
+        try:
+            return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
+        except Exception as err:
+            self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
+            raise
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:

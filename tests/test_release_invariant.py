@@ -1,0 +1,341 @@
+"""Only the DP release changes what is released (DESIGN invariant 10, issue 22), and refusals that name the cause.
+
+Between two DP steps nothing that is saved, pushed or used by the next step may change except by the optimizer applying
+the gradients the DP step wrote: every parameter (trainable or frozen), every buffer (persistent or not), every tensor
+in the optimizer's param groups (in the model or not). Each usage below breaks that in a different place (inside the
+forward, in the loss, in a callback before / after the optimizer step, before a save) and must be refused before
+anything is applied or saved, naming the tensor; changes declared with ``hf_dp.post_processing()`` between steps hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import cls_dataset, quick_dp_args, tiny_bert
+from transformers import TrainerCallback
+
+from hf_dp import DPTrainer, post_processing
+from hf_dp.guarantee import ReleasedStateGuard
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_gc():
+    """Every ``train()`` starts with accelerate's ``free_memory()`` (a full ``gc.collect()``); frozen, the imports'
+    objects are skipped."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+def args(tmp_path, **kw):
+    """q = 1 (4 of 4 examples), fixed dp_seed, two steps."""
+    return quick_dp_args(tmp_path, **{"per_device_train_batch_size": 4, "max_steps": 2, "dp_seed": 0,
+                                      "logging_strategy": "no", **kw})
+
+
+def bert():
+    torch.manual_seed(0)
+    return tiny_bert()
+
+
+def data():
+    return cls_dataset(4, 3)
+
+
+def refused(trainer, *needles, steps_released: int = 0):
+    """``train()`` raises naming every needle, and no step beyond ``steps_released`` was released."""
+    with pytest.raises(RuntimeError) as err:
+        trainer.train()
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+    assert trainer.accountant.steps <= steps_released + 1  # the refused step may be counted, never applied
+    return str(err.value)
+
+
+# ---------------------------------------------------------------------- inside the DP step
+def test_frozen_layer_rewriting_its_weight_in_forward_is_refused(tmp_path):
+    model = bert()
+    norm = model.bert.embeddings.LayerNorm
+    norm.requires_grad_(False)
+
+    def rewrite(module, inputs, output):  # a frozen layer that learns from the batch it sees
+        with torch.no_grad():
+            module.weight.add_(inputs[0].detach().mean())
+
+    norm.register_forward_hook(rewrite)
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data())
+    refused(trainer, "inside a DP step", "bert.embeddings.LayerNorm.weight (frozen parameter)")
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_frozen_layer_writing_a_buffer_is_refused(tmp_path, persistent):
+    """A persistent buffer is also refused by the engine's per-micro-batch check (``ClippingEngine.record``); a
+    non-persistent one (not in the checkpoint, but used by the next step) only by the released-state guard."""
+    model = bert()
+    emb = model.bert.embeddings
+    emb.register_buffer("seen", torch.zeros(16), persistent=persistent)
+    emb.register_forward_hook(lambda m, i, out: m.seen.copy_(out.detach().mean((0, 1))))
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data())
+    with pytest.raises(RuntimeError, match="changed (inside|during) a DP step") as err:
+        trainer.train()
+    assert "bert.embeddings.seen" in str(err.value)
+    assert trainer.state.global_step == 0
+
+
+def test_buffer_replaced_from_the_batch_is_refused(tmp_path):
+    """A cache re-registered with the batch's shape (as dynamic rotary scaling re-registers ``inv_freq`` when a batch
+    is longer than the cache): a new tensor, seen by identity."""
+    model = bert()
+    emb = model.bert.embeddings
+    emb.register_buffer("cache", torch.zeros(1), persistent=False)
+
+    def recache(module, inputs, output):
+        if output.shape[1] > module.cache.numel():
+            module.register_buffer("cache", torch.zeros(output.shape[1]), persistent=False)
+
+    emb.register_forward_hook(recache)
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data())
+    refused(trainer, "inside a DP step", "bert.embeddings.cache (non-persistent buffer) (new or replaced)")
+
+
+def test_frozen_embedding_renormalised_by_the_batch_is_refused(tmp_path):
+    """A frozen ``nn.Embedding(max_norm=...)`` renormalises, in place, the rows of the tokens the batch holds: which
+    tokens the private batch contained would be written into the released weights. (A trainable one is refused by
+    its layer rule at construction.)"""
+    model = bert()
+    emb = model.bert.embeddings.word_embeddings
+    emb.requires_grad_(False)
+    emb.max_norm = 1e-3
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data())
+    refused(trainer, "inside a DP step", "bert.embeddings.word_embeddings.weight (frozen parameter)")
+
+
+def test_post_processing_inside_a_dp_step_is_refused(tmp_path):
+    def loss(outputs, labels):
+        with post_processing():
+            pass
+        return F.cross_entropy(outputs.logits, labels, reduction="none")
+
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), per_example_loss=loss)
+    refused(trainer, "post_processing() inside a DP step")
+
+
+# ---------------------------------------------------------------------- tensors outside the model
+class AddScaleOptimizer(torch.optim.SGD):
+    """What ``optimizer_cls_and_kwargs`` can build: the model's parameter groups plus one more tensor."""
+
+    scale: torch.Tensor | None = None
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.add_param_group({"params": [self.scale]})
+
+
+@pytest.mark.parametrize("how", ["optimizers", "create_optimizer", "optimizer_cls_and_kwargs"])
+def test_learnable_scalar_outside_the_model_is_refused(tmp_path, how):
+    """A temperature handed to the optimizer and used in the loss gets the unclipped gradient of Σ_i L_i."""
+    model = bert()
+    scale = torch.nn.Parameter(torch.ones(()))
+
+    def loss(outputs, labels):
+        return F.cross_entropy(outputs.logits * scale, labels, reduction="none")
+
+    kw = dict(args=args(tmp_path), train_dataset=data(), per_example_loss=loss)
+    if how == "optimizers":
+        opt = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
+        trainer = DPTrainer(model=model, optimizers=(opt, None), **kw)
+    elif how == "create_optimizer":
+        class WithScale(DPTrainer):
+            def create_optimizer(self, *a, **k):
+                opt = super().create_optimizer(*a, **k)
+                opt.add_param_group({"params": [scale]})
+                return opt
+
+        trainer = WithScale(model=model, **kw)
+    else:
+        AddScaleOptimizer.scale = scale
+        trainer = DPTrainer(model=model, optimizer_cls_and_kwargs=(AddScaleOptimizer, {"lr": 0.1}), **kw)
+    refused(trainer, "did not write", "['params']", "not part of the model")
+    assert float(scale) == 1.0  # never applied
+
+
+def test_optimizer_tensor_updated_in_place_by_the_loss_is_refused(tmp_path):
+    """A tensor in the optimizer's param groups (no gradient) that the loss updates from the batch: used by the next
+    step and saved with the optimizer's state."""
+    model = bert()
+    running = torch.zeros(())
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [running]}], lr=0.1)
+
+    def loss(outputs, labels):
+        losses = F.cross_entropy(outputs.logits, labels, reduction="none")
+        running.add_(losses.detach().mean())
+        return losses
+
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data(), per_example_loss=loss,
+                        optimizers=(opt, None))
+    refused(trainer, "inside a DP step", "optimizer.param_groups[1]['params'][0]")
+
+
+# ---------------------------------------------------------------------- between steps: callbacks
+class Shrink(TrainerCallback):
+    """Changes a weight at one callback event, declared as post-processing or not."""
+
+    def __init__(self, event: str, declared: bool, frozen: bool = False):
+        self.event, self.declared, self.frozen = event, declared, frozen
+        setattr(self, event, self._change)
+
+    def _change(self, args, state, control, model=None, **kwargs):
+        weight = (model.bert.embeddings.LayerNorm if self.frozen else model.classifier).weight
+        with torch.no_grad(), post_processing() if self.declared else contextlib.nullcontext():
+            weight.mul_(0.5)
+
+
+EVENT_MESSAGE = {"on_step_begin": "between two DP steps", "on_step_end": "between two DP steps",
+                 "on_pre_optimizer_step": "before optimizer.step()", "on_optimizer_step": "between two DP steps"}
+
+
+@pytest.mark.parametrize("event", list(EVENT_MESSAGE))
+def test_callback_changing_weights_between_steps_is_refused(tmp_path, event):
+    """A change after the last optimizer step and before the next (or, ``on_pre_optimizer_step``, after the release
+    and before ``optimizer.step()``: seen by the optimizer's pre-step hook, after every callback)."""
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), callbacks=[Shrink(event, False)])
+    refused(trainer, EVENT_MESSAGE[event], "classifier.weight (trainable parameter)", "hf_dp.post_processing()",
+            steps_released=1)
+
+
+def test_callback_changing_a_frozen_weight_before_the_optimizer_step_is_refused(tmp_path):
+    model = bert()
+    model.bert.embeddings.LayerNorm.requires_grad_(False)
+    trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data(),
+                        callbacks=[Shrink("on_pre_optimizer_step", False, frozen=True)])
+    refused(trainer, "bert.embeddings.LayerNorm.weight (frozen parameter)")
+
+
+@pytest.mark.parametrize("event", list(EVENT_MESSAGE))
+def test_callback_changes_declared_as_post_processing_hold(tmp_path, event):
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), callbacks=[Shrink(event, True)])
+    trainer.train()
+    assert trainer.accountant.steps == 2 and trainer._state_guard.post_processing_blocks == 2
+
+
+class WeightEMA(TrainerCallback):
+    """An exponential moving average of the weights, swapped in after every step (a function of the releases)."""
+
+    def __init__(self, decay: float = 0.5):
+        self.decay, self.ema = decay, None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad(), post_processing():
+            params = dict(model.named_parameters())
+            if self.ema is None:
+                self.ema = {n: p.detach().clone() for n, p in params.items()}
+            for n, p in params.items():
+                self.ema[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+                p.copy_(self.ema[n])
+
+
+def test_weight_ema_declared_as_post_processing_holds_and_is_what_is_saved(tmp_path):
+    ema = WeightEMA()
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, save_strategy="steps", save_steps=1), train_dataset=data(),
+                        callbacks=[ema])
+    trainer.train()
+    assert trainer.accountant.steps == 2
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), ema.ema[n])
+    assert os.path.isfile(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
+
+
+def test_parameter_storage_swapped_between_steps_is_refused(tmp_path):
+    """``p.data = x`` keeps the Parameter object and its version counter, but not its storage."""
+
+    class Swap(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.classifier.weight.data = model.classifier.weight.data * 0.5
+
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), callbacks=[Swap()])
+    refused(trainer, "between two DP steps", "classifier.weight", steps_released=1)
+
+
+def test_module_replaced_between_steps_is_refused(tmp_path):
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.classifier = torch.nn.Linear(16, 3)
+
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), callbacks=[Replace()])
+    refused(trainer, "between two DP steps", "classifier.weight (trainable parameter) (new or replaced)",
+            steps_released=1)
+
+
+def test_undeclared_change_is_refused_before_the_checkpoint_is_written(tmp_path):
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1),
+                        train_dataset=data(), callbacks=[Shrink("on_step_end", False)])
+    refused(trainer, "before saving", "classifier.weight", steps_released=1)
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoint-1", "model.safetensors"))
+
+
+# ---------------------------------------------------------------------- the guard on its own
+def test_guard_allows_the_optimizer_and_refuses_anything_else():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    model[1].requires_grad_(False)
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    guard = ReleasedStateGuard()
+    guard.start(model, opt)
+    try:
+        guard.begin_step()
+        model[0].weight.grad = torch.ones(2, 3)
+        guard.before_release()
+        opt.step()  # the optimizer's hooks: checked before, new snapshot after
+        guard.check("between_steps")
+        with torch.no_grad():
+            model[1].running_mean.add_(1.0)
+        assert guard.changed() == ["1.running_mean (buffer)"]
+        with pytest.raises(RuntimeError, match="before optimizer.step()"):
+            opt.step()
+        with pytest.raises(RuntimeError, match="outside any hf_dp.post_processing"), post_processing():
+            pass  # entering refuses what changed before it
+        guard.snapshot()
+        with torch.no_grad(), post_processing():
+            model[1].running_mean.add_(1.0)  # declared: accepted, new snapshot
+        guard.check("between_steps")
+    finally:
+        guard.stop()
+    opt.step()  # stopped: the hooks are gone
+
+
+def test_guard_blind_spot_writes_through_data_are_not_seen():
+    """Documented in the README: ``p.data`` has its own version counter, so ``p.data.add_()`` is invisible."""
+    model = torch.nn.Linear(3, 2)
+    guard = ReleasedStateGuard()
+    guard.start(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.weight.data.add_(1.0)
+    assert guard.changed() == []
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert guard.changed() == ["weight (trainable parameter)"]
+    guard.stop()
+
+
+# ---------------------------------------------------------------------- refusals that name the cause (invariant 6)
+def test_compiled_model_is_refused_pointing_to_torch_compile(tmp_path):
+    with pytest.raises(ValueError, match=r"torch.compile.*torch_compile=True"):
+        DPTrainer(model=torch.compile(bert()), args=args(tmp_path), train_dataset=data())
+
+
+def test_model_with_nothing_trainable_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="no trainable parameter.*requires_grad_"):
+        DPTrainer(model=bert().requires_grad_(False), args=args(tmp_path), train_dataset=data())
+
+
+def test_model_frozen_before_train_is_refused_at_train_start(tmp_path):
+    """Frozen after construction: refused at train start with the cause (it was a bare StopIteration in the step)."""
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data())
+    trainer.model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
