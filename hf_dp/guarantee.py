@@ -252,6 +252,9 @@ class ReleasedStateGuard:
         elif where == "optimizer_step":
             msg = (f"optimizer.step() changed tensors that are not in its param groups: {listed}. Only the "
                    "optimizer's own parameters may be updated, and only from the gradients the DP step wrote.")
+        elif where == "optimizer_step_unhooked":  # no step hooks: a later callback's on_pre_optimizer_step, or the step
+            msg = (f"these tensors, which the optimizer does not hold, changed after this step's DP release and "
+                   f"before the end of optimizer.step(): {listed}. " + _ADVICE_POST)
         else:
             span = {"between_steps": "between two DP steps (after the last optimizer step, before this step's "
                                      "first forward)",
@@ -293,7 +296,7 @@ class ReleasedStateGuard:
             return
         changed = self.changed(skip_held=True)
         if changed:
-            self._refuse(changed, "optimizer_step")
+            self._refuse(changed, "optimizer_step" if self.hooked else "optimizer_step_unhooked")
         self.snapshot()
 
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:

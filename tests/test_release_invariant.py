@@ -80,7 +80,11 @@ def test_frozen_layer_writing_a_buffer_is_refused(tmp_path, persistent):
     model = bert()
     emb = model.bert.embeddings
     emb.register_buffer("seen", torch.zeros(16), persistent=persistent)
-    emb.register_forward_hook(lambda m, i, out: m.seen.copy_(out.detach().mean((0, 1))))
+
+    def record(module, inputs, output):
+        module.seen.copy_(output.detach().mean((0, 1)))
+
+    emb.register_forward_hook(record)
     trainer = DPTrainer(model=model, args=args(tmp_path), train_dataset=data())
     with pytest.raises(RuntimeError, match="changed (inside|during) a DP step") as err:
         trainer.train()
@@ -306,6 +310,32 @@ def test_guard_allows_the_optimizer_and_refuses_anything_else():
     finally:
         guard.stop()
     opt.step()  # stopped: the hooks are gone
+
+
+class WritesABuffer(torch.optim.SGD):
+    """An optimizer whose step also writes a tensor it does not hold."""
+
+    def __init__(self, params, buffer, **kw):
+        super().__init__(params, **kw)
+        self.buffer = buffer
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.buffer.add_(1.0)
+        return super().step(closure)
+
+
+def test_guard_refuses_an_optimizer_step_that_changes_what_it_does_not_hold():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = WritesABuffer(model[0].parameters(), model[1].running_mean, lr=0.1)
+    guard = ReleasedStateGuard()
+    guard.start(model, opt)
+    try:
+        with pytest.raises(RuntimeError, match=r"optimizer.step\(\) changed tensors that are not in its param groups: "
+                                                r"1.running_mean \(buffer\)"):
+            opt.step()
+    finally:
+        guard.stop()
 
 
 def test_guard_blind_spot_writes_through_data_are_not_seen():
