@@ -321,8 +321,9 @@ class WritesABuffer(torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):
+        out = super().step(closure)
         self.buffer.add_(1.0)
-        return super().step(closure)
+        return out
 
 
 def test_guard_refuses_an_optimizer_step_that_changes_what_it_does_not_hold():
