@@ -152,8 +152,9 @@ class ReleasedStateGuard:
         self.in_step = False
         self.hooked = False  # the optimizer's step hooks bracket optimizer.step()
         self.post_processing_blocks = 0  # post_processing() blocks entered while active
-        self._tensors: list[torch.Tensor] = []
-        self._keys: list[tuple[int, int]] = []
+        self._tensors: list[torch.Tensor] = []  # every tracked tensor, in walk order (identity)
+        self._unique: list[torch.Tensor] = []  # each once (tied weights, the optimizer's model parameters)
+        self._keys: list[tuple[int, int]] = []  # of _unique
         self._held: set[int] = set()
         self._handles: list[Any] = []
 
@@ -179,7 +180,7 @@ class ReleasedStateGuard:
         self._handles = []
         self.active = self.in_step = False
         _ACTIVE_GUARDS.discard(self)
-        self._tensors, self._keys, self._held = [], [], set()
+        self._tensors, self._unique, self._keys, self._held = [], [], [], set()
 
     # ------------------------------------------------------------------ snapshot and comparison
     def _collect(self) -> list[torch.Tensor]:
@@ -191,28 +192,38 @@ class ReleasedStateGuard:
         if not self.active:
             return
         self._tensors = self._collect()
-        self._keys = [_key(t) for t in self._tensors]
+        self._unique = list({id(t): t for t in self._tensors}.values())
+        self._keys = [_key(t) for t in self._unique]
         self._held = {id(t) for t in optimizer_tensors(self.optimizer)}
 
-    def changed(self, skip_held: bool = False) -> list[str]:
-        """Names of the tracked tensors changed since the last snapshot (``skip_held``: except the optimizer's)."""
+    def changed(self, skip_held: bool = False, walk: bool = True) -> list[str]:
+        """Names of the tracked tensors changed since the last snapshot (``skip_held``: except the optimizer's).
+
+        ``walk``: also walk the modules and the param groups for tensors added, removed or replaced (most of the
+        cost); without it, only the snapshot's tensors are compared (right around ``optimizer.step()``, where the
+        next walk, at the next step's first chunk or before a save, still sees a replacement made there)."""
         if not self.active:
             return []
-        current = self._collect()
-        before = {id(t) for t in self._tensors}
-        if len(current) != len(self._tensors) or any(a is not b for a, b in zip(current, self._tensors)):
-            now = {id(t) for t in current}
-            names = self._names()
-            added = [names.get(id(t), f"a tensor of shape {tuple(t.shape)}") + " (new or replaced)"
-                     for t in current if id(t) not in before]
-            removed = [f"a tensor of shape {tuple(t.shape)} (removed or replaced)"
-                       for t in self._tensors if id(t) not in now]
-            return list(dict.fromkeys(added + removed)) or ["the order of the model's tensors (modules moved)"]
-        bad = [t for t, k in zip(current, self._keys) if _key(t) != k and not (skip_held and id(t) in self._held)]
+        if walk:
+            current = self._collect()
+            if len(current) != len(self._tensors) or any(a is not b for a, b in zip(current, self._tensors)):
+                return self._replaced(current)
+        bad = [t for t, k in zip(self._unique, self._keys) if _key(t) != k and not (skip_held and id(t) in self._held)]
         if not bad:
             return []
         names = self._names()
         return list(dict.fromkeys(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in bad))
+
+    def _replaced(self, current: list[torch.Tensor]) -> list[str]:
+        """Names of the tensors added, removed or replaced since the snapshot."""
+        before = {id(t) for t in self._tensors}
+        now = {id(t) for t in current}
+        names = self._names()
+        added = [names.get(id(t), f"a tensor of shape {tuple(t.shape)}") + " (new or replaced)"
+                 for t in current if id(t) not in before]
+        removed = [f"a tensor of shape {tuple(t.shape)} (removed or replaced)"
+                   for t in self._tensors if id(t) not in now]
+        return list(dict.fromkeys(added + removed)) or ["the order of the model's tensors (modules moved)"]
 
     def _names(self) -> dict[int, str]:
         """``{id: "name (kind)"}`` of every tracked tensor (only computed to name a violation)."""
@@ -232,10 +243,10 @@ class ReleasedStateGuard:
                                         f"{tuple(t.shape)} that the optimizer trains but is not part of the model)")
         return names
 
-    def check(self, where: str) -> None:
+    def check(self, where: str, walk: bool = True) -> None:
         """Refuse any change since the last snapshot; ``where``: ``"between_steps"``, ``"in_step"``,
-        ``"before_optimizer_step"``, ``"before_save"`` or ``"post_processing"``."""
-        changed = self.changed()
+        ``"before_optimizer_step"``, ``"before_save"`` or ``"post_processing"`` (``walk``: :meth:`changed`)."""
+        changed = self.changed(walk=walk)
         if changed:
             self._refuse(changed, where)
 
@@ -294,13 +305,13 @@ class ReleasedStateGuard:
         """Right after ``optimizer.step()``: what the optimizer does not hold is unchanged; new snapshot."""
         if not self.active:
             return
-        changed = self.changed(skip_held=True)
+        changed = self.changed(skip_held=True, walk=False)
         if changed:
             self._refuse(changed, "optimizer_step" if self.hooked else "optimizer_step_unhooked")
-        self.snapshot()
+        self._keys = [_key(t) for t in self._unique]  # the same tensors (the next walk compares their identity)
 
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.check("before_optimizer_step")
+        self.check("before_optimizer_step", walk=False)
 
     def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.optimizer_stepped()
