@@ -157,6 +157,7 @@ class ReleasedStateGuard:
         self._keys: list[tuple[int, int]] = []  # of _unique
         self._held: set[int] = set()
         self._handles: list[Any] = []
+        self._switched: list[tuple[Any, str]] = []
 
     # ------------------------------------------------------------------ life cycle
     def start(self, model: nn.Module, optimizer: Any) -> None:
@@ -167,6 +168,7 @@ class ReleasedStateGuard:
         if inner is not None:
             self._handles = [inner.register_step_pre_hook(self._pre_step_hook),
                              inner.register_step_post_hook(self._post_step_hook)]
+            self._wrap_mode_switches(inner)
         self.hooked = inner is not None
         self.active = True
         self.in_step = False
@@ -178,6 +180,9 @@ class ReleasedStateGuard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for inner, name in self._switched:
+            inner.__dict__.pop(name, None)  # the class's method again
+        self._switched = []
         self.active = self.in_step = False
         _ACTIVE_GUARDS.discard(self)
         self._tensors, self._unique, self._keys, self._held = [], [], [], set()
@@ -309,6 +314,25 @@ class ReleasedStateGuard:
         if changed:
             self._refuse(changed, "optimizer_step" if self.hooked else "optimizer_step_unhooked")
         self._keys = [_key(t) for t in self._unique]  # the same tensors (the next walk compares their identity)
+
+    def _wrap_mode_switches(self, inner: Any) -> None:
+        """Schedule-free optimizers (Defazio et al. 2024) swap the weights in place in ``train()`` / ``eval()`` (the
+        Trainer calls ``eval()`` before evaluating; the DP step calls ``train()`` at each chunk): a function of the
+        optimizer's state, so an optimizer operation like its step. Wrapped on the instance while tracking: what
+        changed before the switch is checked, the switch itself is taken into the snapshot."""
+        for name in ("train", "eval"):
+            original = getattr(inner, name, None)
+            if not callable(original) or name in inner.__dict__:
+                continue
+
+            def switched(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                self.check("in_step" if self.in_step else "between_steps", walk=False)
+                out = _original(*args, **kwargs)
+                self._keys = [_key(t) for t in self._unique]
+                return out
+
+            inner.__dict__[name] = switched
+            self._switched.append((inner, name))
 
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.check("before_optimizer_step", walk=False)

@@ -255,6 +255,37 @@ def test_weight_ema_declared_as_post_processing_holds_and_is_what_is_saved(tmp_p
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint-2", "model.safetensors"))
 
 
+class SwapOptimizer(torch.optim.SGD):
+    """Like a schedule-free optimizer: ``eval()`` swaps the weights, in place, to others computed from its state;
+    ``train()`` swaps them back (the Trainer calls ``eval()`` before evaluating, the DP step ``train()``)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.mode = "train"
+
+    @torch.no_grad()
+    def eval(self):
+        if self.mode == "train":
+            for p in (p for g in self.param_groups for p in g["params"]):
+                self.state[p]["y"] = p.detach().clone()
+                p.mul_(0.5)
+            self.mode = "eval"
+
+    @torch.no_grad()
+    def train(self):
+        if self.mode == "eval":
+            for p in (p for g in self.param_groups for p in g["params"]):
+                p.copy_(self.state[p]["y"])
+            self.mode = "train"
+
+
+def test_optimizer_that_swaps_weights_for_evaluation_holds(tmp_path):
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, eval_strategy="steps", eval_steps=1), train_dataset=data(),
+                        eval_dataset=data(), optimizer_cls_and_kwargs=(SwapOptimizer, {"lr": 0.1}))
+    trainer.train()
+    assert trainer.accountant.steps == 2 and trainer.optimizer.optimizer.mode == "eval"
+
+
 def test_parameter_storage_swapped_between_steps_is_refused(tmp_path):
     """``p.data = x`` keeps the Parameter object and its version counter, but not its storage."""
 
