@@ -401,3 +401,27 @@ def test_model_frozen_before_train_is_refused_at_train_start(tmp_path):
     with pytest.raises(ValueError, match="no trainable parameter"):
         trainer.train()
     assert trainer.accountant.steps == 0
+
+
+def test_callback_freezing_everything_mid_run_is_refused_with_the_cause(tmp_path):
+    class FreezeAll(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.requires_grad_(False)
+
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(), callbacks=[FreezeAll()])
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
+
+
+def test_the_guard_leaves_the_optimizer_after_train(tmp_path):
+    """Tracking ends with train() (also when it raises): the optimizer's step hooks are removed."""
+    trainer = DPTrainer(model=bert(), args=args(tmp_path), train_dataset=data(),
+                        callbacks=[Shrink("on_step_end", False)])
+    with pytest.raises(RuntimeError):
+        trainer.train()
+    inner = trainer.optimizer.optimizer
+    assert not trainer._state_guard.active and not inner._optimizer_step_pre_hooks
+    with torch.no_grad():
+        trainer.model.classifier.weight.mul_(2.0)  # after train(): the user's own business
+    trainer.save_model(str(tmp_path / "saved"))
