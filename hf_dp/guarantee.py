@@ -296,8 +296,9 @@ class ReleasedStateGuard:
 
     def explain(self, err: BaseException) -> None:
         """The DP step raised ``err``: if a tracked tensor changed inside the step (a frozen weight written in the
-        forward makes autograd's backward fail first), refuse with that cause instead, chained to ``err``."""
-        if not (self.active and self.in_step):
+        forward makes autograd's backward fail first), refuse with that cause instead, chained to ``err``. hf_dp's own
+        errors already name their cause (e.g. the engine's check of persistent buffers) and are kept."""
+        if not (self.active and self.in_step) or type(err).__module__.startswith("hf_dp."):
             return
         changed = self.changed()
         if changed:

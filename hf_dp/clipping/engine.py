@@ -742,8 +742,8 @@ class ClippingEngine:
             raise UnsupportedLayerError(
                 "These buffers changed during a DP step: " + ", ".join(changed) + ". A buffer updated in training "
                 "(running statistics, counters) is computed from the private data without noise and is saved in "
-                "the checkpoint next to a DP guarantee. Make the module stop updating it in train mode, or register "
-                "it with persistent=False if it carries no information about the data."
+                "the checkpoint next to a DP guarantee. Make the module stop updating it in train mode (a "
+                "non-persistent buffer written in a step is refused too: it is used by the next step)."
             )
 
     @contextlib.contextmanager
