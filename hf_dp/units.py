@@ -97,7 +97,8 @@ def grouped_rows_detail(block_length: int) -> str:
 
 
 def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "document_id",
-                    columns: Sequence[str] = ("input_ids",), labels: bool = True) -> Any:
+                    columns: Sequence[str] = ("input_ids",), labels: bool = True,
+                    carry_columns: Sequence[str] = ()) -> Any:
     """Splits every document (row) of ``dataset`` into chunks of at most ``block_size`` tokens, within the document
     only (a chunk never holds tokens of two documents; a document's last chunk may be shorter: the collator pads it),
     each chunk tagged with its document's id. Train on the result with ``privacy_unit="user"`` and
@@ -109,6 +110,8 @@ def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "do
         document_id_column: The id column to write (the row's index), or to keep if the data set has it already.
         columns: The token-aligned columns to split (``input_ids``, and e.g. ``attention_mask``).
         labels: Also write ``labels`` = the chunk's ``input_ids`` (causal LM).
+        carry_columns: Per-document columns copied onto each of its chunks (e.g. an author id, for user units that
+            are coarser than documents: every chunk of a document then belongs to the document's author).
 
     Returns:
         A data set of the same kind (``datasets.Dataset`` in, ``datasets.Dataset`` out), one chunk per row.
@@ -118,6 +121,8 @@ def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "do
     rows = dataset if isinstance(dataset, list) else [dataset[i] for i in range(len(dataset))]
     out: dict[str, list] = {c: [] for c in columns}
     out[document_id_column] = []
+    for c in carry_columns:
+        out[c] = []
     if labels:
         out["labels"] = []
     for index, row in enumerate(rows):
@@ -128,6 +133,8 @@ def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "do
             for c in columns:
                 out[c].append(tokens[c][start:start + block_size])
             out[document_id_column].append(doc)
+            for c in carry_columns:
+                out[c].append(row[c])
             if labels:
                 out["labels"].append(tokens[columns[0]][start:start + block_size])
     if isinstance(dataset, list):
