@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 __all__ = ["SAMPLE_ROWS", "chunk_documents", "grouped_rows_detail", "looks_grouped"]
 
 SAMPLE_ROWS = 256
@@ -63,10 +65,18 @@ def looks_grouped(dataset: Any, pad_token_id: int | None = None, separator_ids: 
         return None
     if n < 2:
         return None
-    length = None
     pad = None if pad_token_id is None or pad_token_id in set(separator_ids) else int(pad_token_id)
-    for i in _sample(n):
-        row = dataset[i]
+    with torch.random.fork_rng(devices=[]):  # a data set whose rows are drawn at random does not shift the user's RNG
+        rows = (dataset[i] for i in _sample(n))
+        try:
+            return _common_block_length(rows, pad)
+        except (IndexError, KeyError, TypeError, ValueError):  # rows this heuristic cannot read: nothing to say
+            return None
+
+
+def _common_block_length(rows: Any, pad: int | None) -> int | None:
+    length = None
+    for row in rows:
         if not isinstance(row, Mapping) or "input_ids" not in row:
             return None
         ids = _tokens(row["input_ids"])
