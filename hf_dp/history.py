@@ -242,7 +242,9 @@ class ModelHistory:
                            "group_privacy)")
             guarantee = str(e.get("dp_guarantee") or "strict")
             if guarantee != "strict":
-                out.append(f"continues from an earlier DP run of this model whose guarantee was {guarantee}")
+                reasons = guarantee.split(":", 1)[1].strip() if ":" in guarantee else guarantee
+                out.append("continues from an earlier DP run of this model whose guarantee was not strict ("
+                           + reasons.replace("; ", ", ") + ")")  # one note: the card lists notes split at "; "
         return out
 
     def summary(self) -> dict[str, Any] | None:
