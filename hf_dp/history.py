@@ -256,11 +256,11 @@ class ModelHistory:
 
 
 def describe_earlier(earlier: Sequence[Mapping[str, Any]] | None) -> str | None:
-    """``"N earlier DP steps (k earlier runs)"`` or None."""
+    """``"N earlier DP steps in k earlier runs"`` or None."""
     if not earlier:
         return None
     steps = sum(int(e.get("steps") or 0) for e in earlier)
-    return f"{steps} earlier DP step{'s' * (steps != 1)} ({len(earlier)} earlier run{'s' * (len(earlier) != 1)})"
+    return f"{steps} earlier DP step{'s' * (steps != 1)} in {len(earlier)} earlier run{'s' * (len(earlier) != 1)}"
 
 
 # ------------------------------------------------------------------------------------------------- public helper

@@ -796,7 +796,7 @@ class DPTrainer(Trainer):
                    "privacy accounting continues from them. ε in the logs, privacy_spent(), dp_state.json and the card "
                    "composes all of them"
                    + (", and target_epsilon budgets what is left." if self.args.target_epsilon is not None else ".")
-                   + (" " + "; ".join(unit_notes) + "." if unit_notes else "")
+                   + (" Not strict: " + "; ".join(unit_notes) + "." if unit_notes else "")
                    + " To start at ε = 0, start from a model that was never DP-trained (README, 'A model carries its "
                    "privacy history').")
             logger.warning(msg)

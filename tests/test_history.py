@@ -211,7 +211,7 @@ def test_card_and_dp_state_say_it_continues(tmp_path):
     second = train(model, tmp_path / "b", max_steps=1)
     second.save_model(tmp_path / "out")
     text = (tmp_path / "out" / "README.md").read_text()
-    assert "continues from 2 earlier DP steps (1 earlier run)" in text
+    assert "it continues from 2 earlier DP steps in 1 earlier run" in text and "| 3 (2 earlier DP steps" in text
     validate_card(tmp_path / "out")
     dp = privacy_report(tmp_path / "out")
     assert dp["steps"] == 3 and dp["continues_from"]["steps"] == 2 and dp["continues_from"]["this_run_steps"] == 1
