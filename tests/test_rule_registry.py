@@ -341,3 +341,45 @@ def test_builtin_rules_dispatch_as_before():
         rule = find_rule(module)
         assert (None if rule is None else rule.name) == name, type(module).__name__
         assert rule is None or rule.all_inputs == all_inputs, type(module).__name__
+
+
+# -------------------------------------------------------------------------------------------------- the README
+def readme_example() -> str:
+    """The code block of the README's section "Your own layers: register a rule"."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Your own layers: register a rule"):]
+    return section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python") + 9)]
+
+
+def test_readme_example_registers_an_exact_rule():
+    """The README's example, run as written, registers a rule that passes the first-step checks and gives each
+    example's gradient (against a loop over single examples, float64)."""
+    namespace: dict = {}
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    try:
+        torch.manual_seed(0)
+        layer = namespace["ScaledLinear"](3, 4).double()
+        with torch.no_grad():
+            layer.scale.uniform_(0.5, 2.0)
+        assert find_rule(layer).name == "ScaledLinear"
+        model, x = nn.Sequential(layer), torch.randn(3, 5, 3, dtype=torch.float64)
+
+        def run(sl):
+            return torch.tanh(model(x[sl])).pow(2).sum((1, 2))
+
+        engine = ClippingEngine(model)
+        engine.first_step_check(run, 3)
+        with engine.record(3):
+            run(slice(0, 3)).sum().backward()
+        norms = engine.per_example_norms_sq()
+        for i in range(3):
+            layer.zero_grad()
+            run(slice(i, i + 1)).sum().backward()
+            for name, p in (("0.weight", layer.weight), ("0.scale", layer.scale)):
+                torch.testing.assert_close(norms[name][i], p.grad.pow(2).sum(), rtol=1e-9, atol=1e-12)
+    finally:
+        hf_dp.unregister_layer_rule("ScaledLinear")
