@@ -127,12 +127,13 @@ def register_layer_rule(matches: type[nn.Module] | Callable[[nn.Module], bool], 
         factor: ``factor(module, name, inp, out, grad) -> list[Use]``, called in the backward pass for each call of
             a matching module, with ``inp`` its first input and ``grad`` the gradient of its output, both with the
             examples on the first axis (``B``), and ``name`` its qualified name (for :class:`Use`'s
-            ``module_name``); ``out`` is not given (``None``) by every engine: do not use it. For each parameter it
-            covers, it returns a :class:`Use` whose per-example gradient ``G_i = L_iᵀ R_i`` (reshaped to the
-            parameter's shape) is that parameter's gradient from example ``i`` in this call: ``left`` ``(B, T,
-            d_L)`` dense, ``(B, T)`` row indices of a one-hot ``L`` (lookups), or ``None`` (all ones, ``d_L = 1``:
-            ``G_i = Σ_t R_{i,t}``); ``right`` ``(B, T, d_R)``. ``T`` is any number of rows per example (tokens,
-            positions). This is the factorisation ghost clipping needs (Li et al. 2022, §4 and App. F).
+            ``module_name``); ``out`` is the layer's output or ``None`` (the engine does not keep it): do not rely
+            on it. For each parameter it covers, it returns a :class:`Use` whose per-example gradient
+            ``G_i = L_iᵀ R_i`` (reshaped to the parameter's shape) is that parameter's gradient from example ``i``
+            in this call: ``left`` ``(B, T, d_L)`` dense, ``(B, T)`` row indices of a one-hot ``L`` (lookups), or
+            ``None`` (all ones, ``d_L = 1``: ``G_i = Σ_t R_{i,t}``); ``right`` ``(B, T, d_R)``. ``T`` is any number
+            of rows per example (tokens, positions). This is the factorisation ghost clipping needs (Li et al.
+            2022, §4 and App. F).
         params: the names of the module's own parameters the rule covers (a trainable parameter it does not cover
             is re-run per example by the generic fallback).
         name: the rule's name (in logs and refusals); default: the class's name. Required when ``matches`` is a
