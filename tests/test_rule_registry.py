@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -95,16 +96,18 @@ def not_a_list(module, name, inp, out, grad):
 
 
 class Classifier(nn.Module):
-    """Embedding → ScaledLinear → tanh → masked mean → Linear head; returns its own mean cross-entropy ``loss``."""
+    """Embedding → ``mix`` (a ScaledLinear by default; called with ``extra`` inputs after the first) → tanh → masked
+    mean → Linear head; returns its own mean cross-entropy ``loss``."""
 
-    def __init__(self, d: int = 8, labels: int = 3):
+    def __init__(self, d: int = 8, labels: int = 3, mix: nn.Module | None = None, extra: tuple = ()):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, d)
-        self.mix = ScaledLinear(d, d)
+        self.mix = ScaledLinear(d, d) if mix is None else mix
         self.head = nn.Linear(d, labels)
+        self.extra = extra
 
     def forward(self, input_ids, attention_mask=None, labels=None):
-        h = torch.tanh(self.mix(self.embed(input_ids)))
+        h = torch.tanh(self.mix(self.embed(input_ids), *self.extra))
         m = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         m = m.unsqueeze(-1).to(h.dtype)
         logits = self.head((h * m).sum(1) / m.sum(1))
@@ -112,9 +115,53 @@ class Classifier(nn.Module):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
-def classifier() -> Classifier:
+def classifier(mix: Callable[[], nn.Module] | None = None, extra: tuple = ()) -> Classifier:
     torch.manual_seed(0)
-    return Classifier().double()
+    return Classifier(mix=None if mix is None else mix(), extra=extra).double()
+
+
+class Block(nn.Module):
+    """A ScaledLinear nested in a block without parameters of its own: a parameter its rule gets wrong could be moved
+    to the block's re-run per example (the engine's enclosing-module fallback), which would hide the wrong rule."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.inner = ScaledLinear(d, d)
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+class ProjectThenScale(ScaledLinear):
+    """``y = proj(x) (s ⊙ W)ᵀ``: a layer with a parametrised child (its own rule: ``linear``), which the registry's
+    re-run of the layer cannot run without firing the engine's hooks on it: its rule is checked by the engine alone."""
+
+    def __init__(self, d: int = 8):
+        super().__init__(d, d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        return super().forward(self.proj(x))
+
+
+def project_then_scale_forgets_scale(module, name, inp, out, grad):
+    h = F.linear(inp, module.proj.weight.detach(), module.proj.bias.detach())  # not module.proj(...): hooked
+    return forgets_scale(module, name, h, out, grad)
+
+
+def project_then_scale_rule(module, name, inp, out, grad):
+    h = F.linear(inp, module.proj.weight.detach(), module.proj.bias.detach())
+    return scaled_linear_rule(module, name, h, out, grad)
+
+
+class Noisy(ScaledLinear):
+    def forward(self, x):
+        return F.dropout(super().forward(x), 0.5, self.training)
+
+
+class Gained(ScaledLinear):
+    def forward(self, x, gain):
+        return super().forward(x) * gain
 
 
 def per_example_ce(outputs, labels):
@@ -203,13 +250,43 @@ def test_without_the_rule_the_layer_goes_to_the_fallback(caplog):
     assert CALLS["n"] == 0
 
 
-def test_rule_missing_a_factor_is_refused_by_the_first_step_check():
-    model = classifier()
+@pytest.mark.parametrize("nested", [False, True])
+def test_rule_missing_a_factor_is_refused(nested):
+    """Refused by the registry's check of the rule against autograd on the layer re-run for example 0 — also when the
+    layer sits in a block whose re-run per example could have taken over the parameter (the engine's enclosing
+    fallback would then hide the wrong rule behind a log line that blames a use outside the layer)."""
+    model = classifier(Block if nested else None)
+    where = r"mix\.inner \(ScaledLinear\)" if nested else r"mix \(ScaledLinear\)"
     with register_layer_rule(ScaledLinear, forgets_scale, params=("weight", "scale")):
-        with pytest.raises(UnsupportedLayerError, match=r"differs from autograd's gradient[\s\S]*mix\.weight"):
+        with pytest.raises(UnsupportedLayerError, match=where + r".*gradient of 'weight' that differs from autograd's"
+                           r" for the layer re-run on that example"):
             run_first_step(model)
     with register_layer_rule(ScaledLinear, scaled_linear_rule, params=("weight", "scale")):
-        run_first_step(model)  # the right rule passes the same check
+        run_first_step(model)  # the right rule passes the same checks
+
+
+def test_rule_missing_a_factor_is_refused_by_the_engine_where_the_layer_cannot_be_re_run():
+    """A layer with a parametrised child is not re-run by the registry; the engine's hooks-vs-autograd check (the
+    sum of the per-example gradients against autograd's gradient) refuses the wrong rule."""
+    model = classifier(ProjectThenScale)
+    with register_layer_rule(ProjectThenScale, project_then_scale_forgets_scale, params=("weight", "scale")):
+        with pytest.raises(UnsupportedLayerError, match=r"differs from autograd's gradient[\s\S]*mix\.weight"):
+            run_first_step(model)
+    with register_layer_rule(ProjectThenScale, project_then_scale_rule, params=("weight", "scale")):
+        run_first_step(model)
+
+
+@pytest.mark.parametrize("layer, extra, message", [
+    (Noisy, (), "re-running the layer on the same input gives another output"),
+    (Gained, (torch.tensor(2.0, dtype=torch.float64),), "could not be checked: re-running the layer's forward on "
+     r"example 0's first input failed \(TypeError"),
+])
+def test_layer_a_rule_cannot_be_checked_on_is_refused(layer, extra, message):
+    """A random layer (its rule cannot know the draws) and one whose forward needs more than its first input (the
+    rule's only input) are refused, with that cause."""
+    with register_layer_rule(layer, scaled_linear_rule, params=("weight", "scale")):
+        with pytest.raises(UnsupportedLayerError, match=message):
+            run_first_step(classifier(lambda: layer(8, 8), extra))
 
 
 @pytest.mark.parametrize("factor, message", [

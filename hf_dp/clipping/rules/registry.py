@@ -17,6 +17,7 @@ that fails any of these is refused with :class:`~.base.UnsupportedLayerError`, n
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import Rule, RuleFn, UnsupportedLayerError, Use
+from .base import Rule, RuleFn, UnsupportedLayerError, Use, close
 
 __all__ = ["BUILTIN_ORDER", "RegisteredRule", "find_rule", "layer_rule_names", "own_forward", "register_builtin",
            "register_layer_rule", "rule_parameters", "unregister_layer_rule"]
@@ -195,9 +196,13 @@ def unregister_layer_rule(name: str) -> None:
 
 
 def _checked(rule_name: str, factor: RuleFn, params: tuple[str, ...]) -> RuleFn:
-    """``factor`` with the checks a user rule gets on every call (its uses are :class:`Use` of the module's own
-    covered parameters, with one row block per example and a gradient of the parameter's size) and, on its first
-    call per module with two or more examples, that it keeps examples apart."""
+    """``factor`` with the checks a user rule gets: on every call, its uses are :class:`Use` of the module's own
+    covered parameters, with one row block per example and a gradient of the parameter's size; on its first call
+    per module, with two or more examples, example 0's gradient equals the one from its rows alone
+    (:func:`_check_kept_apart`: the more specific refusal for a rule that mixes examples) and autograd's for the layer
+    re-run on example 0 (:func:`_check_against_layer`; layers without parametrised submodules, whose re-run would fire
+    the engine's hooks of those)."""
+    against_layer: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     kept_apart: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     label = f"the layer rule {rule_name!r} (registered with hf_dp.register_layer_rule)"
 
@@ -205,17 +210,23 @@ def _checked(rule_name: str, factor: RuleFn, params: tuple[str, ...]) -> RuleFn:
         result = factor(module, name, inp, out, grad)
         b = grad.shape[0]
         _check_uses(result, module, name, params, b, label)
+        if module in kept_apart and module in against_layer:
+            return result
+        if not isinstance(inp, torch.Tensor) or not inp.dim() or inp.shape[0] != b:
+            raise UnsupportedLayerError(
+                f"{name} ({type(module).__name__}): {label} needs the layer's first input to be a tensor with the "
+                "examples on its first axis, as its output gradient has; this call's is not. Unregister the rule "
+                "(the generic fallback then re-runs the layer per example) or freeze the layer.")
         if module not in kept_apart and b >= 2:
-            if not isinstance(inp, torch.Tensor) or not inp.dim() or inp.shape[0] != b:
-                raise UnsupportedLayerError(
-                    f"{name} ({type(module).__name__}): {label} needs the layer's first input to be a tensor with the "
-                    "examples on its first axis, as its output gradient has; this call's is not. Unregister the rule "
-                    "(the generic fallback then re-runs the layer per example) or freeze the layer.")
             alone = factor(module, name, inp[:1], out[:1] if isinstance(out, torch.Tensor) and out.dim() and
                            out.shape[0] == b else out, grad[:1])
             _check_uses(alone, module, name, params, 1, label)
             _check_kept_apart(result, alone, module, name, b, label)
             kept_apart.add(module)
+        if module not in against_layer:
+            if not any(True for m in module.modules() if m is not module for _ in m.parameters(recurse=False)):
+                _check_against_layer(result, module, name, params, inp, grad, label)
+            against_layer.add(module)
         return result
 
     uses.__qualname__ = getattr(factor, "__qualname__", rule_name)
@@ -253,6 +264,77 @@ def _check_uses(uses, module: nn.Module, name: str, params: tuple[str, ...], b: 
                          f"{tuple(u.param.shape)}")
 
 
+def _per_param(uses: list[Use], n: int, i: int = 0) -> dict[int, torch.Tensor]:
+    """Example ``i``'s gradient of each parameter (by ``id``) from the rule's uses on ``n`` examples, flat, float64."""
+    out: dict[int, torch.Tensor] = {}
+    for u in uses:
+        g = _example_gradient(u.by_example(n), i)
+        out[id(u.param)] = out[id(u.param)] + g if id(u.param) in out else g
+    return out
+
+
+def _differs(got: torch.Tensor | None, ref: torch.Tensor | None, tol: float) -> str | None:
+    """``None`` when ``got`` equals ``ref`` to ``tol`` (relative to ``ref``'s largest entry; missing = zeros), else
+    a description of the difference."""
+    if got is None and ref is None:
+        return None
+    ref = torch.zeros_like(got) if ref is None else ref
+    got = torch.zeros_like(ref) if got is None else got
+    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    if torch.allclose(got, ref, rtol=tol, atol=tol * scale + 1e-30):
+        return None
+    return f"largest difference {float((got - ref).abs().max()):.3g}, gradient scale {scale:.3g}"
+
+
+def _tolerance(uses: list[Use]) -> float:
+    return 1e-2 if any(u.right.dtype in (torch.float16, torch.bfloat16) for u in uses) else 1e-5
+
+
+def _check_against_layer(batched: list[Use], module: nn.Module, name: str, params: tuple[str, ...],
+                         inp: torch.Tensor, grad: torch.Tensor, label: str) -> None:
+    """Example 0's gradient of each covered parameter, from the rule's factors on this call, equals autograd's
+    gradient of the layer's own ``forward`` re-run on example 0's input (parameters replaced by stand-ins, no hooks
+    run) against example 0's output gradient: the rule is exact for this example, not only summed over the batch
+    (the engine's check). A rule for a layer nested in a block is thereby refused naming itself, rather than its
+    parameters' gradients being moved to the block's re-run per example. Random layers (two re-runs differ) are
+    refused: a rule cannot know their draws."""
+    own = {p: getattr(module, p) for p in params if isinstance(getattr(module, p, None), nn.Parameter)}
+    stand_in = {p: nn.Parameter(v.detach(), requires_grad=True) for p, v in own.items()}
+    clone = copy.copy(module)  # shares everything but the parameter dict; .forward runs no hook of the module
+    clone._parameters = {**module._parameters, **stand_in}
+    x, g = inp[:1].detach(), grad[:1].detach()
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=devices):
+            y = clone.forward(x)
+            with torch.no_grad():
+                again = clone.forward(x)
+            if not isinstance(y, torch.Tensor) or y.numel() != g.numel():
+                raise TypeError(f"its output for one example is not one tensor of {g.numel()} values")
+            refs = torch.autograd.grad(y, list(stand_in.values()), g.reshape(y.shape).to(y.dtype), allow_unused=True)
+    except Exception as err:  # noqa: BLE001 - reported as the cause of the refusal
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}): {label} could not be checked: re-running the layer's forward on "
+            f"example 0's first input failed ({type(err).__name__}: {err}). A rule gets the layer's first input "
+            "only; for a layer that needs more, unregister the rule (the generic fallback then re-runs it per "
+            "example).") from err
+    if not close(again, y.detach(), 1e-2 if y.dtype in (torch.float16, torch.bfloat16) else 1e-4):
+        raise UnsupportedLayerError(
+            f"{name} ({type(module).__name__}): re-running the layer on the same input gives another output (it "
+            f"draws random numbers, e.g. dropout), which {label} cannot know from its input and output gradient. "
+            "Switch the randomness off in that layer, or unregister the rule.")
+    tol = _tolerance(batched)
+    mine = _per_param(batched, grad.shape[0])
+    for (p, param), ref in zip(own.items(), refs):
+        what = _differs(mine.get(id(param)), None if ref is None else ref.double().reshape(-1), tol)
+        if what is not None:
+            raise UnsupportedLayerError(
+                f"{name} ({type(module).__name__}): {label} gives example 0 a gradient of {p!r} that differs from "
+                f"autograd's for the layer re-run on that example ({what}): the rule's factors are wrong (e.g. a "
+                "missing factor, a transposition). Fix the rule, or unregister it (the generic fallback then re-runs "
+                "the layer per example).")
+
+
 def _example_gradient(use: Use, i: int) -> torch.Tensor:
     """Example ``i``'s ``L_iᵀ R_i``, flattened, in float64."""
     r = use.right[i].double()
@@ -268,27 +350,14 @@ def _check_kept_apart(batched: list[Use], alone: list[Use], module: nn.Module, n
     factors on example 0's rows alone: a rule that mixes examples (a sum or mean over the batch axis, rows assigned to
     the wrong example) would keep the batch's total right, which the engine's hooks-vs-autograd check compares, while
     clipping each example's gradient wrongly."""
-    def by_param(uses: list[Use], n: int) -> dict[int, torch.Tensor]:
-        out: dict[int, torch.Tensor] = {}
-        for u in uses:
-            g = _example_gradient(u.by_example(n), 0)
-            out[id(u.param)] = out[id(u.param)] + g if id(u.param) in out else g
-        return out
-
-    low = any(u.right.dtype in (torch.float16, torch.bfloat16) for u in batched)
-    tol = 1e-2 if low else 1e-5
-    first, own = by_param(batched, b), by_param(alone, 1)
+    tol = _tolerance(batched)
+    first, own = _per_param(batched, b), _per_param(alone, 1)
     for pid in first.keys() | own.keys():
-        ref = own.get(pid)
-        got = first.get(pid)
-        ref = torch.zeros_like(got) if ref is None else ref
-        got = torch.zeros_like(ref) if got is None else got
-        scale = float(ref.abs().max()) if ref.numel() else 0.0
-        if not torch.allclose(got, ref, rtol=tol, atol=tol * scale + 1e-30):
+        what = _differs(first.get(pid), own.get(pid), tol)
+        if what is not None:
             raise UnsupportedLayerError(
                 f"{name} ({type(module).__name__}): {label} gives example 0 a different gradient in a micro-batch of "
-                f"{b} than from its rows alone (largest difference {float((got - ref).abs().max()):.3g}, gradient "
-                f"scale {scale:.3g}): it mixes examples (e.g. a sum or mean over the batch axis), so per-example "
-                "clipping would not bound one example's contribution. Compute each example's factors from its own "
-                "rows (the first axis), or unregister the rule (the generic fallback then re-runs the layer per "
-                "example).")
+                f"{b} than from its rows alone ({what}): it mixes examples (e.g. a sum or mean over the batch axis), "
+                "so per-example clipping would not bound one example's contribution. Compute each example's factors "
+                "from its own rows (the first axis), or unregister the rule (the generic fallback then re-runs the "
+                "layer per example).")
