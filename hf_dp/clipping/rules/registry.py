@@ -10,9 +10,10 @@ Dispatch is an ordered list, first match wins, as PEFT dispatches layer types (`
 
 A user rule is trusted no more than a built-in one. The engine's first-step checks apply to it (the batch axis of
 its input proven on 1 and B examples; the hooks' sum of per-example gradients equal to autograd's gradient), and on
-its first call with two or more examples the registry checks that it keeps examples apart (example 0's gradient from
-the micro-batch equals the one from its rows alone) and that its factors have the shapes the engine needs. A rule
-that fails any of these is refused with :class:`~.base.UnsupportedLayerError`, naming it, before the first update.
+its first call the registry checks its factors' shapes, that example 0's gradient from them equals autograd's for
+the layer's own ``forward`` re-run on example 0, and that it keeps examples apart (example 0's gradient from the
+micro-batch equals the one from its rows alone). A rule that fails any of these is refused with
+:class:`~.base.UnsupportedLayerError`, naming it, before the first update.
 """
 
 from __future__ import annotations
@@ -146,11 +147,12 @@ def register_layer_rule(matches: type[nn.Module] | Callable[[nn.Module], bool], 
         A :class:`RegisteredRule`: ``.remove()`` unregisters it; ``with register_layer_rule(...):`` registers it for
         the block only.
 
-    A registered rule is checked, never trusted: at the first step the engine proves its input's batch axis and
-    compares the sum of its per-example gradients with autograd's gradient, and the rule's first call on two or more
-    examples checks that example 0's gradient from the micro-batch equals the one from its rows alone. A rule that
-    fails is refused with :class:`UnsupportedLayerError` before any update is released. A rule sees the layer's
-    first input only; for a layer whose parameters meet several inputs, do not register a rule: the generic fallback
+    A registered rule is checked, never trusted: on its first call per module, example 0's gradient from its factors
+    must equal autograd's for the layer's own ``forward`` re-run on example 0 (layers without parametrised children)
+    and, on two or more examples, the one from example 0's rows alone; at the first step the engine also proves its
+    input's batch axis and compares the sum of its per-example gradients with autograd's gradient. A rule that fails
+    is refused with :class:`UnsupportedLayerError` before any update is released. A rule sees the layer's first
+    input only; for a layer whose parameters meet several inputs, do not register a rule: the generic fallback
     re-runs it per example, exactly.
     """
     if isinstance(matches, type):
@@ -197,11 +199,11 @@ def unregister_layer_rule(name: str) -> None:
 
 def _checked(rule_name: str, factor: RuleFn, params: tuple[str, ...]) -> RuleFn:
     """``factor`` with the checks a user rule gets: on every call, its uses are :class:`Use` of the module's own
-    covered parameters, with one row block per example and a gradient of the parameter's size; on its first call
-    per module, with two or more examples, example 0's gradient equals the one from its rows alone
-    (:func:`_check_kept_apart`: the more specific refusal for a rule that mixes examples) and autograd's for the layer
-    re-run on example 0 (:func:`_check_against_layer`; layers without parametrised submodules, whose re-run would fire
-    the engine's hooks of those)."""
+    covered parameters, with one row block per example and a gradient of the parameter's size; on its first call per
+    module, example 0's gradient equals the one from its rows alone (:func:`_check_kept_apart`, with two or more
+    examples: the more specific refusal for a rule that mixes examples) and autograd's for the layer re-run on
+    example 0 (:func:`_check_against_layer`; not for a layer with parametrised children, whose re-run would fire the
+    engine's hooks on them)."""
     against_layer: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     kept_apart: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     label = f"the layer rule {rule_name!r} (registered with hf_dp.register_layer_rule)"
