@@ -10,7 +10,7 @@ from .audit import CanaryExposureCallback, MembershipInferenceCallback, audit_re
 from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
 from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError, Use, register_layer_rule, unregister_layer_rule
 from .history import attach_privacy_history, read_privacy_history
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .record import PrivacyRecord
@@ -61,6 +61,7 @@ __all__ = [
     "PrivacyRecord",
     "ShuffledBatchSampler",
     "UnsupportedLayerError",
+    "Use",
     "WithinLayerFlattening",
     "calibrate_noise_multiplier",
     "card_from_dp_state",
@@ -73,9 +74,11 @@ __all__ = [
     "loss_landscape",
     "privacy_report",
     "read_privacy_history",
+    "register_layer_rule",
     "save_synthetic_dataset",
     "sequence_classification_loss",
     "sharpness",
     "token_loss",
+    "unregister_layer_rule",
     "validate_card",
 ]
