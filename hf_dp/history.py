@@ -207,7 +207,10 @@ class ModelHistory:
             seen.add(id(config))
             kept = [e for e in getattr(config, CONFIG_KEY, None) or [] if isinstance(e, Mapping)
                     and e.get("run_id") not in ids]  # runs of other parts of a composed model stay
-            setattr(config, CONFIG_KEY, kept + entries)
+            try:
+                setattr(config, CONFIG_KEY, kept + entries)
+            except (AttributeError, TypeError):  # a frozen custom config: the parameters still carry it
+                continue
         for param in model.parameters():
             runs = getattr(param, PARAM_ATTR, None)
             if not isinstance(runs, dict):

@@ -852,9 +852,10 @@ class DPTrainer(Trainer):
         self._unit_detail = (id(dataset), detail)
 
     def _privacy_unit_detail(self) -> str | None:
-        if self._unit_detail is None or self.train_dataset is None or self._unit_detail[0] != id(self.train_dataset):
+        detail = getattr(self, "_unit_detail", None)
+        if detail is None or self.train_dataset is None or detail[0] != id(self.train_dataset):
             return None
-        return self._unit_detail[1]
+        return detail[1]
 
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
