@@ -97,9 +97,23 @@ def test_second_trainer_on_the_trained_model_composes(tmp_path):
     assert spent["epsilon"] == pytest.approx(expected, rel=1e-6)
     assert spent["epsilon"] > alone + 0.1 and spent["epsilon"] > first.privacy_spent()["epsilon"]
     assert second.dp_guarantee == "strict"
+    assert second.state.log_history[-1]["epsilon"] == pytest.approx(expected, abs=1e-4)  # the logs too
     # The same history, read back off the model: both runs, each with its own steps only.
     runs = read_privacy_history(model)
     assert sorted(r["steps"] for r in runs) == [2, 3]
+
+
+def test_first_trainer_trained_again_after_a_second_one_composes_all_three_runs(tmp_path):
+    """Notebook cells run out of order: trainer A trains the model, trainer B trains it, A.train() again. A's
+    accountant re-reads the model at train(): its own steps, B's, and its new ones."""
+    model = gpt2()
+    first = train(model, tmp_path / "a", max_steps=2)
+    train(model, tmp_path / "b", max_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.train()
+    assert first.accountant.steps == 2 + 1 + 2
+    assert sorted(r["steps"] for r in read_privacy_history(model)) == [1, 4]  # B's 1; A's 2 + 2 (one run)
 
 
 def test_peft_model_over_a_dp_trained_base_and_merge_and_unload(tmp_path):
