@@ -1208,7 +1208,9 @@ class DPTrainer(Trainer):
         Privacy accounting follows the model: a second ``train()`` on the same model (without resume) continues the
         accountant, so ε composes over both runs (with ``target_epsilon``, σ is calibrated to the budget that is
         left, and the run is refused if none is). Only a new model starts a fresh accountant: ``model_init`` (which
-        builds one for every ``train()``), or a new ``DPTrainer`` on a fresh model.
+        builds one for every ``train()``), or a new ``DPTrainer`` on a fresh model. A model an earlier ``DPTrainer``
+        trained carries its history (``hf_dp/history.py``): this trainer's accountant starts from it, and at every
+        ``train()`` it is re-read (another trainer may have trained the model since).
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
