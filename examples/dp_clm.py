@@ -12,7 +12,11 @@ Benefit from Public Pre-training"), ``run_clm``-style, on real offline text.
 2. **Private fine-tuning with DP**: ``DPTrainer`` fine-tunes it on a different, "private" corpus — the Debian
    ``fortunes`` epigrams (``load_fortunes()``; default) or the ``chatterbot-corpus`` dialogs — one epigram/dialog per
    example (never packed across examples: the privacy unit is a row, or with ``--privacy_unit user`` all rows of one
-   ``source`` file / ``category``).
+   ``source`` file / ``category``). Texts longer than ``--max_seq_length`` are truncated; with ``--chunk_documents``
+   they are split into chunks *within* the text instead (never across texts), and the privacy unit is the whole text
+   (``privacy_unit="user"``, ``user_id_column="document_id"``): document-level DP (README, "Document-level DP for
+   language modelling"). Never ``run_clm``'s ``group_texts``, whose blocks span texts (DPTrainer warns about such
+   rows: the unit would be a block).
 3. **Baselines** on the same held-out split of the private corpus, in one perplexity table: the public model alone
    (no private data, ε = 0), the same DP training from a random init ("DP from scratch"), and non-private fine-tuning
    (plain ``transformers.Trainer``, fixed batches of the DP run's expected size, same number of steps).
@@ -54,6 +58,9 @@ Ready-to-run commands::
     # default δ = 1/N^1.1 counts users too (0.017 for 41 users): pass --target_delta for real use.
     python examples/dp_clm.py --privacy_unit user --user_id_column source --per_device_train_batch_size 8 \\
         --gradient_accumulation_steps 1 --max_examples_per_user 32 --baselines false
+
+    # Document-level DP: whole texts, chunked within each text (no truncation), one text = one privacy unit.
+    python examples/dp_clm.py --chunk_documents --max_seq_length 32 --baselines false
 
     # Arguments from a file (a single .yaml/.json argument, or --config FILE with overrides).
     python examples/dp_clm.py --config my_run.yaml --num_train_epochs 1
@@ -178,6 +185,9 @@ class ScriptArguments:
         max_seq_length (`int`, defaults to 48): examples are truncated to this many tokens (incl. the final EOS).
         max_train_samples / max_eval_samples: seeded random subsets (2000 / 300); the held-out examples are never
             trained on.
+        chunk_documents (`bool`, defaults to `False`): split each training text into chunks of ``max_seq_length``
+            tokens within the text instead of truncating it, and protect whole texts (user-level units keyed by
+            ``document_id``, unless ``--privacy_unit user`` names a coarser unit such as ``source``).
 
     > Adapters and flatness (Privacy-Flat, Chen et al.; every regulariser in its strict variant)
 
@@ -224,6 +234,9 @@ class ScriptArguments:
     max_seq_length: int = field(default=48, metadata={"help": "Truncate each example to this many tokens."})
     max_train_samples: int | None = field(default=2000, metadata={"help": "Seeded subset of private training rows."})
     max_eval_samples: int | None = field(default=300, metadata={"help": "Held-out rows (never trained on)."})
+    chunk_documents: bool = field(
+        default=False, metadata={"help": "Document-level DP: chunk each text within itself (no truncation); one text "
+                                         "is one privacy unit (privacy_unit='user', user_id_column='document_id')."})
     use_peft: str | None = field(default=None, metadata={"help": f"Adapter, one of {PEFT_METHODS} (default: full)."})
     lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
@@ -462,6 +475,20 @@ def tokenize_private(raw: datasets.DatasetDict, tokenizer: PreTrainedTokenizerBa
     return raw.map(encode, batched=True, remove_columns=["text"], desc="Tokenizing")
 
 
+def chunk_private(train: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
+                  max_seq_length: int) -> datasets.Dataset:
+    """``--chunk_documents``: every text + EOS split into chunks of at most ``max_seq_length`` tokens *within* the text
+    (``hf_dp.chunk_documents``: never across texts), each chunk tagged with its text's ``document_id``; the other
+    columns (``source``) are copied onto each chunk. Train with ``privacy_unit="user"`` keyed by ``document_id`` (or
+    by a coarser column): all chunks of a text are then one unit, clipped together."""
+    eos = tokenizer.eos_token_id
+    ids = [enc + [eos] for enc in tokenizer(list(train["text"]))["input_ids"]]
+    other = {c: list(train[c]) for c in train.column_names if c != "text"}
+    docs = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], **other})
+    return hf_dp.chunk_documents(docs, max_seq_length, columns=("input_ids", "attention_mask"), labels=False,
+                                 carry_columns=list(other))
+
+
 class CausalLMCollator:
     """Right-pads ``input_ids``; ``labels`` are the inputs with padding set to -100 (the EOS that ends a text is a
     label even when ``pad_token == eos_token``, unlike ``DataCollatorForLanguageModeling``)."""
@@ -689,6 +716,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             public_path = pretrain_public_lm(script_args, tokenizer, seed)
     raw = load_private(script_args, seed)
     data = tokenize_private(raw, tokenizer, script_args.max_seq_length)
+    if script_args.chunk_documents:  # document-level DP: chunks within texts, one text = one unit
+        data["train"] = chunk_private(raw["train"], tokenizer, script_args.max_seq_length)
+        if training_args.privacy_unit == "example":
+            training_args = dataclasses.replace(training_args, privacy_unit="user", user_id_column="document_id")
     collator = CausalLMCollator(tokenizer.pad_token_id)
     eval_batches = heldout_batches(data["test"], collator, training_args.per_device_eval_batch_size)
     corpus = Path(script_args.train_file).name if script_args.train_file else script_args.private_dataset
@@ -745,7 +776,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"lr={training_args.learning_rate})")
         print(_format_table(rows))
         if dp_row is not None:
-            unit = f"user ('{training_args.user_id_column}')" if training_args.privacy_unit == "user" else "example"
+            unit = "example"
+            if training_args.privacy_unit == "user":
+                unit = "document (all its chunks)" if training_args.user_id_column == "document_id" else \
+                    f"user ('{training_args.user_id_column}')"
             print(f"privacy: ({dp_row['epsilon']:.3f}, {dp_row['delta']:.3g})-DP per {unit}, {dp_row['accountant']} "
                   f"accountant, q={dp_row['sample_rate']:.4f}, guarantee: {dp_row['dp_guarantee']}")
         print(f"public model: {public_path}")

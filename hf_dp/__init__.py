@@ -10,14 +10,16 @@ from .audit import CanaryExposureCallback, MembershipInferenceCallback, audit_re
 from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
 from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError, Use, register_layer_rule, unregister_layer_rule
 from .guarantee import post_processing
+from .history import attach_privacy_history, read_privacy_history
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
 from .synthetic import generate_synthetic_dataset, save_synthetic_dataset
 from .trainer import DPTrainer
+from .units import chunk_documents, looks_grouped
 
 __version__ = "0.1.0"
 
@@ -42,6 +44,7 @@ __all__ = [
     "CanaryExposureCallback",
     "MembershipInferenceCallback",
     "audit",
+    "attach_privacy_history",
     "audit_report",
     "make_canaries",
     "ClippingEngine",
@@ -59,19 +62,25 @@ __all__ = [
     "PrivacyRecord",
     "ShuffledBatchSampler",
     "UnsupportedLayerError",
+    "Use",
     "WithinLayerFlattening",
     "calibrate_noise_multiplier",
     "card_from_dp_state",
+    "chunk_documents",
     "causal_lm_loss",
     "default_per_example_loss",
     "generate_synthetic_dataset",
     "group_privacy",
+    "looks_grouped",
     "loss_landscape",
     "post_processing",
     "privacy_report",
+    "read_privacy_history",
+    "register_layer_rule",
     "save_synthetic_dataset",
     "sequence_classification_loss",
     "sharpness",
     "token_loss",
+    "unregister_layer_rule",
     "validate_card",
 ]

@@ -196,6 +196,13 @@ def _aggregate_mechanisms(history: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"noise_multiplier": s, "sampling_rate": q, "steps": n} for (s, q), n in counts.items() if n > 0]
 
 
+class _Mech:
+    """A mechanism of a run entry (a mapping) read as the accountant's records are (attributes)."""
+
+    def __init__(self, m: Mapping[str, Any]):
+        self.noise_multiplier, self.sample_rate, self.steps = m["noise_multiplier"], m["sample_rate"], m["steps"]
+
+
 def _round(x: float | None, digits: int = 6) -> float | None:
     if x is None or not math.isfinite(x):
         return x
@@ -284,6 +291,8 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
         rec["adaptive_clipping"] = _plain(record.adaptive_clipping)
     rec["noise_allocation"] = str(record.noise_allocation or "global")
     rec["privacy_unit"] = unit
+    if record.privacy_unit_detail:  # e.g. rows that look like fixed-length blocks of concatenated text (units.py)
+        rec["privacy_unit_detail"] = str(record.privacy_unit_detail)
     if unit == "user":
         rec["user_id_column"] = None if record.user_id_column is None else str(record.user_id_column)
         for key in ("max_examples_per_user", "user_contribution"):
@@ -305,6 +314,16 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
                                "(Holohan & Braghin 2021, §5.1, as Opacus' secure_mode)")
     else:
         rec["noise_source"] = "torch generator; per-step seeds derived from the run's seed"
+    if record.earlier_runs:  # the model carried earlier DP training (history.py): composed into ε and the steps
+        earlier = [dict(e) for e in record.earlier_runs if isinstance(e, Mapping)]
+        earlier_steps = sum(int(e.get("steps") or 0) for e in earlier)
+        rec["continues_from"] = {
+            "runs": len(earlier),
+            "steps": earlier_steps,
+            "this_run_steps": steps - earlier_steps,
+            "mechanisms": _aggregate_mechanisms([_Mech(m) for e in earlier for m in e.get("mechanisms") or []]),
+            "privacy_units": sorted({str(e.get("privacy_unit") or "example") for e in earlier}),
+        }
     rec["budget_exhausted"] = bool(record.budget_exhausted)
     rec["dp_guarantee"] = str(record.dp_guarantee)
     rec["hf_dp_version"] = str(record.hf_dp_version)

@@ -119,6 +119,11 @@ class PrivacyRecord:
         budget_exhausted: Training stopped because the budget was spent.
         eval_data_is_public: Evaluation results may be published (declared public or held out).
         audit: Empirical audits (``hf_dp.audit.audit_report``), or None.
+        run_id: This run's id (``hf_dp.history``): a resumed run keeps it.
+        earlier_runs: The earlier DP runs of the model this run continued from (``hf_dp.history`` run entries: their
+            own mechanisms, δ, privacy unit, guarantee); the accountant already holds their mechanisms.
+        privacy_unit_detail: What one privacy unit is, where the rows are not what the user may think (e.g. fixed-length
+            blocks of concatenated text, ``hf_dp.units``), or None.
         prv_accountant_version, hf_dp_version: Versions the record was made with.
     """
 
@@ -152,6 +157,9 @@ class PrivacyRecord:
     budget_exhausted: bool = False
     eval_data_is_public: bool = False
     audit: dict[str, Any] | None = None
+    run_id: str | None = None
+    earlier_runs: list[dict[str, Any]] | None = None
+    privacy_unit_detail: str | None = None
     prv_accountant_version: str | None = None
     hf_dp_version: str = dataclasses.field(default_factory=_hf_dp_version)
 
@@ -243,6 +251,11 @@ class PrivacyRecord:
             "audit": self.audit,
             "hf_dp_version": self.hf_dp_version,
         })
+        state.update({  # issue 22: the model's privacy history (hf_dp/history.py) and what one unit is (units.py)
+            "run_id": self.run_id,
+            "earlier_runs": self.earlier_runs or None,
+            "privacy_unit_detail": self.privacy_unit_detail,
+        })
         return _plain(state)
 
     @classmethod
@@ -294,6 +307,9 @@ class PrivacyRecord:
             budget_exhausted=bool(state.get("budget_exhausted", False)),
             eval_data_is_public=bool(state.get("eval_data_is_public", False)),
             audit=state.get("audit"),
+            run_id=state.get("run_id"),
+            earlier_runs=state.get("earlier_runs") or None,
+            privacy_unit_detail=state.get("privacy_unit_detail"),
             prv_accountant_version=acc_state.get("prv_accountant_version"),
             hf_dp_version=state.get("hf_dp_version") or "unknown",
         )

@@ -62,6 +62,7 @@ from .guarantee import (
     steps_within_budget,
     trainable_set_difference,
 )
+from .history import ModelHistory, describe_earlier
 from .losses import (
     PerExampleLoss,
     decoder_attention_mask_from_labels,
@@ -81,6 +82,7 @@ from .record import (
 )
 from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
+from .units import grouped_rows_detail, looks_grouped
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
@@ -214,6 +216,28 @@ class _DPGradientCheck(TrainerCallback):
         self.trainer._state_guard.stop()
 
 
+class _DPHistoryCallback(TrainerCallback):
+    """The model carries its privacy history (``hf_dp/history.py``, DESIGN invariant 13): at train start and end the
+    history (earlier runs and this run's live entry) is written onto the model's configs and parameters; before every
+    optimizer step (the accountant has just recorded the step) this run's entry is brought up to date, so a model
+    taken from an interrupted ``train()`` carries the steps it took."""
+
+    def __init__(self, trainer: DPTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._record_model_history(tag=True)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._record_model_history(tag=False)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._record_model_history(tag=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._record_model_history(tag=True)
+
+
 def _check_compute_loss_not_overridden(cls: type) -> None:
     """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
 
@@ -310,6 +334,8 @@ class DPTrainer(Trainer):
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
         self.accountant = self._new_accountant()
+        self._start_history(self.model)  # a model already DP-trained: its earlier mechanisms compose (history.py)
+        self._unit_detail: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
         self.budget_exhausted = False
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
@@ -323,6 +349,7 @@ class DPTrainer(Trainer):
             self.label_names = ["labels"]
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
+        self.add_callback(_DPHistoryCallback(self))
         if self.train_dataset is not None:
             self._validate_against_dataset()
 
@@ -417,6 +444,10 @@ class DPTrainer(Trainer):
             self.model = model
             self._build_clipping()
             logger.info("hf_dp: model_init built a new model; the clipping engine was rebuilt for it.")
+            if not getattr(self, "_resumed", False):  # a fresh model: fresh history, unless it carries one
+                self.accountant = self._new_accountant()
+                self._start_history(model)
+                self._dp_steps_at_begin = self.accountant.steps
         return model
 
     def _warn_fsdp_not_enabled(self) -> None:
@@ -439,6 +470,7 @@ class DPTrainer(Trainer):
             raise ValueError("The train_dataset is empty: DP training needs N >= 1 examples (q = B/N).")
         _ = self.sample_rate
         check_delta(self.target_delta, self.num_examples_private)
+        self._check_privacy_unit()
 
     def _setup_group_clipping(self) -> None:
         """Groups, thresholds and (for per-layer modes) clipping fused into the backward pass (He et al. 2023)."""
@@ -772,6 +804,85 @@ class DPTrainer(Trainer):
         """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
         check_budget_left(self.accountant, self.args.target_epsilon, self.target_delta)
 
+    # ------------------------------------------------------------------ the model's privacy history (history.py)
+    def _start_history(self, model: torch.nn.Module) -> None:
+        """A new model for this trainer: its accountant starts with the mechanisms of the earlier DP runs the model
+        carries (any parameter, trainable or frozen; ``hf_dp/history.py``), so ε composes and ``target_epsilon``
+        budgets what is left. Said once, as a warning."""
+        try:
+            unwrapped = self.accelerator.unwrap_model(model)
+        except Exception:  # noqa: BLE001 - unwrap only fails for exotic wrappers
+            unwrapped = model
+        self._history = ModelHistory.of_model(unwrapped)
+        self.accountant.history = self._history.earlier_mechanisms()
+        if self._history.earlier:
+            unit_notes = self._history.notes(str(self.args.privacy_unit or "example"),
+                                             self.args.user_id_column if self.user_level else None)
+            msg = (f"hf_dp: this model was already trained with DP, {describe_earlier(self._history.earlier)}: "
+                   "privacy accounting continues from them. ε in the logs, privacy_spent(), dp_state.json and the card "
+                   "composes all of them"
+                   + (", and target_epsilon budgets what is left." if self.args.target_epsilon is not None else ".")
+                   + (" Not strict: " + "; ".join(unit_notes) + "." if unit_notes else "")
+                   + " To start at ε = 0, start from a model that was never DP-trained (README, 'A model carries its "
+                   "privacy history').")
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=4)
+
+    def _record_model_history(self, tag: bool) -> None:
+        """This run's entry brought up to date from the accountant; with ``tag``, the model's configs and parameters
+        (re)written with the history (``hf_dp/history.py``)."""
+        if self.train_dataset is None:
+            return
+        description: dict[str, Any] = {"delta": float(self.target_delta),
+                                       "privacy_unit": str(self.args.privacy_unit or "example"),
+                                       "user_id_column": self.args.user_id_column if self.user_level else None,
+                                       "num_examples": int(self.num_examples_private)}
+        if tag:
+            description["dp_guarantee"] = self.dp_guarantee
+            description["privacy_unit_detail"] = self._privacy_unit_detail()
+        self._history.update(self.accountant.history, **description)
+        if tag:
+            self._history.tag(self._unwrapped_model())
+
+    # ------------------------------------------------------------------ the privacy unit (units.py)
+    def _check_privacy_unit(self) -> None:
+        """Rows that look like fixed-length blocks of concatenated text (``hf_dp/units.py``, transformers' run_clm
+        ``group_texts``): the unit protected is a block, not a document. Said once per training set, as a warning;
+        the record and the card say what one unit is. Not checked with ``privacy_unit="user"`` (the unit is
+        declared by the id column)."""
+        dataset = self.train_dataset
+        if dataset is None or (self._unit_detail is not None and self._unit_detail[0] == id(dataset)):
+            return
+        detail = None
+        if not self.user_level:
+            tok = self.processing_class
+            config = getattr(self._unwrapped_model(), "config", None)
+            separators = {getattr(o, k, None) for o in (tok, config) for k in ("eos_token_id", "bos_token_id")}
+            pad = getattr(tok, "pad_token_id", None)
+            if pad is None:
+                pad = getattr(config, "pad_token_id", None)
+            length = looks_grouped(dataset, pad if isinstance(pad, int) else None,
+                                   [t for t in separators if isinstance(t, int)])
+            if length is not None:
+                detail = grouped_rows_detail(length)
+                msg = (f"hf_dp: the privacy unit is one row of the training set, and its rows look like fixed-length "
+                       f"blocks of concatenated text (every row {length} tokens, no padding, labels = input_ids: "
+                       "transformers' run_clm.py group_texts). If so, ε protects one block, not one document: a "
+                       "document spread over k blocks is protected only as a group of k. For document-level DP, chunk "
+                       "within documents (hf_dp.units.chunk_documents) and pass privacy_unit='user', "
+                       "user_id_column=<document id> (README, 'Document-level DP for language modelling'); if every "
+                       "row is already one whole document, the same settings say so and silence this warning. The "
+                       "card records the unit as a block.")
+                logger.warning(msg)
+                warnings.warn(msg, UserWarning, stacklevel=4)
+        self._unit_detail = (id(dataset), detail)
+
+    def _privacy_unit_detail(self) -> str | None:
+        detail = getattr(self, "_unit_detail", None)
+        if detail is None or self.train_dataset is None or detail[0] != id(self.train_dataset):
+            return None
+        return detail[1]
+
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
         """The engine must clip exactly the model's trainable parameters (by identity).
@@ -895,6 +1006,8 @@ class DPTrainer(Trainer):
         if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
             notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
                          "private data and selecting among them is not covered")
+        notes.extend(self._history.notes(str(self.args.privacy_unit or "example"),
+                                         self.args.user_id_column if self.user_level else None))
         notes.extend(release_notes(self))  # uploads that cannot be redacted (release.py)
         for cb in self.callback_handler.callbacks:
             extra = getattr(cb, "dp_guarantee_notes", None)
@@ -946,8 +1059,11 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else self._calibrate_noise(steps)
+        earlier = self._history.earlier_mechanisms()  # a model already DP-trained continues from its history
+        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else \
+            self._calibrate_noise(steps, earlier)
         acc = self._new_accountant()
+        acc.history = earlier
         acc.step(sigma, self.sample_rate, steps)
         record = self.privacy_record(accountant=acc, noise_multiplier=sigma)  # the planned run's record
         spent = record.spent()
@@ -1006,6 +1122,7 @@ class DPTrainer(Trainer):
             "dp_per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
             "dp_clipping": self.args.clipping,
             "dp_privacy_unit": self.args.privacy_unit,
+            **({"dp_earlier_steps": self._history.earlier_steps} if self._history.earlier else {}),
             "dp_accountant": acc.accountant_used,
             "dp_trainable_parameters": d,
             "dp_noise_to_signal": round(ratio, 4),
@@ -1031,7 +1148,7 @@ class DPTrainer(Trainer):
         acc = self.accountant if accountant is None else accountant
         sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
         if sigma is None and self.train_dataset is not None:
-            sigma = self._calibrate_noise(self.planned_max_steps())
+            sigma = self._calibrate_noise(self.planned_max_steps(), acc.history)
         gc = self.group_clipper
         thresholds = adaptive = group_state = None
         if gc is not None:
@@ -1080,6 +1197,9 @@ class DPTrainer(Trainer):
             budget_exhausted=bool(self.budget_exhausted),
             eval_data_is_public=bool(args.eval_data_is_public),
             audit=_plain(audit_report(self)) or None,
+            run_id=self._history.run_id if accountant is None else None,
+            earlier_runs=_plain(self._history.earlier) or None,
+            privacy_unit_detail=self._privacy_unit_detail(),
             prv_accountant_version=acc.state_dict().get("prv_accountant_version"),
         )
 
@@ -1128,7 +1248,9 @@ class DPTrainer(Trainer):
         Privacy accounting follows the model: a second ``train()`` on the same model (without resume) continues the
         accountant, so ε composes over both runs (with ``target_epsilon``, σ is calibrated to the budget that is
         left, and the run is refused if none is). Only a new model starts a fresh accountant: ``model_init`` (which
-        builds one for every ``train()``), or a new ``DPTrainer`` on a fresh model.
+        builds one for every ``train()``), or a new ``DPTrainer`` on a fresh model. A model an earlier ``DPTrainer``
+        trained carries its history (``hf_dp/history.py``): this trainer's accountant starts from it, and at every
+        ``train()`` it is re-read (another trainer may have trained the model since).
         """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -1146,7 +1268,9 @@ class DPTrainer(Trainer):
             self.accountant = self._new_accountant()  # a new model is built in train()
             self.noise_multiplier = self.args.noise_multiplier
         else:
-            if self.accountant.steps:
+            # Another trainer may have trained this model since this one was built: continue from all it carries.
+            self.accountant.history = self._history.refresh(self._unwrapped_model(), self.accountant.history)
+            if self.accountant.steps > self._history.earlier_steps:
                 msg = (f"hf_dp: train() again on the same model, which already took {self.accountant.steps} DP "
                        "steps: privacy accounting continues, ε composes over all runs"
                        + (" and σ is calibrated to the budget that is left." if self.args.target_epsilon is not None
@@ -1339,6 +1463,9 @@ class DPTrainer(Trainer):
             )
         record = PrivacyRecord.load(path)
         self.accountant = record.accountant  # ε continues from the checkpoint's mechanisms
+        # The same run, continued: its id and the earlier runs it continued from (history.py) are the checkpoint's.
+        self._history = ModelHistory(record.earlier_runs or [], run_id=record.run_id)
+        self._history.own_mechanisms(self.accountant.history)  # fails loudly if they do not add up
         if self.group_clipper is not None and record.group_clipping:
             self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
         if self.args.noise_multiplier is None:

@@ -145,3 +145,37 @@ def test_lora_with_user_level_privacy(tmp_path: Path, model_cache: Path) -> None
     assert dp["run"].startswith("DP fine-tune") and "lora" in dp["run"]
     assert 0 < dp["epsilon"] <= 8.0 + 1e-6 and math.isfinite(dp["perplexity"])
     assert dp["sample_rate"] > 2 / 64  # users, not examples, are sampled: q = 2 / (number of sources) > 2 / 64
+
+
+def test_chunk_documents_trains_whole_texts_as_units(tmp_path: Path, model_cache: Path) -> None:
+    """--chunk_documents: texts chunked within themselves, one text = one privacy unit (user-level by document_id),
+    recorded as such in dp_state.json; the chunks are not taken for run_clm's grouped blocks."""
+    import warnings
+
+    args = [*TINY_RUN]
+    args[args.index("--max_train_samples") + 1] = "16"
+    args[args.index("--max_seq_length") + 1] = "8"
+    args[args.index("--per_device_train_batch_size") + 1] = "4"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = script.main(["--output_dir", str(tmp_path), "--model_cache_dir", str(model_cache),
+                               "--chunk_documents", "--baselines", "false", "--noise_multiplier", "1.0",
+                               *TINY_MODEL, *args])
+    assert not [w for w in caught if "fixed-length blocks" in str(w.message)]
+    dp = results["runs"][1]
+    assert dp["dp_guarantee"] == "strict" and dp["sample_rate"] == pytest.approx(8 / 16)  # 16 texts, 8 expected
+    state = json.loads((tmp_path / "dp_state.json").read_text())
+    assert state["privacy_unit"] == "user" and state["user_id_column"] == "document_id"
+    assert state["num_rows"] > 16  # more chunks than texts: nothing was truncated away
+
+
+def test_chunk_private_splits_within_texts() -> None:
+    import datasets
+
+    tok = _tokenizer_or_skip(8192)
+    train = datasets.Dataset.from_dict({"text": ["a b c d e f g h i j k l m n o p", "short"], "source": ["x", "y"]})
+    chunks = script.chunk_private(train, tok, max_seq_length=4)
+    for doc in (0, 1):
+        ids = [t for row in chunks if row["document_id"] == doc for t in row["input_ids"]]
+        assert ids == tok(train[doc]["text"])["input_ids"] + [tok.eos_token_id]
+    assert set(chunks["source"]) == {"x", "y"} and max(len(r) for r in chunks["input_ids"]) <= 4

@@ -253,6 +253,55 @@ def test_resume_from_checkpoint_holds(tmp_path):
     assert_neighbours_within_c(tmp_path, train=resume, max_steps=2, **schedule)
 
 
+def documents_as_chunks(num_docs: int, block: int = 4):
+    """``num_docs`` documents of 6-13 tokens chunked *within* documents (``hf_dp.chunk_documents``): each chunk a row
+    tagged with its ``document_id``; the last document has at least two chunks."""
+    from hf_dp import chunk_documents
+
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(2, 61, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(num_docs)]
+    return chunk_documents(Dataset.from_dict({"input_ids": docs}), block_size=block)
+
+
+def pad_collator(rows):
+    """Right padding; labels -100 on padding (each chunk's loss is its own tokens')."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        mask[i, :len(r["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def document_trainer(args, data):
+    torch.manual_seed(0)
+    return DPTrainer(model=tiny_gpt2().double(), args=args, train_dataset=data, data_collator=pad_collator)
+
+
+def test_document_level_recipe_holds_the_neighbouring_bound(tmp_path):
+    """README, 'Document-level DP for language modelling': chunk within documents, privacy_unit='user' with the
+    document id. Removing one whole document (all its chunks) moves the summed clipped update by at most C, with
+    q = 1 over documents; the same chunks at the example (block) level move it by more than C: the unit matters."""
+    n = 4
+    chunks = documents_as_chunks(n)
+    last = [i for i, d in enumerate(chunks["document_id"]) if d == n - 1]
+    assert len(last) >= 2
+    user = dict(privacy_unit="user", user_id_column="document_id")
+    assert_neighbours_within_c(tmp_path / "doc", build=document_trainer, n=n, data_fn=documents_as_chunks, **user)
+
+    def block_level(rows, out):  # every chunk its own unit, q = 1 over chunks
+        trainer = document_trainer(dp_args(out, len(rows)), rows)
+        before = params(trainer.model)
+        trainer.train()
+        return {k: (before[k] - v) * len(rows) for k, v in params(trainer.model).items()}
+
+    without = chunks.select([i for i in range(len(chunks)) if i not in last])
+    moved = distance(block_level(chunks, tmp_path / "b1"), block_level(without, tmp_path / "b2"))
+    assert moved > 1.2 * C
+
+
 class ReadsTheModel(TrainerCallback):
     """Touches the model without training it: an evaluation-style forward at every step end (post-processing)."""
 

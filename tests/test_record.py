@@ -170,6 +170,33 @@ def test_record_round_trips_through_dp_state(tmp_path):
     assert PrivacyRecord.load(tmp_path).to_dict() == state  # a directory holding dp_state.json, or the file
 
 
+def test_continued_run_round_trips_and_its_card_renders_from_dp_state_alone(tmp_path):
+    """Issue 22: a run that continued a DP-trained model keeps its earlier runs and run id in dp_state.json; the card
+    rendered from that file alone says it continues, with the composed ε."""
+    import warnings
+
+    from hf_dp.cards import card_from_dp_state
+
+    torch.manual_seed(0)
+    model, data = tiny_gpt2(), lm_dataset(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        DPTrainer(model=model, args=quick_dp_args(tmp_path / "a", max_steps=2, logging_steps=100),
+                  train_dataset=data).train()
+        second = DPTrainer(model=model, args=quick_dp_args(tmp_path / "b", max_steps=1, logging_steps=100),
+                           train_dataset=data)
+        second.train()
+    record = second.privacy_record()
+    state = json.loads(json.dumps(record.to_dict()))
+    back = PrivacyRecord.from_dict(state)
+    assert back.run_id == record.run_id and back.earlier_runs == record.earlier_runs
+    assert [r["steps"] for r in back.earlier_runs] == [2] and back.steps == 3
+    record.save(tmp_path / "dp_state.json")
+    dp = card_from_dp_state(tmp_path / "dp_state.json").data.to_dict()["differential_privacy"]
+    assert dp["continues_from"]["steps"] == 2 and dp["steps"] == 3
+    assert dp["epsilon"] == pytest.approx(record.epsilon(), rel=1e-5)
+
+
 def test_old_dp_state_without_the_new_keys_still_resumes(tmp_path):
     out = tmp_path / "run"
     trainer = make_trainer(out, max_steps=2, save_strategy="steps", save_steps=2)
