@@ -397,8 +397,8 @@ def check_something_trainable(model: nn.Module) -> None:
         raise ValueError(
             "hf_dp: the model has no trainable parameter (every parameter has requires_grad=False), so a DP step "
             "would have nothing to update while spending privacy budget. Unfreeze what you want to train (e.g. "
-            "`model.classifier.requires_grad_(True)`) before constructing DPTrainer or calling train(), or pass "
-            "peft_config=... to train an adapter. To only evaluate a model, use transformers.Trainer.evaluate."
+            "`model.classifier.requires_grad_(True)`) before calling train(), or pass peft_config=... to DPTrainer "
+            "to train an adapter. To only evaluate a model, use transformers.Trainer.evaluate."
         )
 
 

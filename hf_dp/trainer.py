@@ -360,7 +360,8 @@ class DPTrainer(Trainer):
         book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
         set changes (``model_init``, a parameter unfrozen before ``train()``)."""
         check_not_compiled(self.model)  # (model_init may return one)
-        check_something_trainable(self.model)
+        if self._dp_step is not None:  # a rebuild in train(); a frozen model may still be read (accountant, plan)
+            check_something_trainable(self.model)
         per_example_prompts(self.model)
         check_adapter_objective(self.model)
         if not self._custom_loss:
@@ -1262,6 +1263,7 @@ class DPTrainer(Trainer):
         self._dp_step.reset()  # a half-done logical step of an earlier run is dropped
         if self.model_init is None:
             self._sync_trainable_set(at_step_boundary=True, at_train_begin=True)  # (model_init: call_model_init)
+            check_something_trainable(self.model)
         if resume_from_checkpoint:
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:

@@ -389,9 +389,13 @@ def test_compiled_model_is_refused_pointing_to_torch_compile(tmp_path):
         DPTrainer(model=torch.compile(bert()), args=args(tmp_path), train_dataset=data())
 
 
-def test_model_with_nothing_trainable_is_refused_at_construction(tmp_path):
+def test_model_with_nothing_trainable_is_refused_at_train_start(tmp_path):
+    """Built on a frozen model, a trainer may still be read (its accountant, the plan, a card: e.g. on a
+    ``merge_and_unload()`` result); ``train()`` is refused with the cause."""
+    trainer = DPTrainer(model=bert().requires_grad_(False), args=args(tmp_path), train_dataset=data())
     with pytest.raises(ValueError, match="no trainable parameter.*requires_grad_"):
-        DPTrainer(model=bert().requires_grad_(False), args=args(tmp_path), train_dataset=data())
+        trainer.train()
+    assert trainer.accountant.steps == 0
 
 
 def test_model_frozen_before_train_is_refused_at_train_start(tmp_path):
