@@ -132,13 +132,14 @@ class ReleasedStateGuard:
     Tracked: every parameter (trainable or frozen) and every buffer (persistent or not) of the model, and every
     tensor in the optimizer's param groups, in the model or not. :meth:`snapshot` records each one's identity,
     storage pointer and version counter (every in-place op bumps it: ``add_``, ``copy_``, ``load_state_dict``, an
-    optimizer's update); it is taken at train start, right after every ``optimizer.step()`` and after every
-    :func:`post_processing` block. Compared (:meth:`check`) at each DP step's first chunk (changes between steps), at
-    its release (changes inside the step: forward, backward, first-step checks), right before ``optimizer.step()``
-    (a pre-step hook on the ``torch.optim.Optimizer``, after every callback) and before anything is saved; right
-    after ``optimizer.step()``, the tensors the optimizer does not hold must be unchanged. The first difference
-    stops the run, naming the tensor. Cost: one walk over the modules and one integer comparison per tensor
-    (``benchmarks/guard_cost.py``).
+    optimizer's update); it is taken at train start and after every :func:`post_processing` block, and re-keyed right
+    after every ``optimizer.step()``. Compared (:meth:`check`) at each DP step's first chunk (changes between steps,
+    walking the modules: a replaced module or parameter is seen), at its release and when the step raises (changes
+    inside it: forward, backward, first-step checks; walking again), right before ``optimizer.step()`` (a pre-step
+    hook on the ``torch.optim.Optimizer``, after every callback) and before anything is saved; right after
+    ``optimizer.step()`` the tensors the optimizer does not hold must be unchanged. The first difference stops the
+    run, naming the tensor. Cost: two walks over the modules per step and one integer comparison per tensor at each
+    point, host-side only (``benchmarks/guard_cost.py``).
 
     Not seen: a write through ``p.data`` (``p.data.add_(x)``, ``p.data.copy_(x)``), which has its own version counter
     (``p.data = x`` is seen: the storage changes); state the user's code keeps outside the model and the optimizer;
@@ -273,7 +274,7 @@ class ReleasedStateGuard:
                    f"before the end of optimizer.step(): {listed}. " + _ADVICE_POST)
         else:
             span = {"between_steps": "between two DP steps (after the last optimizer step, before this step's "
-                                     "first forward)",
+                                     "first forward: in a callback, an evaluation, a save)",
                     "before_optimizer_step": "after this step's DP release and before optimizer.step()",
                     "before_save": "since the last optimizer step, before saving",
                     "post_processing": "outside any hf_dp.post_processing() block (before this one began)",
