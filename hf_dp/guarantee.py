@@ -386,9 +386,9 @@ def check_not_compiled(model: Any) -> None:
         raise ValueError(
             "hf_dp: the model was passed through torch.compile (an OptimizedModule). DPTrainer hooks the model's own "
             "layers to clip each example's gradient, and needs the model itself. Pass the uncompiled model and set "
-            "DPTrainingArguments(torch_compile=True): the Trainer then compiles that model in place, and the "
-            "per-example clipping stays exact. (The clipping hooks split the compiled graph, so expect little or no "
-            "speed-up, and a slow first step while torch.compile retraces.)"
+            "DPTrainingArguments(torch_compile=True): the Trainer then compiles it after DPTrainer has hooked its "
+            "layers, and the per-example clipping stays exact. (The clipping hooks split the compiled graph, so "
+            "expect little or no speed-up, and a slow first step while torch.compile retraces.)"
         )
 
 
