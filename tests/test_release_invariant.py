@@ -286,6 +286,17 @@ def test_optimizer_that_swaps_weights_for_evaluation_holds(tmp_path):
     assert trainer.accountant.steps == 2 and trainer.optimizer.optimizer.mode == "eval"
 
 
+def test_load_best_model_at_end_holds(tmp_path):
+    """Loading the best checkpoint at the end rewrites every parameter in place: the run's releases are over
+    (the selection itself is named in ``dp_guarantee``)."""
+    trainer = DPTrainer(model=bert(), args=args(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                                                save_steps=1, load_best_model_at_end=True),
+                        train_dataset=data(), eval_dataset=data())
+    trainer.train()
+    assert trainer.accountant.steps == 2 and trainer.state.best_model_checkpoint is not None
+    assert "checkpoint selected on evaluation metrics" in trainer.dp_guarantee
+
+
 def test_parameter_storage_swapped_between_steps_is_refused(tmp_path):
     """``p.data = x`` keeps the Parameter object and its version counter, but not its storage."""
 
