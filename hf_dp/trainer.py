@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
+from .accounting import PrivacyAccountant, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .cards import create_model_card
@@ -68,6 +68,17 @@ from .losses import (
 )
 from .noise import NoiseGenerator, group_noise_stds
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
+from .plan import (
+    NOISE_TO_SIGNAL_WARNING,
+    calibrate_noise,
+    default_delta,
+    expected_batch_size,
+    learning_advice,
+    noise_to_signal,
+    plan_privacy,
+    sample_rate,
+    steps_per_epoch,
+)
 from .record import (
     PrivacyRecord,
     _plain,
@@ -84,12 +95,6 @@ __all__ = ["DPTrainer", "DP_STATE_NAME"]
 logger = logging.getLogger(__name__)
 
 DP_STATE_NAME = "dp_state.json"
-NOISE_TO_SIGNAL_WARNING = 1.0
-"""hf_dp warns that learning is unlikely when the noise-to-signal ratio of the whole run, σ·√d / (q·N·√T) (the
-expected noise norm of T averaged updates summed, ``√T·σ·C·√d/(q·N)``, over the largest possible sum of their signals,
-``T·C``), exceeds this: then even gradients that all point the same way in every step are buried in the noise.
-Li et al. 2022's full fine-tuning runs that learn well are at ≈ 0.4-0.6 (GPT-2 on E2E at ε = 3: σ ≈ 1.02, q = 0.024,
-411 steps, 124 M parameters; RoBERTa-base on SST-2 at ε = 3-8) (README, "Choosing hyperparameters")."""
 _EMPTY = "_hf_dp_empty_batch"
 _UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
 
@@ -139,18 +144,6 @@ def _is_empty(inputs: dict) -> bool:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _advice(ratio: float, run_ratio: float, d: int, sigma: float, batch: int, steps: int) -> str:
-    """What :meth:`DPTrainer.privacy_plan` and the train-start banner say when learning is unlikely."""
-    return (
-        f"hf_dp: learning is unlikely: the noise on each averaged update has expected norm σ·C·√d/(q·N) = {ratio:.3g}"
-        f" × C ({d:,} trainable parameters, σ={sigma:.3g}, expected batch {batch}); over the run's {steps} steps it "
-        f"is {run_ratio:.3g} times the largest possible signal (above {NOISE_TO_SIGNAL_WARNING:g}). Train fewer "
-        "parameters (the head on frozen features, the top layers, or LoRA: peft_config=...), use a larger expected "
-        "batch (gradient_accumulation_steps), more data, or a larger ε. See the README, 'Choosing hyperparameters' "
-        "(Li et al. 2022 §3; examples/dp_strategies.py)."
-    )
 
 
 class _DPCallback(TrainerCallback):
@@ -492,32 +485,25 @@ class DPTrainer(Trainer):
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        return expected_batch_size(self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                                   self.args.world_size)
 
     @property
     def sample_rate(self) -> float:
         """q = expected batch size / N (N counts privacy units)."""
-        q = self.expected_batch_size / self.num_examples_private
-        if q > 1:
-            unit = "users" if self.user_level else "training set size"
-            raise ValueError(
-                f"The expected batch size {self.expected_batch_size} exceeds the {unit} "
-                f"{self.num_examples_private} (q = {q:.3f} > 1). Lower per_device_train_batch_size or "
-                "gradient_accumulation_steps."
-            )
-        return q
+        return sample_rate(self.expected_batch_size, self.num_examples_private, self.user_level)
 
     @property
     def target_delta(self) -> float:
         """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
         if self.args.target_delta is not None:
             return self.args.target_delta
-        return 1.0 / self.num_examples_private**1.1
+        return default_delta(self.num_examples_private)
 
     @property
     def steps_per_epoch(self) -> int:
         """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return math.ceil(self.num_examples_private / self.expected_batch_size)
+        return steps_per_epoch(self.num_examples_private, self.expected_batch_size)
 
     @property
     def noise_std(self) -> float:
@@ -875,10 +861,8 @@ class DPTrainer(Trainer):
     def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
         """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
         ``train()`` (at train start) and :meth:`privacy_plan` use."""
-        return calibrate_noise_multiplier(
-            self.args.target_epsilon, self.target_delta, self.sample_rate, max(steps, 1),
-            accountant=self.args.accountant, eps_error=self.args.accountant_eps_error, history=list(history),
-        )
+        return calibrate_noise(self.args.target_epsilon, self.target_delta, self.sample_rate, steps,
+                               self.args.accountant, self.args.accountant_eps_error, history)
 
     def planned_max_steps(self) -> int:
         """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
@@ -906,42 +890,16 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else self._calibrate_noise(steps)
-        acc = self._new_accountant()
-        acc.step(sigma, self.sample_rate, steps)
-        record = self.privacy_record(accountant=acc, noise_multiplier=sigma)  # the planned run's record
-        spent = record.spent()
-        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        c = record.per_sample_max_grad_norm
-        ratio = sigma * c * math.sqrt(d) / (record.sample_rate * record.num_examples) / c
-        run_ratio = ratio / math.sqrt(max(steps, 1))
-        plan = {
-            "target_epsilon": record.target_epsilon,
-            "epsilon": spent["epsilon"],
-            "delta": record.delta,
-            "noise_multiplier": sigma,
-            "noise_multiplier_calibrated": self.args.noise_multiplier is None,
-            "sample_rate": record.sample_rate,
-            "expected_batch_size": record.expected_batch_size,
-            "num_examples": record.num_examples,
-            "steps": steps,
-            "epochs": steps / self.steps_per_epoch,
-            "per_sample_max_grad_norm": c,
-            "clipping": record.clipping,
-            "privacy_unit": record.privacy_unit,
-            "accountant": record.accountant_name,
-            "accountant_used": spent["accountant_used"],
-            "accountant_eps_error": acc.eps_error,
-            "poisson_sampling": record.poisson_sampling,
-            "trainable_parameters": d,
-            "noise_to_signal": ratio,
-            "noise_to_signal_over_run": run_ratio,
-            "learning_unlikely": run_ratio > NOISE_TO_SIGNAL_WARNING,
-            "advice": None,
-        }
-        if plan["learning_unlikely"]:
-            plan["advice"] = _advice(ratio, run_ratio, d, sigma, self.expected_batch_size, steps)
-        return plan
+        args = self.args
+        return plan_privacy(  # hf_dp/plan.py: the same function as `hf-dp plan`
+            num_examples=self.num_examples_private, per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size, steps=steps,
+            target_epsilon=args.target_epsilon, noise_multiplier=args.noise_multiplier, target_delta=self.target_delta,
+            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            per_sample_max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant,
+            accountant_eps_error=args.accountant_eps_error, clipping=args.clipping,
+            privacy_unit=args.privacy_unit or "example", poisson_sampling=args.poisson_sampling,
+        )
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
@@ -952,8 +910,7 @@ class DPTrainer(Trainer):
         acc.planned_steps = None
         acc.step(self.noise_multiplier, self.sample_rate, steps)
         planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio = float(self.noise_multiplier) * math.sqrt(d) / (self.sample_rate * self.num_examples_private)
-        run_ratio = ratio / math.sqrt(max(steps, 1))
+        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate, self.num_examples_private, steps)
         block = {
             # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
             **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
@@ -973,7 +930,7 @@ class DPTrainer(Trainer):
         }
         self.log(block)
         if run_ratio > NOISE_TO_SIGNAL_WARNING:
-            msg = _advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
+            msg = learning_advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
