@@ -430,6 +430,7 @@ class DPTrainer(Trainer):
         self.group_clipper = GroupClipper(
             groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
             rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
+            function=args.clipping_function, gamma=args.automatic_clipping_gamma,
         )
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
         if adaptive and self.noise_multiplier is not None:
@@ -1134,6 +1135,12 @@ class DPTrainer(Trainer):
             ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
             ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
         ]
+        if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
+            hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
+            hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
+        if a.dp_adam_bias_correction:
+            hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
+            hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
         return hp
 
     def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:
