@@ -12,6 +12,7 @@ from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
+from .optim import DPAdamBC
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
@@ -46,6 +47,7 @@ __all__ = [
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",
+    "DPAdamBC",
     "DPSFTConfig",
     "DPSFTTrainer",
     "DPTrainer",

@@ -319,6 +319,12 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"automatic_clipping_gamma (γ) must be > 0, got {self.automatic_clipping_gamma}.")
         if not self.dp_adam_bc_epsilon > 0:
             raise ValueError(f"dp_adam_bc_epsilon (γ′) must be > 0, got {self.dp_adam_bc_epsilon}.")
+        if self.dp_adam_bias_correction and self.max_grad_norm > 0:
+            raise ValueError(
+                f"dp_adam_bias_correction=True with max_grad_norm={self.max_grad_norm}: the Trainer's global clipping "
+                "rescales the released gradient by a factor that depends on it, so the noise variance in it is no "
+                "longer the known (σ·C/(q·N))² that DP-AdamBC subtracts. Set max_grad_norm=0 (the default)."
+            )
         if self.noise_allocation is not None and self.noise_allocation not in NOISE_ALLOCATIONS:
             raise ValueError(f"noise_allocation must be one of {NOISE_ALLOCATIONS}, got {self.noise_allocation!r}.")
         if self.noise_allocation not in (None, "global") and self.clipping == "flat":

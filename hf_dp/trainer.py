@@ -67,6 +67,7 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds
+from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
 from .plan import (
     NOISE_TO_SIGNAL_WARNING,
@@ -296,6 +297,8 @@ class DPTrainer(Trainer):
             # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
             # lists (plus label_names), and a forward taking **kwargs (Qwen3.5's classification head) lists none.
             self.label_names = ["labels"]
+        if self.args.dp_adam_bias_correction:  # before any data is read: the optimizer must be Adam-family
+            check_adam_bc_optim(self.args.optim, self.optimizer, self.lr_scheduler)
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         if self.train_dataset is not None:
@@ -854,6 +857,27 @@ class DPTrainer(Trainer):
         """``"strict"``, or ``"not strict: <reasons>"`` (see :meth:`dp_guarantee_notes`)."""
         notes = self.dp_guarantee_notes()
         return "strict" if not notes else "not strict: " + "; ".join(notes)
+
+    # ------------------------------------------------------------------ DP-AdamBC (hf_dp/optim.py)
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """``Trainer.create_optimizer``; with ``dp_adam_bias_correction`` the Adam-family optimizer becomes
+        :class:`~hf_dp.optim.DPAdamBC` (Tang et al. 2024), reading the noise std of each released gradient live."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.args.dp_adam_bias_correction:
+            self.optimizer = optimizer = bias_corrected_adam(optimizer, lambda: self._released_noise_std(),
+                                                             self.args.dp_adam_bc_epsilon)
+        return optimizer
+
+    def _released_noise_std(self) -> float | dict[int, float]:
+        """Std of the DP noise in each coordinate of the released gradient ``p.grad``: the noise std on the summed
+        clipped gradient (σ·C, or the parameter's group's, :meth:`_noise_stds`) over the expected batch size q·N
+        (``noise.privatize``); ``{id(param): std}`` with group-wise noise."""
+        stds = self._noise_stds()
+        batch = self.expected_batch_size
+        if isinstance(stds, dict):
+            params = self.clipping_engine.params
+            return {id(params[n]): s / batch for n, s in stds.items()}
+        return float(stds) / batch
 
     # ------------------------------------------------------------------ the plan (before train()) and its banner
     def _new_accountant(self) -> PrivacyAccountant:
