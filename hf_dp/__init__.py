@@ -13,6 +13,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.layers import UnsupportedLayerError
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .optim import DPAdamBC
+from .plan import plan_privacy
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
@@ -44,6 +45,7 @@ __all__ = [
     "audit",
     "audit_report",
     "make_canaries",
+    "plan_privacy",
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",
