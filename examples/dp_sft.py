@@ -27,6 +27,7 @@ Ready-to-run commands::
     python examples/dp_sft.py                                   # full + LoRA, ε = 8, baselines
     python examples/dp_sft.py --methods lora --target_epsilon 3 --baselines false
     python examples/dp_sft.py --packing false                   # the same without packing (slower, same update)
+    python examples/dp_sft.py --methods lora --load_in_4bit     # QLoRA: LoRA on a bitsandbytes nf4 base
     accelerate launch --config_file examples/accelerate_configs/multi_process.yaml examples/dp_sft.py \\
         --gradient_accumulation_steps 1 --methods lora --baselines false
 
@@ -101,6 +102,9 @@ class ScriptArguments:
         methods: `full` and/or `lora` (one DP run each).
         lora_r, lora_alpha: LoRA settings (on GPT-2's `c_attn`, `c_proj`, `c_fc`).
         baselines (`bool`): also the public model alone and non-private SFT of the full model.
+        load_in_4bit / load_in_8bit (`bool`): QLoRA — the public model is loaded quantised by bitsandbytes (nf4 or
+            int8, computing in float32; `peft.prepare_model_for_kbit_training`) and only LoRA adapters are trained
+            (`--methods lora`; a quantised base cannot be fully fine-tuned).
     """
 
     model_name_or_path: str | None = field(default=None, metadata={"help": "Local causal LM (default: public GPT-2)."})
@@ -120,11 +124,20 @@ class ScriptArguments:
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
     lora_learning_rate: float = field(default=5e-3, metadata={"help": "Learning rate of the LoRA run."})
     baselines: bool = field(default=True, metadata={"help": "Public model alone and non-private SFT."})
+    load_in_4bit: bool = field(default=False, metadata={"help": "QLoRA: quantise the public model to nf4 "
+                                                                "(bitsandbytes); LoRA only."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Quantise the public model to int8 (bitsandbytes); "
+                                                                "LoRA only."})
 
     def __post_init__(self) -> None:
         unknown = set(self.methods) - {"full", "lora"}
         if unknown or not self.methods:
             raise ValueError(f"methods must be among full, lora; got {self.methods}.")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("Choose one of --load_in_4bit and --load_in_8bit.")
+        if (self.load_in_4bit or self.load_in_8bit) and "full" in self.methods:
+            raise ValueError("A bitsandbytes-quantised model cannot be fully fine-tuned (its weights are frozen "
+                             "integers): pass --methods lora with --load_in_4bit / --load_in_8bit.")
 
 
 @dataclass
@@ -235,20 +248,41 @@ def lora_config(script_args: ScriptArguments) -> Any:
                       lora_dropout=0.0, target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)
 
 
+def load_private_start(public: Path, script_args: ScriptArguments) -> torch.nn.Module:
+    """The public model to fine-tune: as saved, or quantised by bitsandbytes for QLoRA (``--load_in_4bit``: nf4
+    with float32 compute, the QLoRA recipe of Dettmers et al. 2023; ``--load_in_8bit``), prepared with
+    ``peft.prepare_model_for_kbit_training`` (which also turns on gradient checkpointing on the model)."""
+    if not (script_args.load_in_4bit or script_args.load_in_8bit):
+        return AutoModelForCausalLM.from_pretrained(public)
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
+
+    if script_args.load_in_4bit:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    else:
+        quant = BitsAndBytesConfig(load_in_8bit=True)
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(public, quantization_config=quant, device_map=device_map,
+                                                 dtype=torch.float32)
+    return prepare_model_for_kbit_training(model)
+
+
 def dp_run(method: str, public: Path, script_args: ScriptArguments, args: DPSFTExampleConfig,
            tokenizer: PreTrainedTokenizerBase, chats: datasets.DatasetDict) -> dict[str, Any]:
     set_seed(args.seed)
     run_args = dataclasses.replace(args, output_dir=os.path.join(args.output_dir, f"dp_{method}"))
     if method == "lora":
         run_args = dataclasses.replace(run_args, learning_rate=script_args.lora_learning_rate)
-    trainer = DPSFTTrainer(model=AutoModelForCausalLM.from_pretrained(public), args=run_args,
+    trainer = DPSFTTrainer(model=load_private_start(public, script_args), args=run_args,
                            train_dataset=chats["train"], processing_class=tokenizer,
                            peft_config=lora_config(script_args) if method == "lora" else None)
     result = trainer.train()
     privacy = trainer.privacy_spent()
     if run_args.should_save:
         trainer.save_model()
-    return {**privacy, "run": f"DP SFT of public model ({method})", "runtime": result.metrics["train_runtime"],
+    quantised = " on nf4" if script_args.load_in_4bit else " on int8" if script_args.load_in_8bit else ""
+    return {**privacy, "run": f"DP SFT of public model ({method}{quantised})",
+            "runtime": result.metrics["train_runtime"],
             "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "perplexity": completion_perplexity(trainer.model, tokenizer, chats["test"], args.max_length)}
 

@@ -10,7 +10,7 @@ from .audit import CanaryExposureCallback, MembershipInferenceCallback, audit_re
 from .callbacks import CrossLayerFlattening, CrossModelFlattening, WithinLayerFlattening
 from .cards import card_from_dp_state, privacy_report, validate_card
 from .clipping.engine import ClippingEngine
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError, Use, register_layer_rule, unregister_layer_rule
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .optim import DPAdamBC
 from .plan import plan_privacy
@@ -62,6 +62,7 @@ __all__ = [
     "PrivacyRecord",
     "ShuffledBatchSampler",
     "UnsupportedLayerError",
+    "Use",
     "WithinLayerFlattening",
     "calibrate_noise_multiplier",
     "card_from_dp_state",
@@ -71,9 +72,11 @@ __all__ = [
     "group_privacy",
     "loss_landscape",
     "privacy_report",
+    "register_layer_rule",
     "save_synthetic_dataset",
     "sequence_classification_loss",
     "sharpness",
     "token_loss",
+    "unregister_layer_rule",
     "validate_card",
 ]
