@@ -206,6 +206,15 @@ def test_users_adamw_is_converted_and_other_optimizers_refused(tmp_path):
     assert [(g["lr"], g["weight_decay"], g["params"]) for g in ours] == [
         (0.01, 0.01, g["params"]) for g in user.param_groups]  # the user's groups, lr and weight decay
 
+    # A DPAdamBC the user built, with the user's own scheduler: kept, and its noise std wired to the run's.
+    own = DPAdamBC(model.parameters(), lr=0.01, noise_std=123.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(own, lambda s: 0.5)
+    trainer = DPTrainer(model=model, args=adam_args(tmp_path, max_steps=1), train_dataset=data,
+                        optimizers=(own, sched))
+    trainer.train()
+    assert trainer.optimizer.optimizer is own and own.param_groups[0]["lr"] == 0.005
+    assert own.noise_std() == pytest.approx(1.0 * 0.5 / 4)  # σ·C/(q·N), no longer the 123 it was built with
+
     with pytest.raises(ValueError, match="optim=.sgd. is not one of"):
         DPTrainer(model=tiny_bert(num_labels=2), args=adam_args(tmp_path, optim="sgd"), train_dataset=data)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -144,3 +144,22 @@ def test_missing_num_examples_and_help(capsys):
 def test_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["hf-dp"] == "hf_dp.__main__:main"
+
+
+def test_world_size_and_user_level(tmp_path, capsys):
+    """The expected batch counts every process (per-device × accumulation × world size); with privacy_unit="user"
+    N counts users, and the trainer's plan is the command line's with --privacy_unit user --num_examples U."""
+    plan = plan_privacy(num_examples=1000, per_device_train_batch_size=8, gradient_accumulation_steps=2, world_size=4,
+                        noise_multiplier=1.0, max_steps=3)
+    assert plan["expected_batch_size"] == 64 and plan["sample_rate"] == 0.064 and plan["steps"] == 3
+    from helpers import tiny_gpt2
+    from test_user_level import user_args, user_data
+
+    trainer = DPTrainer(model=tiny_gpt2(), args=user_args(tmp_path, noise_multiplier=0.7, max_steps=4),
+                        train_dataset=user_data())
+    plan = trainer.privacy_plan()
+    assert plan["num_examples"] == 5 and plan["privacy_unit"] == "user"  # 5 users, 12 rows
+    assert main(["plan", "--num_examples", "5", "--per_device_train_batch_size", "3", "--gradient_accumulation_steps",
+                 "1", "--max_steps", "4", "--noise_multiplier", "0.7", "--per_sample_max_grad_norm", "1",
+                 "--privacy_unit", "user", "--trainable_parameters", str(plan["trainable_parameters"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == plan
