@@ -72,7 +72,8 @@ class DPTrainingArguments(TrainingArguments):
             update like the learning rate. In group-wise modes each group k is scaled by C_k/(‖g_k‖ + γ). Not with
             `clipping="adaptive_per_layer"` (no example is unclipped, so its quantile would only set step sizes).
         automatic_clipping_gamma (`float`, defaults to 0.01):
-            γ of automatic clipping: the stability constant in C/(‖g‖ + γ) (Bu et al. 2023 use 0.01).
+            γ > 0 of automatic clipping: the stability constant in C/(‖g‖ + γ); the smaller γ, the closer every
+            scaled gradient's norm is to C (a gradient with ‖g‖ ≪ γ gets norm ≈ C‖g‖/γ ≪ C).
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
             groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).
