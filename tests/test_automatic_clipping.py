@@ -213,3 +213,16 @@ def test_nan_example_keeps_factor_zero(tmp_path):
     assert trainer.nonfinite_examples == 1
     for n, p in model.named_parameters():
         torch.testing.assert_close((before[n] - p.detach()) * N, expected[n], rtol=1e-7, atol=1e-12, msg=n)
+
+
+def test_model_card_lists_automatic_clipping_and_dp_adam_bc(tmp_path):
+    from test_adam_bc import adam_args
+
+    trainer = DPTrainer(model=tiny_bert(num_labels=2), train_dataset=cls_dataset(16, num_labels=2),
+                        args=adam_args(tmp_path, max_steps=1, clipping_function="automatic"))
+    trainer.train()
+    trainer.save_model()
+    card = (tmp_path / "README.md").read_text()
+    for line in ("clipping_function (Bu et al. 2023: C/(‖g‖+γ)): automatic", "automatic_clipping_gamma: 0.01",
+                 "dp_adam_bias_correction (Tang et al. 2024): True", "dp_adam_bc_epsilon: 1e-07", "DPAdamBC"):
+        assert line in card
