@@ -85,12 +85,12 @@ def planned_steps(per_epoch: int, max_steps: int = -1, num_train_epochs: float =
     return math.ceil(num_train_epochs * max(int(per_epoch), 1))
 
 
-def noise_to_signal(noise_multiplier: float, trainable_parameters: int, rate: float, num_examples: int,
-                    steps: int) -> tuple[float, float]:
+def noise_to_signal(noise_multiplier: float, trainable_parameters: int, expected_batch: float,
+                    steps: int = 1) -> tuple[float, float]:
     """``(σ·√d / (q·N), σ·√d / (q·N·√T))``: the expected norm of the noise on one averaged update (``σ·C·√d/(q·N)``)
     over the largest possible norm of the averaged clipped gradient (``C``), and the same for the sum of the run's T
-    updates (noise grows as √T, the signal at most as T). C cancels."""
-    ratio = float(noise_multiplier) * math.sqrt(trainable_parameters) / (rate * num_examples)
+    updates (noise grows as √T, the signal at most as T). C cancels. ``expected_batch`` is q·N."""
+    ratio = float(noise_multiplier) * math.sqrt(trainable_parameters) / expected_batch
     return ratio, ratio / math.sqrt(max(int(steps), 1))
 
 
@@ -209,7 +209,7 @@ def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gra
         "advice": None,
     }
     if trainable_parameters is not None:
-        ratio, run_ratio = noise_to_signal(sigma, trainable_parameters, q, n, steps)
+        ratio, run_ratio = noise_to_signal(sigma, trainable_parameters, q * n, steps)
         plan.update(noise_to_signal=ratio, noise_to_signal_over_run=run_ratio,
                     learning_unlikely=run_ratio > NOISE_TO_SIGNAL_WARNING)
         if plan["learning_unlikely"]:

@@ -935,7 +935,8 @@ class DPTrainer(Trainer):
         acc.planned_steps = None
         acc.step(self.noise_multiplier, self.sample_rate, steps)
         planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate, self.num_examples_private, steps)
+        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate * self.num_examples_private,
+                                           steps)
         block = {
             # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
             **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
