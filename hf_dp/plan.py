@@ -23,6 +23,7 @@ The quantities (Abadi et al. 2016; Li et al. 2022 §3.1 for the effective noise 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,9 +117,9 @@ def calibrate_noise(target_epsilon: float, delta: float, rate: float, steps: int
 
 
 def _check_positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return value
+    return int(value)
 
 
 def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gradient_accumulation_steps: int = 1,
@@ -164,7 +165,9 @@ def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gra
     if not (math.isfinite(per_sample_max_grad_norm) and per_sample_max_grad_norm > 0):
         raise ValueError(f"per_sample_max_grad_norm (C) must be a finite number > 0, got {per_sample_max_grad_norm}.")
     if trainable_parameters is not None:
-        _check_positive_int("trainable_parameters", trainable_parameters, minimum=0)
+        trainable_parameters = _check_positive_int("trainable_parameters", trainable_parameters, minimum=0)
+    if privacy_unit not in ("example", "user"):
+        raise ValueError(f"privacy_unit must be 'example' or 'user', got {privacy_unit!r}.")
     user_level = privacy_unit == "user"
     q = sample_rate(batch, n, user_level)
     per_epoch = steps_per_epoch(n, batch)
@@ -197,7 +200,7 @@ def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gra
         "epochs": steps / per_epoch,
         "per_sample_max_grad_norm": float(per_sample_max_grad_norm),
         "clipping": str(clipping),
-        "privacy_unit": str(privacy_unit or "example"),
+        "privacy_unit": privacy_unit,
         "accountant": str(accountant),
         "accountant_used": acc.accountant_used,
         "accountant_eps_error": acc.eps_error,
