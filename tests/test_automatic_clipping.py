@@ -154,7 +154,6 @@ def test_neighbouring_datasets_move_the_sum_by_less_than_c(tmp_path):
     moved = distance(sigma_d, sigma_d2)
     assert moved == pytest.approx(C * norm / (norm + GAMMA), rel=1e-6) and moved < C
     assert_neighbours_within_c(tmp_path / "per_layer", clipping="per_layer", clipping_function="automatic")
-    assert_neighbours_within_c(tmp_path / "ga", ga="all", clipping_function="automatic", automatic_clipping_gamma=1e-4)
 
 
 def test_factors_bounded_and_nonfinite_examples_get_zero():
