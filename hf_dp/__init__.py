@@ -13,6 +13,8 @@ from .clipping.engine import ClippingEngine
 from .clipping.rules import UnsupportedLayerError, Use, register_layer_rule, unregister_layer_rule
 from .history import attach_privacy_history, read_privacy_history
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
+from .optim import DPAdamBC
+from .plan import plan_privacy
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
@@ -46,9 +48,11 @@ __all__ = [
     "attach_privacy_history",
     "audit_report",
     "make_canaries",
+    "plan_privacy",
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",
+    "DPAdamBC",
     "DPSFTConfig",
     "DPSFTTrainer",
     "DPTrainer",

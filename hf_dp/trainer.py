@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
+from .accounting import PrivacyAccountant, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .cards import create_model_card
@@ -68,7 +68,19 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds
+from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
+from .plan import (
+    NOISE_TO_SIGNAL_WARNING,
+    calibrate_noise,
+    default_delta,
+    expected_batch_size,
+    learning_advice,
+    noise_to_signal,
+    plan_privacy,
+    sample_rate,
+    steps_per_epoch,
+)
 from .record import (
     PrivacyRecord,
     _plain,
@@ -86,12 +98,6 @@ __all__ = ["DPTrainer", "DP_STATE_NAME"]
 logger = logging.getLogger(__name__)
 
 DP_STATE_NAME = "dp_state.json"
-NOISE_TO_SIGNAL_WARNING = 1.0
-"""hf_dp warns that learning is unlikely when the noise-to-signal ratio of the whole run, σ·√d / (q·N·√T) (the
-expected noise norm of T averaged updates summed, ``√T·σ·C·√d/(q·N)``, over the largest possible sum of their signals,
-``T·C``), exceeds this: then even gradients that all point the same way in every step are buried in the noise.
-Li et al. 2022's full fine-tuning runs that learn well are at ≈ 0.4-0.6 (GPT-2 on E2E at ε = 3: σ ≈ 1.02, q = 0.024,
-411 steps, 124 M parameters; RoBERTa-base on SST-2 at ε = 3-8) (README, "Choosing hyperparameters")."""
 _EMPTY = "_hf_dp_empty_batch"
 _UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
 
@@ -141,18 +147,6 @@ def _is_empty(inputs: dict) -> bool:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _advice(ratio: float, run_ratio: float, d: int, sigma: float, batch: int, steps: int) -> str:
-    """What :meth:`DPTrainer.privacy_plan` and the train-start banner say when learning is unlikely."""
-    return (
-        f"hf_dp: learning is unlikely: the noise on each averaged update has expected norm σ·C·√d/(q·N) = {ratio:.3g}"
-        f" × C ({d:,} trainable parameters, σ={sigma:.3g}, expected batch {batch}); over the run's {steps} steps it "
-        f"is {run_ratio:.3g} times the largest possible signal (above {NOISE_TO_SIGNAL_WARNING:g}). Train fewer "
-        "parameters (the head on frozen features, the top layers, or LoRA: peft_config=...), use a larger expected "
-        "batch (gradient_accumulation_steps), more data, or a larger ε. See the README, 'Choosing hyperparameters' "
-        "(Li et al. 2022 §3; examples/dp_strategies.py)."
-    )
 
 
 class _DPCallback(TrainerCallback):
@@ -329,6 +323,8 @@ class DPTrainer(Trainer):
             # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
             # lists (plus label_names), and a forward taking **kwargs (Qwen3.5's classification head) lists none.
             self.label_names = ["labels"]
+        if self.args.dp_adam_bias_correction:  # before any data is read: the optimizer must be Adam-family
+            check_adam_bc_optim(self.args.optim, self.optimizer, self.lr_scheduler)
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         self.add_callback(_DPHistoryCallback(self))
@@ -469,6 +465,7 @@ class DPTrainer(Trainer):
         self.group_clipper = GroupClipper(
             groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
             rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
+            function=args.clipping_function, gamma=args.automatic_clipping_gamma,
         )
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
         if adaptive and self.noise_multiplier is not None:
@@ -524,32 +521,25 @@ class DPTrainer(Trainer):
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        return expected_batch_size(self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                                   self.args.world_size)
 
     @property
     def sample_rate(self) -> float:
         """q = expected batch size / N (N counts privacy units)."""
-        q = self.expected_batch_size / self.num_examples_private
-        if q > 1:
-            unit = "users" if self.user_level else "training set size"
-            raise ValueError(
-                f"The expected batch size {self.expected_batch_size} exceeds the {unit} "
-                f"{self.num_examples_private} (q = {q:.3f} > 1). Lower per_device_train_batch_size or "
-                "gradient_accumulation_steps."
-            )
-        return q
+        return sample_rate(self.expected_batch_size, self.num_examples_private, self.user_level)
 
     @property
     def target_delta(self) -> float:
         """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
         if self.args.target_delta is not None:
             return self.args.target_delta
-        return 1.0 / self.num_examples_private**1.1
+        return default_delta(self.num_examples_private)
 
     @property
     def steps_per_epoch(self) -> int:
         """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return math.ceil(self.num_examples_private / self.expected_batch_size)
+        return steps_per_epoch(self.num_examples_private, self.expected_batch_size)
 
     @property
     def noise_std(self) -> float:
@@ -981,6 +971,27 @@ class DPTrainer(Trainer):
         notes = self.dp_guarantee_notes()
         return "strict" if not notes else "not strict: " + "; ".join(notes)
 
+    # ------------------------------------------------------------------ DP-AdamBC (hf_dp/optim.py)
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """``Trainer.create_optimizer``; with ``dp_adam_bias_correction`` the Adam-family optimizer becomes
+        :class:`~hf_dp.optim.DPAdamBC` (Tang et al. 2024), reading the noise std of each released gradient live."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.args.dp_adam_bias_correction:
+            self.optimizer = optimizer = bias_corrected_adam(optimizer, lambda: self._released_noise_std(),
+                                                             self.args.dp_adam_bc_epsilon)
+        return optimizer
+
+    def _released_noise_std(self) -> float | dict[int, float]:
+        """Std of the DP noise in each coordinate of the released gradient ``p.grad``: the noise std on the summed
+        clipped gradient (σ·C, or the parameter's group's, :meth:`_noise_stds`) over the expected batch size q·N
+        (``noise.privatize``); ``{id(param): std}`` with group-wise noise."""
+        stds = self._noise_stds()
+        batch = self.expected_batch_size
+        if isinstance(stds, dict):
+            params = self.clipping_engine.params
+            return {id(params[n]): s / batch for n, s in stds.items()}
+        return float(stds) / batch
+
     # ------------------------------------------------------------------ the plan (before train()) and its banner
     def _new_accountant(self) -> PrivacyAccountant:
         return PrivacyAccountant(accountant=self.args.accountant, eps_error=self.args.accountant_eps_error)
@@ -988,10 +999,8 @@ class DPTrainer(Trainer):
     def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
         """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
         ``train()`` (at train start) and :meth:`privacy_plan` use."""
-        return calibrate_noise_multiplier(
-            self.args.target_epsilon, self.target_delta, self.sample_rate, max(steps, 1),
-            accountant=self.args.accountant, eps_error=self.args.accountant_eps_error, history=list(history),
-        )
+        return calibrate_noise(self.args.target_epsilon, self.target_delta, self.sample_rate, steps,
+                               self.args.accountant, self.args.accountant_eps_error, history)
 
     def planned_max_steps(self) -> int:
         """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
@@ -1019,45 +1028,17 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        earlier = self._history.earlier_mechanisms()  # a model already DP-trained continues from its history
-        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else \
-            self._calibrate_noise(steps, earlier)
-        acc = self._new_accountant()
-        acc.history = earlier
-        acc.step(sigma, self.sample_rate, steps)
-        record = self.privacy_record(accountant=acc, noise_multiplier=sigma)  # the planned run's record
-        spent = record.spent()
-        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        c = record.per_sample_max_grad_norm
-        ratio = sigma * c * math.sqrt(d) / (record.sample_rate * record.num_examples) / c
-        run_ratio = ratio / math.sqrt(max(steps, 1))
-        plan = {
-            "target_epsilon": record.target_epsilon,
-            "epsilon": spent["epsilon"],
-            "delta": record.delta,
-            "noise_multiplier": sigma,
-            "noise_multiplier_calibrated": self.args.noise_multiplier is None,
-            "sample_rate": record.sample_rate,
-            "expected_batch_size": record.expected_batch_size,
-            "num_examples": record.num_examples,
-            "steps": steps,
-            "epochs": steps / self.steps_per_epoch,
-            "per_sample_max_grad_norm": c,
-            "clipping": record.clipping,
-            "privacy_unit": record.privacy_unit,
-            "accountant": record.accountant_name,
-            "accountant_used": spent["accountant_used"],
-            "accountant_eps_error": acc.eps_error,
-            "poisson_sampling": record.poisson_sampling,
-            "trainable_parameters": d,
-            "noise_to_signal": ratio,
-            "noise_to_signal_over_run": run_ratio,
-            "learning_unlikely": run_ratio > NOISE_TO_SIGNAL_WARNING,
-            "advice": None,
-        }
-        if plan["learning_unlikely"]:
-            plan["advice"] = _advice(ratio, run_ratio, d, sigma, self.expected_batch_size, steps)
-        return plan
+        args = self.args
+        return plan_privacy(  # hf_dp/plan.py: the same function as `hf-dp plan`
+            num_examples=self.num_examples_private, per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size, steps=steps,
+            target_epsilon=args.target_epsilon, noise_multiplier=args.noise_multiplier, target_delta=self.target_delta,
+            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            per_sample_max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant,
+            accountant_eps_error=args.accountant_eps_error, clipping=args.clipping,
+            privacy_unit=args.privacy_unit or "example", poisson_sampling=args.poisson_sampling,
+            history=self._history.earlier_mechanisms(),  # a model already DP-trained continues from its history
+        )
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
@@ -1068,8 +1049,8 @@ class DPTrainer(Trainer):
         acc.planned_steps = None
         acc.step(self.noise_multiplier, self.sample_rate, steps)
         planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio = float(self.noise_multiplier) * math.sqrt(d) / (self.sample_rate * self.num_examples_private)
-        run_ratio = ratio / math.sqrt(max(steps, 1))
+        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate * self.num_examples_private,
+                                           steps)
         block = {
             # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
             **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
@@ -1090,7 +1071,7 @@ class DPTrainer(Trainer):
         }
         self.log(block)
         if run_ratio > NOISE_TO_SIGNAL_WARNING:
-            msg = _advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
+            msg = learning_advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
@@ -1301,6 +1282,12 @@ class DPTrainer(Trainer):
             ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
             ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
         ]
+        if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
+            hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
+            hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
+        if a.dp_adam_bias_correction:
+            hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
+            hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
         return hp
 
     def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:

@@ -294,7 +294,8 @@ class FSDPFlatClipping(DPStep):
             losses = self._forward_losses(model, batch, labels)
             engine.norms_backward(losses, retain_graph=True)
         norms_sq = engine.per_example_norms_sq()
-        factors = flat_clip_factors(norms_sq, pc.args.per_sample_max_grad_norm, b).to(losses.device)
+        factors = flat_clip_factors(norms_sq, pc.args.per_sample_max_grad_norm, b, pc.args.clipping_function,
+                                    pc.args.automatic_clipping_gamma).to(losses.device)
         factors = factors * weights.to(device=losses.device, dtype=factors.dtype)
         bad = ~torch.isfinite(losses.detach()) | ((factors == 0) & (weights.to(factors.device) > 0))
         factors = torch.where(bad, 0.0, factors)

@@ -83,7 +83,8 @@ class LocalDPStep(DPStep):
                 if pc.group_clipper is None:
                     norms_sq = engine.per_example_norms_sq()  # per user with user-level units
                     n_units = b if units is None else int(units.max()) + 1
-                    factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units)
+                    factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units,
+                                                args.clipping_function, args.automatic_clipping_gamma)
                     engine.accumulate_clipped(factors.to(losses.device))
                     zero = (factors == 0).to(losses.device)
                     bad = bad | (zero if units is None else zero[units])
