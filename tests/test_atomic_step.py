@@ -368,8 +368,8 @@ def test_a_batch_drawn_for_another_step_is_refused_before_training(tmp_path):
         def on_epoch_begin(self, args, state, control, **kwargs):
             trainer._dp_sampler.set_first_step(0)
 
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4, 2, max_steps=2), train_dataset=unique_rows(16),
-                        callbacks=[ReplayDraws()])
+    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4, 2, max_steps=2), train_dataset=unique_rows(16))
+    trainer.add_callback(ReplayDraws())  # after hf_dp's own callback
     train(trainer)
     before = params(trainer.model)
     with pytest.raises(RuntimeError, match="Poisson draw of DP step 0, but the model is at DP step 2"):
