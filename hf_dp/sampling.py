@@ -54,13 +54,18 @@ class _StepSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.epoch = 0
         self.first_step = 0
+        self._steps_set = False  # set_first_step was called: set_epoch no longer moves the draws
         #: the DP step whose draw was yielded last (the trainer checks it against the step it trains)
         self.last_step: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Standalone use: the next iteration draws steps ``epoch × steps_per_epoch``, ... ."""
+        """Standalone use: the next iteration draws steps ``epoch × steps_per_epoch``, ... . Once
+        :meth:`set_first_step` has been called (the trainer does), only the epoch number is kept: transformers calls
+        ``set_epoch`` on the sampler of a resumed run, and an epoch's first DP step is not ``epoch × steps per
+        epoch`` once a run was cut or the model trained before."""
         self.epoch = epoch
-        self.first_step = epoch * self.steps_per_epoch
+        if not self._steps_set:
+            self.first_step = epoch * self.steps_per_epoch
 
     def set_first_step(self, step: int) -> None:
         """The next iteration's first batch is the draw of DP step ``step`` (the trainer calls this at every epoch
@@ -68,6 +73,7 @@ class _StepSampler(Sampler[list[int]]):
         if step < 0:
             raise ValueError(f"A DP step index is >= 0, got {step}.")
         self.first_step = int(step)
+        self._steps_set = True
 
     def _step_generator(self, step: int) -> torch.Generator:
         """The random stream of DP step ``step`` on this rank (a function of the seed, the step and the rank only)."""

@@ -291,20 +291,24 @@ def test_second_train_on_the_same_model_never_replays_the_first_runs_draws(tmp_p
     assert not any(d in first for d in second)
 
 
-def test_resumed_run_draws_the_steps_it_would_have_drawn(tmp_path):
-    """Resuming inside an epoch (the Trainer skips the epoch's first batches) trains the draws of DP steps 2 and 3,
-    exactly those of the uninterrupted run; with ignore_data_skip as well (a draw is a function of its step)."""
+@pytest.mark.parametrize("runs_before", [0, 1])
+def test_resumed_run_draws_the_steps_it_would_have_drawn(tmp_path, runs_before):
+    """Resuming inside an epoch (the Trainer skips the epoch's first batches and calls the sampler's ``set_epoch``)
+    trains the draws of the DP steps the uninterrupted run drew, also when the checkpoint is of a model's second
+    ``train()`` (its Trainer steps restart at 0, its DP steps do not); with ignore_data_skip as well."""
     data = unique_rows(16)
-    whole = RecordDraws(model=bert(), args=dp_args(tmp_path / "a", 1, 2, max_steps=3, save_strategy="steps",
-                                                   save_steps=1), train_dataset=data)
-    train(whole)
+    args = dict(max_steps=3, save_strategy="steps", save_steps=1)
+    whole = RecordDraws(model=bert(), args=dp_args(tmp_path / "a", 1, 2, **args), train_dataset=data)
+    for _ in range(runs_before + 1):
+        train(whole)  # the last run's checkpoint-1 holds DP step 3 × runs_before + 1
     assert whole.steps_per_epoch == 8  # checkpoint-1 is inside the first epoch
+    done = 3 * runs_before + 1
     for skip in (False, True):
         resumed = RecordDraws(model=bert(), args=dp_args(tmp_path / "a", 1, 2, max_steps=3, ignore_data_skip=skip),
                               train_dataset=data)
         train(resumed, resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
-        assert resumed.accountant.steps == 3
-        assert resumed.draws == whole.draws[1:], skip
+        assert resumed.accountant.steps == done + 2
+        assert resumed.draws == whole.draws[done:], skip
 
 
 def test_sampler_draw_is_a_function_of_seed_and_step():
