@@ -3,9 +3,10 @@
 
 What the invariant adds to every step, timed on its own (wall clock, one thread, median of ``--repeats``):
 
-* ``begin_step`` (once per step: the state is checked empty), ``_add_losses`` (once per micro-batch: the realised
-  loss, two scalars stacked and added on the loss's device) and ``_step_released`` (once per step: the step's loss
-  totals committed; under DDP one all-reduce of two float64 values, not timed here);
+* ``begin_step`` (once per step: the state is checked empty), ``_add_losses`` (once per micro-batch: the
+  micro-batch's loss sum and count added on their device; timed with the ``torch.where``/``sum`` that produce them)
+  and ``_step_released`` (once per step: the step's loss totals committed; under DDP one all-reduce of two float64
+  values, not timed here);
 * the Poisson draw of one step from its own stream ``(seed, k, rank)`` (a fresh generator per step) against the old
   one stream per epoch, for a training set of ``--examples`` rows;
 * a short DPTrainer run (tiny GPT-2, CPU) with the bookkeeping as shipped against the same run with it stubbed out,

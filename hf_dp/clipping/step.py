@@ -152,7 +152,7 @@ class DPStep(abc.ABC):
         self.self_checked = False
         self.nonfinite_in_step: torch.Tensor | int = 0
         self._chunk_in_step = 0
-        self._step_losses: torch.Tensor | None = None  # [Σ_i L_i, n] of this step's chunks on this rank
+        self._step_losses: tuple | None = None  # (Σ_i L_i, n) of this step's chunks on this rank
         self._step_model: nn.Module | None = None  # the model the open step's chunks ran on
 
     @property
@@ -226,20 +226,25 @@ class DPStep(abc.ABC):
             p.grad = None
 
     def _add_losses(self, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
-        """Add a micro-batch's ``Σ_i L_i`` over ``count`` examples (finite losses only) to the step's logged loss."""
-        totals = torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
-                              torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).reshape(())])
-        self._step_losses = totals if self._step_losses is None else self._step_losses + totals.to(
-            self._step_losses.device)
+        """Add a micro-batch's ``Σ_i L_i`` over ``count`` examples (finite losses only) to the step's logged loss
+        (kept as they come, on their devices: no copy and no synchronisation per micro-batch)."""
+        if self._step_losses is None:
+            self._step_losses = (loss_sum.detach(), count)
+        else:
+            total, n = self._step_losses
+            self._step_losses = (total + loss_sum.detach(), n + count)
 
     def _step_released(self, released: bool = True) -> None:
         """End of :meth:`finish_step`: the step went out (``released``: its losses join the logged loss, summed over
         the ranks) or released nothing (budget stop). Either way the step state is now empty."""
         if released:
-            totals = self._step_losses
-            if totals is None:
-                totals = torch.zeros(2, dtype=torch.float64, device=self.pieces.args.device)
-            totals = totals.to(self.pieces.args.device)
+            device = self.pieces.args.device
+            if self._step_losses is None:
+                totals = torch.zeros(2, dtype=torch.float64, device=device)
+            else:
+                total, n = self._step_losses
+                totals = torch.stack([total.to(device=device, dtype=torch.float64).reshape(()),
+                                      torch.as_tensor(n, dtype=torch.float64).to(device).reshape(())])
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(totals)  # every rank finishes every step (empty chunks included)
             self.pieces.realised_loss.add(totals)
