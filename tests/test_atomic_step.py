@@ -311,16 +311,29 @@ def test_resumed_run_draws_the_steps_it_would_have_drawn(tmp_path, runs_before):
         assert resumed.draws == whole.draws[done:], skip
 
 
-def test_sampler_draw_is_a_function_of_seed_and_step():
-    from hf_dp import PoissonBatchSampler
+@pytest.mark.parametrize("kind", ["example", "user"])
+def test_sampler_draw_is_a_function_of_seed_and_step(kind):
+    """Two samplers started at DP steps 5 and 7 draw the same batches for steps 7 and 8; ``set_epoch`` (which
+    transformers calls on a resumed run's sampler) no longer moves draws keyed by ``set_first_step``."""
+    import numpy as np
 
-    a = PoissonBatchSampler(64, 0.5, steps_per_epoch=4, num_chunks=2, seed=3)
-    b = PoissonBatchSampler(64, 0.5, steps_per_epoch=4, num_chunks=2, seed=3)
+    from hf_dp import PoissonBatchSampler, PoissonUserSampler
+
+    def make():
+        if kind == "user":
+            return PoissonUserSampler(np.arange(64) % 20, 0.5, steps_per_epoch=4, num_chunks=2, seed=3)
+        return PoissonBatchSampler(64, 0.5, steps_per_epoch=4, num_chunks=2, seed=3)
+
+    a, b = make(), make()
     a.set_first_step(5)
     b.set_first_step(7)
+    b.set_epoch(3)
     first, second = list(a), list(b)
-    assert first[4:] == second[:4]  # steps 7 and 8, drawn by two samplers started at different steps
+    assert first[4:] == second[:4]  # steps 7 and 8
     assert first[:4] != second[:4] and a.last_step == 8 and b.last_step == 10
+    c = make()
+    c.set_epoch(1)  # standalone: epoch e starts at step e × steps_per_epoch (here steps 4-7)
+    assert list(c)[2:] == first[:6] and c.last_step == 7
 
 
 # --------------------------------------------------------------------------------------------- the logged loss
