@@ -750,7 +750,11 @@ class DPTrainer(Trainer):
         are discarded (``guarantee.py``)."""
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
-            self._sync_trainable_set(at_step_boundary=at_boundary)
+            try:
+                self._sync_trainable_set(at_step_boundary=at_boundary)
+            except BaseException as err:  # a refusal in the middle of a step: the step is discarded as it escapes
+                self._dp_step.discard_step(f"{type(err).__name__} escaped the DP step")
+                raise
             if at_boundary:
                 self._discard_stale_gradients()
         return self._dp_step.run_chunk(model, None if _is_empty(inputs) else inputs)

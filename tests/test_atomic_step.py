@@ -173,6 +173,23 @@ def test_exception_inside_a_chunk_discards_the_step(tmp_path):
     assert_update_is(before, model, N, summed)
 
 
+def test_refusal_between_chunks_discards_the_step(tmp_path):
+    """A parameter unfrozen between two chunks is refused (``guarantee.check_trainable_set_change``); the refusal
+    escapes the step, which is discarded at once."""
+
+    class UnfreezeBetweenChunks(TrainerCallback):
+        def on_substep_end(self, args, state, control, **kwargs):
+            trainer.model.bert.embeddings.word_embeddings.weight.requires_grad_(True)
+
+    model = bert()
+    model.bert.embeddings.word_embeddings.requires_grad_(False)
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 3), train_dataset=unique_rows(N),
+                        callbacks=[UnfreezeBetweenChunks()])
+    with pytest.raises(RuntimeError, match="middle of a DP step"):
+        train(trainer)
+    assert not trainer._dp_step.has_partial_step() and not trainer.clipping_engine.summed_grads
+
+
 # ------------------------------------------------------------------------------ callbacks that cut a step
 class StopAtFirstSubstep(TrainerCallback):
     def __init__(self, flag: str):
