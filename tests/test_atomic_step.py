@@ -190,6 +190,26 @@ def test_refusal_between_chunks_discards_the_step(tmp_path):
     assert not trainer._dp_step.has_partial_step() and not trainer.clipping_engine.summed_grads
 
 
+def test_fsdp_step_discards_its_pass_two_gradients(tmp_path):
+    """Under FSDP a step's clipped sum lives in the sharded ``.grad`` (pass 2 is a plain backward of Σ c_i L_i): a
+    discarded step drops it, and the first-step check it was part of is re-armed. (FSDP needs several processes:
+    the strategy is built by hand here, as in test_step.py, and a chunk's pass-2 gradient is simulated.)"""
+    from hf_dp.clipping.fsdp import FSDPFlatClipping
+
+    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 2, 3), train_dataset=unique_rows(N))
+    trainer.is_fsdp_enabled = True
+    trainer._build_clipping()
+    step = trainer._dp_step
+    assert isinstance(step, FSDPFlatClipping)
+    step._begin_chunk(trainer.model)  # a chunk ran ...
+    step._checking = True
+    for p in trainer.model.parameters():
+        p.grad = torch.ones_like(p)  # ... and its pass-2 backward accumulated into .grad
+    step.begin_step()  # the next step starts before this one was released
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert not step.has_partial_step() and not step._checking
+
+
 # ------------------------------------------------------------------------------ callbacks that cut a step
 class StopAtFirstSubstep(TrainerCallback):
     def __init__(self, flag: str):
