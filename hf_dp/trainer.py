@@ -41,7 +41,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
-from .clipping.step import UNIT_KEY, DPStep, StepPieces, slice_batch
+from .clipping.step import UNIT_KEY, DPStep, RealisedLoss, StepPieces, slice_batch
 from .guarantee import (
     StepGradientGuard,
     budget_allows,
@@ -157,13 +157,22 @@ class _DPCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._dp_step.reset()  # a step left half-done by an interrupted train() is dropped
+        # A step left half-done by an interrupted train(), or by the attempt that ran out of memory before
+        # find_executable_batch_size re-ran the loop, is dropped (DESIGN invariant 11); the logged loss restarts.
+        self.trainer._dp_step.reset()
+        self.trainer._realised_loss.reset_run()
+        self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self.trainer._dp_sampler
         if sampler is not None:
-            sampler.set_epoch(state.global_step // sampler.steps_per_epoch)
+            sampler.set_first_step(self.trainer._first_draw_of_epoch(state))
+        self.trainer._epoch_begun = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # a callback that stopped the run between two chunks of a step: the half-done step is dropped now
+        self.trainer._dp_step.discard_step("training ended between two gradient accumulation chunks of the step")
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._report_nonfinite(state.global_step)
@@ -306,6 +315,9 @@ class DPTrainer(Trainer):
         self.noise_allocation = self.args.noise_allocation or (
             "equal_budget" if self.args.clipping == "per_device" else "global")
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
+        self._realised_loss = RealisedLoss()  # the logged loss (clipping/step.py), kept across rebuilt strategies
+        self._epoch_begun = False  # an epoch has begun in this training loop (_first_draw_of_epoch)
+        self._secret_seed: int | None = None  # the model's secret DP seed, drawn once (see _run_seed)
         self._dp_step: DPStep | None = None
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
@@ -390,6 +402,7 @@ class DPTrainer(Trainer):
             unwrap_model=lambda model: self.accelerator.unwrap_model(model),
             sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
             optimizer=lambda: self.optimizer,
+            realised_loss=self._realised_loss,
         )
 
     def _stop_for_budget(self) -> None:
@@ -560,7 +573,7 @@ class DPTrainer(Trainer):
                 collator = self._get_collator_with_removed_columns(collator, description="training")
         except ImportError:  # pragma: no cover
             pass
-        seed = self._shared_seed()
+        seed = self._run_seed()
         self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
         common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
@@ -608,15 +621,61 @@ class DPTrainer(Trainer):
             seed = box[0]
         return seed
 
+    def _run_seed(self) -> int:
+        """The seed of the Poisson draws and the noise: ``dp_seed``, or the model's secret seed, drawn once (shared by
+        the ranks) and kept until a new model starts a new accountant (``model_init``). Together with the model's DP
+        step count it fixes each step's draw (``sampling.py``): an attempt re-run by ``find_executable_batch_size``
+        after running out of memory, or ``train()`` called again after an interruption, draws the aborted step
+        again instead of choosing a new draw. It is never written to disk (a process restarted from a checkpoint
+        draws a new one)."""
+        if self.args.dp_seed is not None:
+            return self._shared_seed()
+        if self._secret_seed is None:
+            self._secret_seed = self._shared_seed()
+        return self._secret_seed
+
+    def _first_draw_of_epoch(self, state) -> int:
+        """At an epoch start: the DP step whose draw the epoch's first batch is. Every trained step is the draw of
+        the step the accountant is at (DESIGN invariant 11): the model's DP step count, less the steps the Trainer
+        skips at the start of the epoch when it resumes inside one (``Trainer._run_epoch``: ``global_step`` modulo
+        the steps per epoch, unless ``ignore_data_skip``). :meth:`get_batch_samples` checks the result."""
+        skipped = 0
+        if self._resumed and not self._epoch_begun and not self.args.ignore_data_skip:
+            skipped = state.global_step % self._dp_sampler.steps_per_epoch
+        return max(self.accountant.steps - skipped, 0)
+
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
-        """Fetch a step's chunks. ``num_items_in_batch`` is not computed: DP losses are per example."""
+        """Fetch a step's chunks. ``num_items_in_batch`` is not computed: DP losses are per example.
+
+        The Trainer calls this once per logical step, before any of its chunks runs: the DP step begins here
+        (:meth:`DPStep.begin_step`: a step left half done is discarded, never added to this one) and its batch must
+        be the draw of the DP step the accountant is at (checked exactly when the loader has no workers, which
+        would draw ahead; with workers, a draw of an earlier step is refused)."""
+        self._dp_step.begin_step()
         batches = []
         for _ in range(num_batches):
             try:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        self._check_draw_is_current()
         return batches, None
+
+    def _check_draw_is_current(self) -> None:
+        sampler = self._dp_sampler
+        drawn = getattr(sampler, "last_step", None)
+        if drawn is None:
+            return
+        step = self.accountant.steps
+        if drawn == step or (self.args.dataloader_num_workers > 0 and drawn > step):
+            return
+        raise RuntimeError(
+            f"hf_dp: this step's batch is the Poisson draw of DP step {drawn}, but the model is at DP step {step}: "
+            "training it would repeat (or skip) a draw, which the accountant does not model. Nothing of this step "
+            "was trained. This is a misalignment between hf_dp's sampler and the Trainer's loop (a Trainer loop "
+            "changed by a subclass, or a transformers version whose resume logic differs); please report it. To "
+            "continue now, resume from the last checkpoint with ignore_data_skip=True or start a new train()."
+        )
 
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
@@ -713,10 +772,14 @@ class DPTrainer(Trainer):
         are discarded (``guarantee.py``)."""
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
-            self._sync_trainable_set(at_step_boundary=at_boundary)
+            try:
+                self._sync_trainable_set(at_step_boundary=at_boundary)
+            except BaseException as err:  # a refusal in the middle of a step: the step is discarded as it escapes
+                self._dp_step.discard_step(f"{type(err).__name__} escaped the DP step")
+                raise
             if at_boundary:
                 self._discard_stale_gradients()
-        return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
+        return self._dp_step.run_chunk(model, None if _is_empty(inputs) else inputs)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
@@ -1167,7 +1230,22 @@ class DPTrainer(Trainer):
 
         A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is dropped;
         ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
+
+        The training ``loss`` (and the final ``train_loss``) is the realised mean of the per-example losses over the
+        examples sampled in the steps released since the last log (over the run), summed over the ranks
+        (:class:`~hf_dp.clipping.step.RealisedLoss`): not divided by the expected batch, so it does not jump with the
+        realised batch size, and an empty step, having no loss, does not pull it down (a window of empty steps logs
+        no ``loss``). Like the plain Trainer's, it is computed from the private data without noise: it is not covered
+        by the DP guarantee (the card omits it; pushed training records are redacted).
         """
+        if "train_runtime" in logs and "train_loss" in logs:  # the dict train() returns as TrainOutput.metrics
+            mean = self._realised_loss.run_mean()
+            logs["train_loss"] = float("nan") if mean is None else mean
+        if "loss" in logs and getattr(self, "_logging_train_loss", False):
+            mean = self._realised_loss.pop_window()
+            logs = {k: v for k, v in logs.items() if k != "loss"}
+            if mean is not None:  # a window of empty steps only has no loss (the key is left out)
+                logs = {"loss": mean, **logs}
         if "grad_norm" in logs:
             logs = {k: v for k, v in logs.items() if k != "grad_norm"}
         if self.accountant.steps > 0 and self.train_dataset is not None:
@@ -1207,6 +1285,7 @@ class DPTrainer(Trainer):
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:
             self.accountant = self._new_accountant()  # a new model is built in train()
+            self._secret_seed = None  # ... with a history of its own (_run_seed)
             self.noise_multiplier = self.args.noise_multiplier
         else:
             # Another trainer may have trained this model since this one was built: continue from all it carries.
@@ -1239,7 +1318,22 @@ class DPTrainer(Trainer):
                 # run leaves it), not the one this trainer was built with, which save_model() would release as such.
                 self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
-        return super().train(resume_from_checkpoint or None, *args, **kwargs)
+        output = super().train(resume_from_checkpoint or None, *args, **kwargs)
+        return self._with_realised_train_loss(output)
+
+    def _with_realised_train_loss(self, output: TrainOutput) -> TrainOutput:
+        """``TrainOutput.training_loss`` as logged: the realised mean loss of the run's released steps (NaN when
+        no example was sampled; :class:`~hf_dp.clipping.step.RealisedLoss`)."""
+        mean = self._realised_loss.run_mean()
+        return output._replace(training_loss=float("nan") if mean is None else mean)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """``Trainer._maybe_log_save_evaluate``; the training loss it logs is replaced in :meth:`log`."""
+        self._logging_train_loss = True
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            self._logging_train_loss = False
 
     def _dp_state(self) -> dict[str, Any]:
         """The content of ``dp_state.json``: :meth:`privacy_record` as a dict."""

@@ -92,7 +92,9 @@ class LocalDPStep(DPStep):
                     engine.finish_fused()  # groups were clipped during the backward pass
                 engine.clear()
                 self.nonfinite_in_step = self.nonfinite_in_step + bad.sum()
-                loss_sum = loss_sum + torch.where(bad, 0.0, losses).sum().to(loss_sum.device)
+                micro_sum = torch.where(bad, 0.0, losses).sum()
+                self._add_losses(micro_sum, (~bad).sum())  # the logged loss: the realised mean (step.RealisedLoss)
+                loss_sum = loss_sum + micro_sum.to(loss_sum.device)
         if pc.sync_gradients():
             self.finish_step(model)
         return loss_sum / self._local_expected()
@@ -100,7 +102,6 @@ class LocalDPStep(DPStep):
     def finish_step(self, model: nn.Module | None = None) -> None:
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
         pc = self.pieces
-        self._chunk_in_step = 0
         engine = self.engine
         summed = engine.pop_summed_grads()
         if not pc.budget_allows(1):
@@ -108,6 +109,7 @@ class LocalDPStep(DPStep):
             pc.stop_for_budget()
             for p in engine.params.values():
                 p.grad = None
+            self._step_released(released=False)
             return
         device = next(iter(summed.values())).device
         stds = pc.noise_stds()
@@ -126,6 +128,7 @@ class LocalDPStep(DPStep):
             p.grad = grads[name].to(p.dtype)
         pc.grad_guard.released(engine.params.values())  # before the optimizer step: these and only these
         accountant.step(pc.noise_multiplier(), pc.sample_rate())
+        self._step_released()
 
     # ------------------------------------------------------------------ first-step checks
     def self_check(self, net: nn.Module, micro: dict, labels: torch.Tensor) -> None:
