@@ -77,6 +77,9 @@ class StepPieces:
     unwrap_model: Callable[[nn.Module], nn.Module]
     sync_gradients: Callable[[], bool]
     optimizer: Callable[[], Any]
+    # ``units -> (local unit ids, weights)`` for a micro-batch whose model rows are not one example each (the two
+    # sequences of a preference pair, ``hf_dp/preference.py``); None: ``local.unit_layout`` with user_contribution
+    unit_layout: Callable[[torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
 
 class DPStep(abc.ABC):
