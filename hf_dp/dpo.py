@@ -202,14 +202,10 @@ class DPDPOTrainer(PreferencePairsDP, _DPOTrainer):
             shared = {id(p) for p in reference.parameters()} & {id(p) for p in self.model.parameters()}
             if shared:
                 raise ValueError(
-                    f"ref_model shares {len(shared)} parameter tensor(s) with the model being trained, so the reference "
-                    "would follow the policy as it trains. Pass an independent copy (or no ref_model: DPDPOTrainer "
+                    f"ref_model shares {len(shared)} parameter tensor(s) with the model being trained, so the "
+                    "reference would follow the policy as it trains. Pass an independent copy (or no ref_model: DPDPOTrainer "
                     "then copies the model before training)."
                 )
-        if self.precompute_ref_logps:
-            columns = getattr(self.train_dataset, "column_names", None) or []
-            if not {"ref_chosen_logps", "ref_rejected_logps"} <= set(columns):
-                raise ValueError("precompute_ref_log_probs=True but the training set has no reference log-probs.")
 
     # ------------------------------------------------------------------ the rows
     def expected_sequences(self, feature: dict) -> tuple[list[int], list[int]]:
@@ -307,7 +303,8 @@ class DPDPOTrainer(PreferencePairsDP, _DPOTrainer):
                         - 0.5 * F.logsigmoid(-rejected_rewards))
             elif loss_type == "robust":
                 s = self.label_smoothing
-                loss = (-(1 - s) * F.logsigmoid(beta * delta_score) + s * F.logsigmoid(-beta * delta_score)) / (1 - 2 * s)
+                loss = ((-(1 - s) * F.logsigmoid(beta * delta_score) + s * F.logsigmoid(-beta * delta_score))
+                        / (1 - 2 * s))
             elif loss_type == "bco_pair":
                 loss = -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
             elif loss_type == "sppo_hard":

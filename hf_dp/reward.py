@@ -108,7 +108,8 @@ class DPRewardTrainer(PreferencePairsDP, _RewardTrainer):
     def _rewards(outputs: Any) -> torch.Tensor:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
         if logits.dim() != 2 or logits.shape[-1] != 1:
-            raise ValueError(f"A reward model outputs one score per sequence; got logits of shape {tuple(logits.shape)}.")
+            raise ValueError(f"A reward model outputs one score per sequence (num_labels=1); got logits of shape "
+                             f"{tuple(logits.shape)}.")
         return logits.squeeze(-1)
 
     def sequence_scores(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,8 @@ class DPRewardTrainer(PreferencePairsDP, _RewardTrainer):
         return self._rewards(outputs)
 
     def pair_losses(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        """trl's ``RewardTrainer.compute_loss`` on each row alone: ``(2m,)``, row ``r``'s loss at ``r``, 0 at ``m + r``."""
+        """trl's ``RewardTrainer.compute_loss`` on each row alone: ``(2m,)``, row ``r``'s loss at ``r``, 0 at
+        ``m + r``."""
         rewards_chosen, rewards_rejected = self._rewards(outputs).chunk(2)
         margin = labels.chunk(2)[0].to(rewards_chosen.device)
         loss = -F.logsigmoid(rewards_chosen - rewards_rejected - margin)

@@ -127,7 +127,8 @@ def dp_update(trainer: DPDPOTrainer, grads: list[dict[str, torch.Tensor]], expec
     parameter names."""
     norms = sorted(example_norms(grads))
     trainer.args.per_sample_max_grad_norm = norms[(len(norms) - 1) // 2]  # some rows clipped, some not
-    expected = {n: -g / expected_batch for n, g in flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm).items()}
+    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
+    expected = {n: -g / expected_batch for n, g in clipped.items()}
     params = dict(trainer.model.named_parameters())
     before = {n: params[n].detach().clone() for n in expected}
     trainer.train()
@@ -299,6 +300,23 @@ def test_reference_stays_the_initial_model_after_steps(tmp_path):
     assert float((want - policy).abs().max()) > 1e-6
 
 
+def test_engine_rebuilt_for_a_new_trainable_set_keeps_the_row_loss(tmp_path):
+    """A parameter frozen after construction: train() rebuilds the clipping engine, and the per-row DPO loss with it
+    (not the model head's default causal-LM loss)."""
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    args = dpo_args(tmp_path)
+    oracle_model = copy.deepcopy(model)
+    oracle_model.model.embed_tokens.weight.requires_grad_(False)
+    oracle = trl_oracle(oracle_model, pairs(), args, tmp_path, ref_model=copy.deepcopy(model))
+    grads = row_grads(oracle, list(range(4)))
+    trainer = make_trainer(model, pairs(), args)
+    trainer.model.model.embed_tokens.weight.requires_grad_(False)
+    update, expected = dp_update(trainer, grads, expected_batch=4)
+    assert "model.embed_tokens.weight" not in expected
+    assert_close(update, expected)
+
+
 def test_reference_sharing_a_parameter_with_the_policy_refused(tmp_path):
     torch.manual_seed(0)
     model = tiny_llama()
@@ -306,6 +324,33 @@ def test_reference_sharing_a_parameter_with_the_policy_refused(tmp_path):
     ref.lm_head.weight = model.lm_head.weight  # the reference would follow the policy's head
     with pytest.raises(ValueError, match="shares 1 parameter"):
         make_trainer(model, pairs(), dpo_args(tmp_path), ref_model=ref)
+
+
+def test_moe_load_balancing_loss_refused(tmp_path):
+    """Mixtral's load-balancing loss is computed over all the batch's tokens: refused unless its coefficient is 0."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=61, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1,
+                        max_position_embeddings=32, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    with pytest.raises(ValueError, match="load-balancing loss"):
+        make_trainer(MixtralForCausalLM(cfg), pairs(), dpo_args(tmp_path))
+
+
+def test_vision_preference_data_refused(tmp_path, monkeypatch):
+    """A vision preference dataset (trl detects image columns; its collator processes images per batch) is refused
+    (simulated: trl's detection forced on a text model)."""
+    from hf_dp import dpo
+
+    init = dpo._DPOTrainer.__init__
+
+    def as_vision(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._is_vision_dataset = True
+
+    monkeypatch.setattr(dpo._DPOTrainer, "__init__", as_vision)
+    with pytest.raises(ValueError, match="Vision preference datasets"):
+        make_trainer(tiny_llama(), pairs(), dpo_args(tmp_path))
 
 
 # ---------------------------------------------------------------------- the unit: a row, or a user's rows
@@ -326,20 +371,21 @@ def test_neighbouring_rows_move_the_summed_update_by_at_most_c(tmp_path):
 
 @pytest.mark.parametrize("contribution", ["mean", "sum"])
 def test_user_level_a_users_rows_are_one_unit(tmp_path, contribution):
-    """privacy_unit='user': ann has rows 0, 2, 3 and bob row 1; each user's gradient (the mean or sum over their rows
-    of trl's loss on one row) is clipped as one unit; q = 1 over 2 users."""
+    """privacy_unit='user': ann has rows 0 and 2, bob row 1, cat row 3; each user's gradient (the mean or sum over
+    their rows of trl's loss on one row) is clipped as one unit; q = 1 over 3 users, micro-batches of at most 3 rows
+    (so a micro-batch holds several users, their sequences interleaved as [chosen rows; rejected rows])."""
     torch.manual_seed(0)
     model = tiny_llama().double()
-    data = pairs(4, users=["ann", "bob", "ann", "ann"])
-    args = dpo_args(tmp_path, per_device=2, ga=1, privacy_unit="user", user_id_column="user",
+    data = pairs(4, users=["ann", "bob", "ann", "cat"])
+    args = dpo_args(tmp_path, per_device=3, ga=1, privacy_unit="user", user_id_column="user",
                     user_contribution=contribution)
     oracle = trl_oracle(copy.deepcopy(model), data, args, tmp_path, ref_model=copy.deepcopy(model))
     grads = row_grads(oracle, list(range(4)))
-    scale = 1.0 / 3 if contribution == "mean" else 1.0
-    users = [{n: scale * (grads[0][n] + grads[2][n] + grads[3][n]) for n in grads[0]}, grads[1]]
+    scale = 0.5 if contribution == "mean" else 1.0
+    users = [{n: scale * (grads[0][n] + grads[2][n]) for n in grads[0]}, grads[1], grads[3]]
     trainer = make_trainer(model, data, args)
-    assert trainer.num_examples_private == 2 and trainer.sample_rate == 1.0
-    update, expected = dp_update(trainer, users, expected_batch=2)
+    assert trainer.num_examples_private == 3 and trainer.sample_rate == 1.0
+    update, expected = dp_update(trainer, users, expected_batch=3)
     assert_close(update, expected)
 
 
