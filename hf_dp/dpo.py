@@ -203,8 +203,8 @@ class DPDPOTrainer(PreferencePairsDP, _DPOTrainer):
             if shared:
                 raise ValueError(
                     f"ref_model shares {len(shared)} parameter tensor(s) with the model being trained, so the "
-                    "reference would follow the policy as it trains. Pass an independent copy (or no ref_model: DPDPOTrainer "
-                    "then copies the model before training)."
+                    "reference would follow the policy as it trains. Pass an independent copy (or no ref_model: "
+                    "DPDPOTrainer then copies the model before training)."
                 )
 
     # ------------------------------------------------------------------ the rows
