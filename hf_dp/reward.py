@@ -90,8 +90,9 @@ class DPRewardTrainer(PreferencePairsDP, _RewardTrainer):
                              "not accepted.")
         args = dp_config(DPRewardConfig, args, "DPRewardTrainer")
         super().__init__(model, args, *pargs, trl_peft_config=peft_config, **kwargs)
-        # RewardTrainer empties label_names (it reads no labels); the DP step reads the per-sequence labels below.
-        self.label_names = ["labels"]
+        # trl's: no label names, so that evaluation calls trl's compute_loss (DPTrainer set ["labels"] for column
+        # removal; the training labels are added by the checked collator after it, PreferencePairsDP).
+        self.label_names = []
 
     def expected_sequences(self, feature: dict) -> tuple[list[int], list[int]]:
         """trl's reward ``DataCollatorForPreference``: the chosen and rejected token ids as they are."""

@@ -197,8 +197,10 @@ def test_card_checkpoint_and_resume(tmp_path):
     common = {"per_device": 1, "ga": 1, "noise_multiplier": 1.0, "max_steps": 2, "learning_rate": 1e-3,
               "target_delta": 1e-2, "dp_self_check": False}
     trainer = make_trainer(tiny_llama_reward(), pairs(), reward_args(tmp_path, save_strategy="steps", save_steps=1,
-                                                                     **common))
+                                                                     **common), eval_dataset=pairs(2))
     trainer.train()
+    trainer.evaluate()  # trl's own loss and metrics in evaluation
+    assert any("eval_accuracy" in entry for entry in trainer.state.log_history)
     card = ModelCard.load(tmp_path / "checkpoint-1" / "README.md")
     assert {"trl", "reward-trainer", "differential-privacy"} <= set(card.data.tags)
     dp = card.data.differential_privacy
