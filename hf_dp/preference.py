@@ -76,7 +76,8 @@ class PairedRows:
             )
         mask = batch.get("attention_mask")
         for i, feature in enumerate(features):
-            for seq, tokens in ((i, self.expected(feature)[0]), (b + i, self.expected(feature)[1])):
+            chosen, rejected = self.expected(feature)
+            for seq, tokens in ((i, chosen), (b + i, rejected)):
                 got = ids[seq] if mask is None else ids[seq][mask[seq].bool()]
                 if got.tolist() != list(tokens):
                     which = "chosen" if seq < b else "rejected"
@@ -130,6 +131,17 @@ class PreferencePairsDP(DPTrainer):
         """``DPTrainer``'s, then the per-row loss (every rebuild would otherwise restore the model head's default)."""
         super()._build_clipping()
         self.per_example_loss = self.pair_losses
+        self.check_pairs_supported()
+
+    def check_pairs_supported(self) -> None:
+        """Refuse a DP step that cannot clip a row's two sequences as one unit: FSDP2's two-pass ghost clipping
+        clips each model row (sequence) on its own."""
+        if self._fsdp is not None:
+            raise ValueError(
+                f"{type(self).__name__} is not supported under FSDP: its two-pass ghost clipping clips each sequence "
+                "on its own, not a preference row's two sequences together. Use DDP (accelerate launch --multi_gpu) "
+                "or one process."
+            )
 
     def _step_pieces(self):
         """The DP step's pieces, with the unit layout of paired sequences (:meth:`pair_unit_layout`)."""

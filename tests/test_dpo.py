@@ -326,6 +326,13 @@ def test_reference_sharing_a_parameter_with_the_policy_refused(tmp_path):
         make_trainer(model, pairs(), dpo_args(tmp_path), ref_model=ref)
 
 
+def test_fsdp_refused(tmp_path):
+    trainer = make_trainer(tiny_llama(), pairs(), dpo_args(tmp_path))
+    trainer._fsdp = object()  # what DPTrainer holds when accelerate runs FSDP2 (not available on CPU here)
+    with pytest.raises(ValueError, match="not supported under FSDP"):
+        trainer.check_pairs_supported()
+
+
 def test_moe_load_balancing_loss_refused(tmp_path):
     """Mixtral's load-balancing loss is computed over all the batch's tokens: refused unless its coefficient is 0."""
     from transformers import MixtralConfig, MixtralForCausalLM
