@@ -130,12 +130,13 @@ def completion_log_probs(logits: torch.Tensor, labels: torch.Tensor,
     logits = logits if logits.dtype == torch.float64 else logits.float()
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX
-    logp = torch.log_softmax(logits, dim=-1)
-    per_token = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+    # log p(target) = z_target − logsumexp(z): no second (n, T, V) tensor is kept for the backward pass
+    lse = torch.logsumexp(logits, dim=-1)
+    per_token = (logits.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) - lse).masked_fill(~mask, 0.0)
     sq = None
     if sum_sq:
         with torch.no_grad():
-            sq = torch.logsumexp(2 * logp, dim=-1).masked_fill(~mask, 0.0)
+            sq = torch.logsumexp(2 * (logits - lse.unsqueeze(-1)), dim=-1).masked_fill(~mask, 0.0)
     return per_token, mask, sq
 
 
