@@ -435,3 +435,35 @@ def test_card_checkpoint_and_resume(tmp_path):
     resumed = make_trainer(tiny_llama(), pairs(), dpo_args(tmp_path, **common))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert resumed.accountant.steps == 2
+
+
+# ---------------------------------------------------------------------- the example
+def test_example_script_smoke(tmp_path):
+    """``examples/dp_dpo.py`` end to end with tiny settings (1-layer public GPT-2 pre-trained for 2 steps, 8
+    preference rows, one DP step of DPO and of the reward model at ε = 8, plus the non-private runs)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "dp_dpo.py"
+    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_dpo", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # dataclasses resolve the module's annotations through sys.modules
+    spec.loader.exec_module(script)
+    try:
+        script.clm_module().tokenizer_module().load_gpt2_tokenizer(8192)
+        script.clm_module().data_module().load_fine_foods()
+    except RuntimeError as err:  # no cached data and no access to the package archives
+        pytest.skip(f"example data unavailable here: {err}")
+    results = script.main([
+        "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--n_positions", "64", "--pretrain_max_steps", "2",
+        "--pretrain_batch_size", "4", "--pretrain_block_size", "32", "--model_cache_dir", str(tmp_path / "models"),
+        "--max_train_pairs", "8", "--max_eval_pairs", "4", "--review_words", "6", "--epsilons", "8",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1",
+        "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", "--dp_self_check", "false",
+    ])
+    assert [(r["trainer"], r["epsilon"] < math.inf) for r in results] == [("dpo", True), ("dpo", False),
+                                                                          ("reward", True), ("reward", False)]
+    dp = [r for r in results if r["epsilon"] < math.inf]
+    assert all(r["steps"] == 1 and 0 < r["epsilon"] <= 8 and r["sample_rate"] == 0.5 for r in dp)
+    assert all(0 <= r["held_out_accuracy"] <= 1 for r in results)
