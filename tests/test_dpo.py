@@ -431,7 +431,12 @@ def test_card_checkpoint_and_resume(tmp_path):
     dp = card.data.differential_privacy
     assert dp["steps"] == 1 and dp["dataset_size"] == 4 and dp["sampling_rate"] == 0.25  # rows, not sequences
     assert "preference row" in dp["example_description"] and "preference row" in card.text
-    assert (tmp_path / "checkpoint-2" / "dp_state.json").is_file()
+    from hf_dp import PrivacyRecord
+    from hf_dp.cards import card_from_dp_state
+
+    state = tmp_path / "checkpoint-2" / "dp_state.json"
+    assert PrivacyRecord.load(state).example_description == trainer.example_description  # dp_state alone renders it
+    assert "preference row" in str(card_from_dp_state(state))
     resumed = make_trainer(tiny_llama(), pairs(), dpo_args(tmp_path, **common))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert resumed.accountant.steps == 2
