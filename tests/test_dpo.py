@@ -361,14 +361,17 @@ def test_vision_preference_data_refused(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- the unit: a row, or a user's rows
-def test_neighbouring_rows_move_the_summed_update_by_at_most_c(tmp_path):
-    """σ = 0, q = 1, float64: removing one preference row moves Σ = (θ₀ − θ₁)·m by at most C (every row clipped)."""
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_neighbouring_rows_move_the_summed_update_by_at_most_c(tmp_path, clipping):
+    """σ = 0, q = 1, float64: removing one preference row moves Σ = (θ₀ − θ₁)·m by at most C (every row clipped;
+    per-layer clipping: thresholds C/√K, clipped inside the backward pass, per row)."""
     c = 1e-3
     sums = []
     for m in (4, 3):
         torch.manual_seed(0)
         trainer = make_trainer(tiny_llama().double(), pairs(m),
-                               dpo_args(tmp_path / str(m), per_device=m, ga=1, per_sample_max_grad_norm=c))
+                               dpo_args(tmp_path / str(m), per_device=m, ga=1, per_sample_max_grad_norm=c,
+                                        clipping=clipping))
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
         sums.append({n: (before[n] - p.detach()) * m for n, p in trainer.model.named_parameters()})
