@@ -24,20 +24,24 @@ from .units import chunk_documents, looks_grouped
 
 __version__ = "0.1.0"
 
-_TRL_EXPORTS = ("DPSFTConfig", "DPSFTTrainer")
+_TRL_EXPORTS = {"DPSFTConfig": "sft", "DPSFTTrainer": "sft", "DPDPOConfig": "dpo", "DPDPOTrainer": "dpo",
+                "DPRewardConfig": "reward", "DPRewardTrainer": "reward"}
 
 
 def __getattr__(name: str):
-    """``DPSFTTrainer`` / ``DPSFTConfig`` (``hf_dp/sft.py``) need trl, an optional dependency (``pip install
-    hf_dp[trl]``): they are imported on first use, so ``import hf_dp`` works without trl."""
+    """The trl trainers — ``DPSFTTrainer`` / ``DPSFTConfig`` (``hf_dp/sft.py``), ``DPDPOTrainer`` / ``DPDPOConfig``
+    (``hf_dp/dpo.py``), ``DPRewardTrainer`` / ``DPRewardConfig`` (``hf_dp/reward.py``) — need trl, an optional
+    dependency (``pip install hf_dp[trl]``): they are imported on first use, so ``import hf_dp`` works without trl."""
     if name in _TRL_EXPORTS:
+        import importlib
+
         try:
-            from . import sft
+            module = importlib.import_module(f".{_TRL_EXPORTS[name]}", __name__)
         except ImportError as err:
             if getattr(err, "name", None) != "trl":
                 raise
             raise ImportError(f"hf_dp.{name} needs trl: pip install 'hf_dp[trl]'.") from err
-        return getattr(sft, name)
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -53,6 +57,10 @@ __all__ = [
     "CrossLayerFlattening",
     "CrossModelFlattening",
     "DPAdamBC",
+    "DPDPOConfig",
+    "DPDPOTrainer",
+    "DPRewardConfig",
+    "DPRewardTrainer",
     "DPSFTConfig",
     "DPSFTTrainer",
     "DPTrainer",

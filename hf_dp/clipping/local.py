@@ -66,7 +66,8 @@ class LocalDPStep(DPStep):
                 b = rows if segments is None else int(segments.max()) + 1
                 if not self.self_checked:  # always: coverage never depends on dp_self_check
                     pc.self_check(net, micro, micro_labels)
-                units, weights = unit_layout(micro_units, args.user_contribution)
+                units, weights = (unit_layout(micro_units, args.user_contribution) if pc.unit_layout is None
+                                  else pc.unit_layout(micro_units))
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
                 with pc.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):

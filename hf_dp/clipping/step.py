@@ -125,6 +125,9 @@ class StepPieces:
     optimizer: Callable[[], Any]
     # where released steps' losses go (the logged loss); the trainer keeps one across rebuilt strategies
     realised_loss: RealisedLoss = field(default_factory=RealisedLoss)
+    # ``units -> (local unit ids, weights)`` for a micro-batch whose model rows are not one example each (the two
+    # sequences of a preference pair, ``hf_dp/preference.py``); None: ``local.unit_layout`` with user_contribution
+    unit_layout: Callable[[torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
 
 class DPStep(abc.ABC):
