@@ -1241,15 +1241,18 @@ class DPTrainer(Trainer):
         if "train_runtime" in logs and "train_loss" in logs:  # the dict train() returns as TrainOutput.metrics
             mean = self._realised_loss.run_mean()
             logs["train_loss"] = float("nan") if mean is None else mean
+        # ``logs`` is changed in place, as the Trainer's own ``log`` does: ``evaluate()`` returns the dict it logged,
+        # and a subclass's ``log`` (trl's) adds its metrics to the same dict.
         if "loss" in logs and getattr(self, "_logging_train_loss", False):
             mean = self._realised_loss.pop_window()
-            logs = {k: v for k, v in logs.items() if k != "loss"}
+            rest = {k: v for k, v in logs.items() if k != "loss"}
+            logs.clear()
             if mean is not None:  # a window of empty steps only has no loss (the key is left out)
-                logs = {"loss": mean, **logs}
-        if "grad_norm" in logs:
-            logs = {k: v for k, v in logs.items() if k != "grad_norm"}
+                logs["loss"] = mean
+            logs.update(rest)
+        logs.pop("grad_norm", None)
         if self.accountant.steps > 0 and self.train_dataset is not None:
-            logs = {**logs, **self.privacy_record().log_fields(final="train_runtime" in logs)}
+            logs.update(self.privacy_record().log_fields(final="train_runtime" in logs))
             if self.group_clipper is not None:
                 logs.update(self._group_logs())
         super().log(logs, *args, **kwargs)

@@ -427,8 +427,9 @@ def test_card_checkpoint_and_resume(tmp_path):
     trainer = make_trainer(tiny_llama(), pairs(), dpo_args(tmp_path, save_strategy="steps", save_steps=1, **common),
                            eval_dataset=pairs(2))
     trainer.train()
-    trainer.evaluate()  # trl's own loss (fused head) and metrics in evaluation
+    metrics = trainer.evaluate()  # trl's own loss (fused head) and metrics in evaluation
     assert any("eval_rewards/accuracies" in entry for entry in trainer.state.log_history)
+    assert "eval_rewards/accuracies" in metrics  # what trl's log adds reaches the dict evaluate() returns
     card = ModelCard.load(tmp_path / "checkpoint-1" / "README.md")
     assert {"trl", "dpo", "differential-privacy"} <= set(card.data.tags)
     dp = card.data.differential_privacy
