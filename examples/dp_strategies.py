@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -98,14 +97,11 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def noise_to_signal(noise_multiplier: float, trainable: int, expected_batch: float) -> float:
-    """σ·C·√d/(q·N) over C: the expected noise norm on the averaged update against the largest signal norm."""
-    return noise_multiplier * math.sqrt(trainable) / expected_batch
-
-
 def run_strategy(name: str, target_epsilon: float, output_dir: str, extra: Sequence[str],
                  baseline: bool = True) -> dict[str, Any]:
     """One strategy: the main example's ``main()`` with its options; returns the table's row(s)."""
+    from hf_dp.plan import noise_to_signal  # the ratio DPTrainer.privacy_plan() reports (imported late: fast --help)
+
     _, options = STRATEGIES[name]
     argv = [*DEFAULTS, *options, "--target_epsilon", str(target_epsilon),
             "--output_dir", os.path.join(output_dir, name), *(["--non_private_baseline"] if baseline else []), *extra]
@@ -116,7 +112,7 @@ def run_strategy(name: str, target_epsilon: float, output_dir: str, extra: Seque
         "strategy": name, "trainable_parameters": dp["trainable_parameters"], "dp_accuracy": dp["accuracy"],
         "epsilon": dp["epsilon"], "delta": dp["delta"], "steps": dp["steps"],
         "noise_multiplier": dp["noise_multiplier"],
-        "noise_to_signal": noise_to_signal(dp["noise_multiplier"], dp["trainable_parameters"], dp["batch_size"]),
+        "noise_to_signal": noise_to_signal(dp["noise_multiplier"], dp["trainable_parameters"], dp["batch_size"])[0],
         "dp_time": dp["train_runtime"], "majority": results["majority_baseline"],
         "accountant_used": dp.get("accountant_used", dp.get("accountant")),
     }

@@ -14,6 +14,8 @@ from .clipping.rules import UnsupportedLayerError, Use, register_layer_rule, unr
 from .guarantee import post_processing
 from .history import attach_privacy_history, read_privacy_history
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
+from .optim import DPAdamBC
+from .plan import plan_privacy
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
@@ -23,20 +25,24 @@ from .units import chunk_documents, looks_grouped
 
 __version__ = "0.1.0"
 
-_TRL_EXPORTS = ("DPSFTConfig", "DPSFTTrainer")
+_TRL_EXPORTS = {"DPSFTConfig": "sft", "DPSFTTrainer": "sft", "DPDPOConfig": "dpo", "DPDPOTrainer": "dpo",
+                "DPRewardConfig": "reward", "DPRewardTrainer": "reward"}
 
 
 def __getattr__(name: str):
-    """``DPSFTTrainer`` / ``DPSFTConfig`` (``hf_dp/sft.py``) need trl, an optional dependency (``pip install
-    hf_dp[trl]``): they are imported on first use, so ``import hf_dp`` works without trl."""
+    """The trl trainers — ``DPSFTTrainer`` / ``DPSFTConfig`` (``hf_dp/sft.py``), ``DPDPOTrainer`` / ``DPDPOConfig``
+    (``hf_dp/dpo.py``), ``DPRewardTrainer`` / ``DPRewardConfig`` (``hf_dp/reward.py``) — need trl, an optional
+    dependency (``pip install hf_dp[trl]``): they are imported on first use, so ``import hf_dp`` works without trl."""
     if name in _TRL_EXPORTS:
+        import importlib
+
         try:
-            from . import sft
+            module = importlib.import_module(f".{_TRL_EXPORTS[name]}", __name__)
         except ImportError as err:
             if getattr(err, "name", None) != "trl":
                 raise
             raise ImportError(f"hf_dp.{name} needs trl: pip install 'hf_dp[trl]'.") from err
-        return getattr(sft, name)
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -47,9 +53,15 @@ __all__ = [
     "attach_privacy_history",
     "audit_report",
     "make_canaries",
+    "plan_privacy",
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",
+    "DPAdamBC",
+    "DPDPOConfig",
+    "DPDPOTrainer",
+    "DPRewardConfig",
+    "DPRewardTrainer",
     "DPSFTConfig",
     "DPSFTTrainer",
     "DPTrainer",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
+from .clipping.modes import ADAPTIVE_AUTOMATIC_REFUSAL, CLIPPING_FUNCTIONS
 from .guarantee import check_noise_std
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,15 @@ class DPTrainingArguments(TrainingArguments):
             `"per_layer"` (each layer its own threshold C_k, clipped inside the backward pass, He et al. 2023 §3.1);
             `"adaptive_per_layer"` (per-layer thresholds that track a private quantile of the norms, Alg. 1);
             `"group_wise"` (groups named by `clipping_groups` patterns); `"per_device"` (one group per device, §4).
+        clipping_function (`str`, defaults to `"clip"`):
+            How an example's (user's, packed segment's) gradient is scaled: `"clip"`, by min(1, C/‖g‖) (Abadi et al.
+            2016); `"automatic"`, by C/(‖g‖ + γ) (Bu et al., NeurIPS 2023, AUTO-S): every gradient is normalised to
+            norm just below C, so the sensitivity is still C and noise and ε are unchanged; C then only scales the
+            update like the learning rate. In group-wise modes each group k is scaled by C_k/(‖g_k‖ + γ). Not with
+            `clipping="adaptive_per_layer"` (no example is unclipped, so its quantile would only set step sizes).
+        automatic_clipping_gamma (`float`, defaults to 0.01):
+            γ > 0 of automatic clipping: the stability constant in C/(‖g‖ + γ); the smaller γ, the closer every
+            scaled gradient's norm is to C (a gradient with ‖g‖ ≪ γ gets norm ≈ C‖g‖/γ ≪ C).
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
             groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).
@@ -103,6 +113,20 @@ class DPTrainingArguments(TrainingArguments):
             layer's batch axis and the comparison of the hooks' sum with autograd's gradient on two examples always
             run.
 
+    > DP-Adam bias correction
+
+    Parameters:
+        dp_adam_bias_correction (`bool`, defaults to `False`):
+            DP-AdamBC (Tang, Shpilevskiy, Lécuyer, AAAI 2024, Alg. 1): Adam's second-moment estimate v̂ is corrected
+            for the known variance Φ = (σ·C / (q·N))² per coordinate of the noise in each released gradient (the
+            group's noise std with group-wise clipping), `sqrt(max(v̂ − Φ, γ′))` replacing `sqrt(v̂) + ε` in the
+            update. Post-processing of the released gradients with the public σ, C, q, N: no privacy cost. For the
+            Trainer's Adam-family `optim` choices (`adamw_torch`, `adamw_torch_fused`, `adamw_hf`, ...) and a
+            `torch.optim.AdamW` / `Adam` passed with `optimizers=`; other optimizers are refused. With σ = 0 it is
+            plain AdamW.
+        dp_adam_bc_epsilon (`float`, defaults to 1e-8):
+            γ′ of DP-AdamBC: the floor of the corrected second moment, `max(v̂ − Φ, γ′)`; it replaces Adam's ε.
+
     > Privacy unit
 
     Parameters:
@@ -132,6 +156,15 @@ class DPTrainingArguments(TrainingArguments):
         default=0.1, metadata={"help": "C: L2 clipping threshold of each example's gradient."}
     )
     clipping: str = field(default="flat", metadata={"help": f"Clipping mode, one of {CLIPPING_MODES}."})
+    clipping_function: str = field(
+        default="clip",
+        metadata={"help": f"One of {CLIPPING_FUNCTIONS}: 'clip' scales each example's gradient by min(1, C/‖g‖); "
+                          "'automatic' by C/(‖g‖+γ) (Bu et al. 2023), every gradient normalised; sensitivity C "
+                          "either way (per group C_k in group-wise modes)."},
+    )
+    automatic_clipping_gamma: float = field(
+        default=0.01, metadata={"help": "γ > 0 of automatic clipping's C/(‖g‖+γ)."}
+    )
     clipping_groups: list[str] | None = field(
         default=None,
         metadata={"help": "For clipping='group_wise': regular expressions on parameter names, one group each "
@@ -173,6 +206,15 @@ class DPTrainingArguments(TrainingArguments):
     user_contribution: str = field(
         default="mean",
         metadata={"help": "For privacy_unit='user': clip the 'mean' or the 'sum' of a user's example gradients."},
+    )
+    dp_adam_bias_correction: bool = field(
+        default=False,
+        metadata={"help": "DP-AdamBC (Tang et al. 2024): subtract the known noise variance (σC/(qN))² from Adam's "
+                          "second moment, floored at dp_adam_bc_epsilon. Adam-family optimizers only; no privacy "
+                          "cost."},
+    )
+    dp_adam_bc_epsilon: float = field(
+        default=1e-8, metadata={"help": "γ′ of DP-AdamBC: the floor of Adam's corrected second moment."}
     )
     poisson_sampling: bool = field(
         default=True,
@@ -218,6 +260,7 @@ class DPTrainingArguments(TrainingArguments):
             "target_quantile": self.target_quantile, "quantile_lr": self.quantile_lr,
             "quantile_budget_fraction": self.quantile_budget_fraction,
             "quantile_noise_multiplier": self.quantile_noise_multiplier,
+            "automatic_clipping_gamma": self.automatic_clipping_gamma, "dp_adam_bc_epsilon": self.dp_adam_bc_epsilon,
         }
         for name, value in scalars.items():
             if value is not None and not math.isfinite(float(value)):
@@ -269,6 +312,20 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}.")
         if self.clipping == "group_wise" and not self.clipping_groups:
             raise ValueError("clipping='group_wise' needs clipping_groups (parameter-name patterns, one per group).")
+        if self.clipping_function not in CLIPPING_FUNCTIONS:
+            raise ValueError(f"clipping_function must be one of {CLIPPING_FUNCTIONS}, got {self.clipping_function!r}.")
+        if self.clipping_function == "automatic" and self.clipping == "adaptive_per_layer":
+            raise ValueError(ADAPTIVE_AUTOMATIC_REFUSAL)
+        if not self.automatic_clipping_gamma > 0:
+            raise ValueError(f"automatic_clipping_gamma (γ) must be > 0, got {self.automatic_clipping_gamma}.")
+        if not self.dp_adam_bc_epsilon > 0:
+            raise ValueError(f"dp_adam_bc_epsilon (γ′) must be > 0, got {self.dp_adam_bc_epsilon}.")
+        if self.dp_adam_bias_correction and self.max_grad_norm > 0:
+            raise ValueError(
+                f"dp_adam_bias_correction=True with max_grad_norm={self.max_grad_norm}: the Trainer's global clipping "
+                "rescales the released gradient by a factor that depends on it, so the noise variance in it is no "
+                "longer the known (σ·C/(q·N))² that DP-AdamBC subtracts. Set max_grad_norm=0 (the default)."
+            )
         if self.noise_allocation is not None and self.noise_allocation not in NOISE_ALLOCATIONS:
             raise ValueError(f"noise_allocation must be one of {NOISE_ALLOCATIONS}, got {self.noise_allocation!r}.")
         if self.noise_allocation not in (None, "global") and self.clipping == "flat":

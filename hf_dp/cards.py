@@ -301,6 +301,8 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
                 rec[key] = _plain(value)
         if record.num_rows is not None:  # rows (examples) of all users; dataset_size counts users
             rec["num_examples"] = int(record.num_rows)
+    if record.example_description:  # what one example (row) is, e.g. a preference row of two sequences
+        rec["example_description"] = str(record.example_description)
     # An old dp_state.json (before the record) does not say which parameters were trained, nor the optimizer.
     rec["trained_parameters"] = _plain(record.trained_parameters or {"method": UNKNOWN})
     if record.base_model:  # what the guarantee does not cover: the base model's (non-private) pre-training

@@ -246,9 +246,12 @@ class ModelHistory:
             guarantee = str(e.get("dp_guarantee") or "strict")
             if guarantee != "strict":
                 reasons = guarantee.split(":", 1)[1].strip() if ":" in guarantee else guarantee
-                out.append("continues from an earlier DP run of this model whose guarantee was not strict ("
-                           + reasons.replace("; ", ", ") + ")")  # one note: the card lists notes split at "; "
-        return out
+                # Its own reasons only: the runs it continued from are in self.earlier too, each judged here.
+                own = [r for r in reasons.split("; ") if not r.startswith("continues from an earlier DP run")]
+                if own:
+                    out.append("continues from an earlier DP run of this model whose guarantee was not strict ("
+                               + ", ".join(own) + ")")  # one note: the card lists notes split at "; "
+        return list(dict.fromkeys(out))
 
     def summary(self) -> dict[str, Any] | None:
         """What the record and the card say of the earlier runs (None when there are none)."""

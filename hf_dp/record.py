@@ -108,6 +108,8 @@ class PrivacyRecord:
         privacy_unit: ``example`` or ``user``.
         user_id_column, max_examples_per_user, user_contribution: User-level DP settings (None at example level).
         num_rows: Rows (examples) of all users, with ``privacy_unit="user"``.
+        example_description: What one example (row of the training set) is when it is not one model input, e.g. a
+            preference row of two sequences (``hf_dp/preference.py``); None for a plain row.
         secure_mode: Noise from fresh OS entropy per step (Holohan & Braghin 2021, §5.1).
         dp_seed: ``"secret"`` (drawn from the OS) or ``"fixed"`` (a known seed: voids the guarantee); ``"unknown"``
             for an old ``dp_state.json`` that does not say.
@@ -147,6 +149,7 @@ class PrivacyRecord:
     max_examples_per_user: int | None = None
     user_contribution: str | None = None
     num_rows: int | None = None
+    example_description: str | None = None
     secure_mode: bool = False
     dp_seed: str = "secret"
     trained_parameters: dict[str, Any] | None = None
@@ -242,6 +245,7 @@ class PrivacyRecord:
             "max_examples_per_user": self.max_examples_per_user,
             "user_contribution": self.user_contribution,
             "num_rows": self.num_rows,
+            "example_description": self.example_description,
             "dp_seed": self.dp_seed,
             "trained_parameters": self.trained_parameters,
             "optimizer": self.optimizer,
@@ -297,6 +301,7 @@ class PrivacyRecord:
             max_examples_per_user=state.get("max_examples_per_user"),
             user_contribution=state.get("user_contribution"),
             num_rows=state.get("num_rows"),
+            example_description=state.get("example_description"),
             secure_mode=bool(state.get("secure_mode", False)),
             dp_seed=state.get("dp_seed") or _old_dp_seed(state),
             trained_parameters=state.get("trained_parameters"),

@@ -11,6 +11,15 @@ privacy is *not* what the Poisson accountant reports; the trainer says so in log
 Both yield, per logical step, exactly ``num_chunks`` (= gradient accumulation steps) index lists, so the Hugging Face
 Trainer's accumulation loop sees the usual number of micro-batches. A chunk may be larger than the per-device batch
 size (the trainer splits it further for memory: never truncated) or empty.
+
+**The draw of a step is a function of (seed, DP step).** The Poisson draw of DP step ``k`` is made from a stream
+derived from ``(seed, k, rank)`` alone (DESIGN invariant 11): a step drawn again after an abort (an interrupted
+``train()``, a retry after running out of memory, an epoch ended by a callback) is the *same* draw, never a fresh one
+that replaces it (an adversary, or a failure that depends on the batch, could otherwise choose among draws), and
+steps with different ``k`` are independent draws. The trainer sets ``k`` at each epoch start
+(:meth:`set_first_step`) to the model's DP step count (the accountant's steps, continuing across ``train()`` calls),
+so a second ``train()`` on the same model never replays the first run's draws. :meth:`set_epoch` (standalone use)
+starts epoch ``e`` at step ``e × steps_per_epoch``.
 """
 
 from __future__ import annotations
@@ -44,10 +53,32 @@ class _StepSampler(Sampler[list[int]]):
         self.rank = rank
         self.world_size = world_size
         self.epoch = 0
+        self.first_step = 0
+        self._steps_set = False  # set_first_step was called: set_epoch no longer moves the draws
+        #: the DP step whose draw was yielded last (the trainer checks it against the step it trains)
+        self.last_step: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's random stream (the trainer calls this at every epoch start, also after resume)."""
+        """Standalone use: the next iteration draws steps ``epoch × steps_per_epoch``, ... . Once
+        :meth:`set_first_step` has been called (the trainer does), only the epoch number is kept: transformers calls
+        ``set_epoch`` on the sampler of a resumed run, and an epoch's first DP step is not ``epoch × steps per
+        epoch`` once a run was cut or the model trained before."""
         self.epoch = epoch
+        if not self._steps_set:
+            self.first_step = epoch * self.steps_per_epoch
+
+    def set_first_step(self, step: int) -> None:
+        """The next iteration's first batch is the draw of DP step ``step`` (the trainer calls this at every epoch
+        start: the model's DP step count, less the steps the Trainer skips when it resumes inside an epoch)."""
+        if step < 0:
+            raise ValueError(f"A DP step index is >= 0, got {step}.")
+        self.first_step = int(step)
+        self._steps_set = True
+
+    def _step_generator(self, step: int) -> torch.Generator:
+        """The random stream of DP step ``step`` on this rank (a function of the seed, the step and the rank only)."""
+        self.last_step = step
+        return torch.Generator().manual_seed(derive_seed(self.seed, step, self.rank))
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.num_chunks
@@ -78,8 +109,9 @@ class PoissonBatchSampler(_StepSampler):
         self.shard = np.arange(rank, num_examples, world_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
-        for _ in range(self.steps_per_epoch):
+        first = self.first_step
+        for j in range(self.steps_per_epoch):
+            gen = self._step_generator(first + j)
             mask = torch.rand(len(self.shard), generator=gen, dtype=torch.float64).numpy() < self.sample_rate
             yield from self._chunks(self.shard[mask])
 
@@ -88,7 +120,8 @@ class ShuffledBatchSampler(_StepSampler):
     """Fixed-size batches of a shuffled epoch (NOT what the Poisson accountant analyses; opt-in only).
 
     Every rank draws the same permutation and takes its ``rank::world_size`` share of each global batch of
-    ``batch_size`` examples; no example is repeated within an epoch.
+    ``batch_size`` examples; no example is repeated within an epoch. The permutation is drawn from
+    ``(seed, first step of the epoch)``.
     """
 
     def __init__(self, num_examples: int, batch_size: int, num_chunks: int = 1, seed: int = 0, rank: int = 0,
@@ -97,9 +130,11 @@ class ShuffledBatchSampler(_StepSampler):
         self.batch_size = batch_size
 
     def __iter__(self) -> Iterator[list[int]]:
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch))
+        first = self.first_step
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, first))
         perm = torch.randperm(self.num_examples, generator=gen).numpy()
         for step in range(self.steps_per_epoch):
+            self.last_step = first + step
             batch = perm[step * self.batch_size:(step + 1) * self.batch_size]
             yield from self._chunks(batch[self.rank::self.world_size])
 
@@ -133,8 +168,9 @@ class PoissonUserSampler(_StepSampler):
         self.user_shard = np.arange(rank, self.num_users, world_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        gen = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.rank))
-        for _ in range(self.steps_per_epoch):
+        first = self.first_step
+        for j in range(self.steps_per_epoch):
+            gen = self._step_generator(first + j)
             chosen = torch.rand(len(self.user_shard), generator=gen, dtype=torch.float64).numpy() < self.sample_rate
             users = self.user_shard[chosen]
             keep = np.isin(self._user_sorted, users)

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, calibrate_noise_multiplier, split_noise_for_quantiles
+from .accounting import PrivacyAccountant, split_noise_for_quantiles
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .cards import create_model_card
@@ -41,7 +41,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
-from .clipping.step import UNIT_KEY, DPStep, StepPieces, slice_batch
+from .clipping.step import UNIT_KEY, DPStep, RealisedLoss, StepPieces, slice_batch
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
@@ -71,7 +71,19 @@ from .losses import (
     is_seq2seq_lm,
 )
 from .noise import NoiseGenerator, group_noise_stds
+from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
+from .plan import (
+    NOISE_TO_SIGNAL_WARNING,
+    calibrate_noise,
+    default_delta,
+    expected_batch_size,
+    learning_advice,
+    noise_to_signal,
+    plan_privacy,
+    sample_rate,
+    steps_per_epoch,
+)
 from .record import (
     PrivacyRecord,
     _plain,
@@ -89,12 +101,6 @@ __all__ = ["DPTrainer", "DP_STATE_NAME"]
 logger = logging.getLogger(__name__)
 
 DP_STATE_NAME = "dp_state.json"
-NOISE_TO_SIGNAL_WARNING = 1.0
-"""hf_dp warns that learning is unlikely when the noise-to-signal ratio of the whole run, σ·√d / (q·N·√T) (the
-expected noise norm of T averaged updates summed, ``√T·σ·C·√d/(q·N)``, over the largest possible sum of their signals,
-``T·C``), exceeds this: then even gradients that all point the same way in every step are buried in the noise.
-Li et al. 2022's full fine-tuning runs that learn well are at ≈ 0.4-0.6 (GPT-2 on E2E at ε = 3: σ ≈ 1.02, q = 0.024,
-411 steps, 124 M parameters; RoBERTa-base on SST-2 at ε = 3-8) (README, "Choosing hyperparameters")."""
 _EMPTY = "_hf_dp_empty_batch"
 _UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
 
@@ -146,18 +152,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _advice(ratio: float, run_ratio: float, d: int, sigma: float, batch: int, steps: int) -> str:
-    """What :meth:`DPTrainer.privacy_plan` and the train-start banner say when learning is unlikely."""
-    return (
-        f"hf_dp: learning is unlikely: the noise on each averaged update has expected norm σ·C·√d/(q·N) = {ratio:.3g}"
-        f" × C ({d:,} trainable parameters, σ={sigma:.3g}, expected batch {batch}); over the run's {steps} steps it "
-        f"is {run_ratio:.3g} times the largest possible signal (above {NOISE_TO_SIGNAL_WARNING:g}). Train fewer "
-        "parameters (the head on frozen features, the top layers, or LoRA: peft_config=...), use a larger expected "
-        "batch (gradient_accumulation_steps), more data, or a larger ε. See the README, 'Choosing hyperparameters' "
-        "(Li et al. 2022 §3; examples/dp_strategies.py)."
-    )
-
-
 class _DPCallback(TrainerCallback):
     """The DPTrainer's own hooks into the loop: calibration and the loader check at train start, sampler epochs,
     non-finite example reports, budget stops."""
@@ -166,14 +160,23 @@ class _DPCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._dp_step.reset()  # a step left half-done by an interrupted train() is dropped
+        # A step left half-done by an interrupted train(), or by the attempt that ran out of memory before
+        # find_executable_batch_size re-ran the loop, is dropped (DESIGN invariant 11); the logged loss restarts.
+        self.trainer._dp_step.reset()
+        self.trainer._realised_loss.reset_run()
+        self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         sampler = self.trainer._dp_sampler
         if sampler is not None:
-            sampler.set_epoch(state.global_step // sampler.steps_per_epoch)
+            sampler.set_first_step(self.trainer._first_draw_of_epoch(state))
+        self.trainer._epoch_begun = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # a callback that stopped the run between two chunks of a step: the half-done step is dropped now
+        self.trainer._dp_step.discard_step("training ended between two gradient accumulation chunks of the step")
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._report_nonfinite(state.global_step)
@@ -330,6 +333,9 @@ class DPTrainer(Trainer):
             "equal_budget" if self.args.clipping == "per_device" else "global")
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
         self._state_guard = ReleasedStateGuard()  # nothing but the optimizer changes what is released (guarantee.py)
+        self._realised_loss = RealisedLoss()  # the logged loss (clipping/step.py), kept across rebuilt strategies
+        self._epoch_begun = False  # an epoch has begun in this training loop (_first_draw_of_epoch)
+        self._secret_seed: int | None = None  # the model's secret DP seed, drawn once (see _run_seed)
         self._dp_step: DPStep | None = None
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
@@ -347,6 +353,8 @@ class DPTrainer(Trainer):
             # DPTrainer reads `labels` from every batch; the Trainer keeps only the columns the model's forward
             # lists (plus label_names), and a forward taking **kwargs (Qwen3.5's classification head) lists none.
             self.label_names = ["labels"]
+        if self.args.dp_adam_bias_correction:  # before any data is read: the optimizer must be Adam-family
+            check_adam_bc_optim(self.args.optim, self.optimizer, self.lr_scheduler)
         self.add_callback(_DPCallback(self))
         self.callback_handler.callbacks.insert(0, _DPGradientCheck(self))
         self.add_callback(_DPHistoryCallback(self))
@@ -416,6 +424,7 @@ class DPTrainer(Trainer):
             sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
             optimizer=lambda: self.optimizer,
             check_release=lambda: self._state_guard.before_release(),
+            realised_loss=self._realised_loss,
         )
 
     def _stop_for_budget(self) -> None:
@@ -491,6 +500,7 @@ class DPTrainer(Trainer):
         self.group_clipper = GroupClipper(
             groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
             rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
+            function=args.clipping_function, gamma=args.automatic_clipping_gamma,
         )
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
         if adaptive and self.noise_multiplier is not None:
@@ -546,32 +556,25 @@ class DPTrainer(Trainer):
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        return expected_batch_size(self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
+                                   self.args.world_size)
 
     @property
     def sample_rate(self) -> float:
         """q = expected batch size / N (N counts privacy units)."""
-        q = self.expected_batch_size / self.num_examples_private
-        if q > 1:
-            unit = "users" if self.user_level else "training set size"
-            raise ValueError(
-                f"The expected batch size {self.expected_batch_size} exceeds the {unit} "
-                f"{self.num_examples_private} (q = {q:.3f} > 1). Lower per_device_train_batch_size or "
-                "gradient_accumulation_steps."
-            )
-        return q
+        return sample_rate(self.expected_batch_size, self.num_examples_private, self.user_level)
 
     @property
     def target_delta(self) -> float:
         """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
         if self.args.target_delta is not None:
             return self.args.target_delta
-        return 1.0 / self.num_examples_private**1.1
+        return default_delta(self.num_examples_private)
 
     @property
     def steps_per_epoch(self) -> int:
         """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return math.ceil(self.num_examples_private / self.expected_batch_size)
+        return steps_per_epoch(self.num_examples_private, self.expected_batch_size)
 
     @property
     def noise_std(self) -> float:
@@ -592,7 +595,7 @@ class DPTrainer(Trainer):
                 collator = self._get_collator_with_removed_columns(collator, description="training")
         except ImportError:  # pragma: no cover
             pass
-        seed = self._shared_seed()
+        seed = self._run_seed()
         self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
         common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
@@ -640,15 +643,61 @@ class DPTrainer(Trainer):
             seed = box[0]
         return seed
 
+    def _run_seed(self) -> int:
+        """The seed of the Poisson draws and the noise: ``dp_seed``, or the model's secret seed, drawn once (shared by
+        the ranks) and kept until a new model starts a new accountant (``model_init``). Together with the model's DP
+        step count it fixes each step's draw (``sampling.py``): an attempt re-run by ``find_executable_batch_size``
+        after running out of memory, or ``train()`` called again after an interruption, draws the aborted step
+        again instead of choosing a new draw. It is never written to disk (a process restarted from a checkpoint
+        draws a new one)."""
+        if self.args.dp_seed is not None:
+            return self._shared_seed()
+        if self._secret_seed is None:
+            self._secret_seed = self._shared_seed()
+        return self._secret_seed
+
+    def _first_draw_of_epoch(self, state) -> int:
+        """At an epoch start: the DP step whose draw the epoch's first batch is. Every trained step is the draw of
+        the step the accountant is at (DESIGN invariant 11): the model's DP step count, less the steps the Trainer
+        skips at the start of the epoch when it resumes inside one (``Trainer._run_epoch``: ``global_step`` modulo
+        the steps per epoch, unless ``ignore_data_skip``). :meth:`get_batch_samples` checks the result."""
+        skipped = 0
+        if self._resumed and not self._epoch_begun and not self.args.ignore_data_skip:
+            skipped = state.global_step % self._dp_sampler.steps_per_epoch
+        return max(self.accountant.steps - skipped, 0)
+
     def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
-        """Fetch a step's chunks. ``num_items_in_batch`` is not computed: DP losses are per example."""
+        """Fetch a step's chunks. ``num_items_in_batch`` is not computed: DP losses are per example.
+
+        The Trainer calls this once per logical step, before any of its chunks runs: the DP step begins here
+        (:meth:`DPStep.begin_step`: a step left half done is discarded, never added to this one) and its batch must
+        be the draw of the DP step the accountant is at (checked exactly when the loader has no workers, which
+        would draw ahead; with workers, a draw of an earlier step is refused)."""
+        self._dp_step.begin_step()
         batches = []
         for _ in range(num_batches):
             try:
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
+        self._check_draw_is_current()
         return batches, None
+
+    def _check_draw_is_current(self) -> None:
+        sampler = self._dp_sampler
+        drawn = getattr(sampler, "last_step", None)
+        if drawn is None:
+            return
+        step = self.accountant.steps
+        if drawn == step or (self.args.dataloader_num_workers > 0 and drawn > step):
+            return
+        raise RuntimeError(
+            f"hf_dp: this step's batch is the Poisson draw of DP step {drawn}, but the model is at DP step {step}: "
+            "training it would repeat (or skip) a draw, which the accountant does not model. Nothing of this step "
+            "was trained. This is a misalignment between hf_dp's sampler and the Trainer's loop (a Trainer loop "
+            "changed by a subclass, or a transformers version whose resume logic differs); please report it. To "
+            "continue now, resume from the last checkpoint with ignore_data_skip=True or start a new train()."
+        )
 
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
@@ -745,12 +794,16 @@ class DPTrainer(Trainer):
         are discarded (``guarantee.py``)."""
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
-            self._sync_trainable_set(at_step_boundary=at_boundary)
+            try:
+                self._sync_trainable_set(at_step_boundary=at_boundary)
+            except BaseException as err:  # a refusal in the middle of a step: the step is discarded as it escapes
+                self._dp_step.discard_step(f"{type(err).__name__} escaped the DP step")
+                raise
             if at_boundary:
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         try:
-            return self._dp_step.training_step(model, None if _is_empty(inputs) else inputs)
+            return self._dp_step.run_chunk(model, None if _is_empty(inputs) else inputs)
         except Exception as err:
             self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
             raise
@@ -1022,6 +1075,27 @@ class DPTrainer(Trainer):
         notes = self.dp_guarantee_notes()
         return "strict" if not notes else "not strict: " + "; ".join(notes)
 
+    # ------------------------------------------------------------------ DP-AdamBC (hf_dp/optim.py)
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """``Trainer.create_optimizer``; with ``dp_adam_bias_correction`` the Adam-family optimizer becomes
+        :class:`~hf_dp.optim.DPAdamBC` (Tang et al. 2024), reading the noise std of each released gradient live."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if self.args.dp_adam_bias_correction:
+            self.optimizer = optimizer = bias_corrected_adam(optimizer, lambda: self._released_noise_std(),
+                                                             self.args.dp_adam_bc_epsilon)
+        return optimizer
+
+    def _released_noise_std(self) -> float | dict[int, float]:
+        """Std of the DP noise in each coordinate of the released gradient ``p.grad``: the noise std on the summed
+        clipped gradient (σ·C, or the parameter's group's, :meth:`_noise_stds`) over the expected batch size q·N
+        (``noise.privatize``); ``{id(param): std}`` with group-wise noise."""
+        stds = self._noise_stds()
+        batch = self.expected_batch_size
+        if isinstance(stds, dict):
+            params = self.clipping_engine.params
+            return {id(params[n]): s / batch for n, s in stds.items()}
+        return float(stds) / batch
+
     # ------------------------------------------------------------------ the plan (before train()) and its banner
     def _new_accountant(self) -> PrivacyAccountant:
         return PrivacyAccountant(accountant=self.args.accountant, eps_error=self.args.accountant_eps_error)
@@ -1029,10 +1103,8 @@ class DPTrainer(Trainer):
     def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
         """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
         ``train()`` (at train start) and :meth:`privacy_plan` use."""
-        return calibrate_noise_multiplier(
-            self.args.target_epsilon, self.target_delta, self.sample_rate, max(steps, 1),
-            accountant=self.args.accountant, eps_error=self.args.accountant_eps_error, history=list(history),
-        )
+        return calibrate_noise(self.args.target_epsilon, self.target_delta, self.sample_rate, steps,
+                               self.args.accountant, self.args.accountant_eps_error, history)
 
     def planned_max_steps(self) -> int:
         """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
@@ -1060,45 +1132,17 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        earlier = self._history.earlier_mechanisms()  # a model already DP-trained continues from its history
-        sigma = self.args.noise_multiplier if self.args.noise_multiplier is not None else \
-            self._calibrate_noise(steps, earlier)
-        acc = self._new_accountant()
-        acc.history = earlier
-        acc.step(sigma, self.sample_rate, steps)
-        record = self.privacy_record(accountant=acc, noise_multiplier=sigma)  # the planned run's record
-        spent = record.spent()
-        d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        c = record.per_sample_max_grad_norm
-        ratio = sigma * c * math.sqrt(d) / (record.sample_rate * record.num_examples) / c
-        run_ratio = ratio / math.sqrt(max(steps, 1))
-        plan = {
-            "target_epsilon": record.target_epsilon,
-            "epsilon": spent["epsilon"],
-            "delta": record.delta,
-            "noise_multiplier": sigma,
-            "noise_multiplier_calibrated": self.args.noise_multiplier is None,
-            "sample_rate": record.sample_rate,
-            "expected_batch_size": record.expected_batch_size,
-            "num_examples": record.num_examples,
-            "steps": steps,
-            "epochs": steps / self.steps_per_epoch,
-            "per_sample_max_grad_norm": c,
-            "clipping": record.clipping,
-            "privacy_unit": record.privacy_unit,
-            "accountant": record.accountant_name,
-            "accountant_used": spent["accountant_used"],
-            "accountant_eps_error": acc.eps_error,
-            "poisson_sampling": record.poisson_sampling,
-            "trainable_parameters": d,
-            "noise_to_signal": ratio,
-            "noise_to_signal_over_run": run_ratio,
-            "learning_unlikely": run_ratio > NOISE_TO_SIGNAL_WARNING,
-            "advice": None,
-        }
-        if plan["learning_unlikely"]:
-            plan["advice"] = _advice(ratio, run_ratio, d, sigma, self.expected_batch_size, steps)
-        return plan
+        args = self.args
+        return plan_privacy(  # hf_dp/plan.py: the same function as `hf-dp plan`
+            num_examples=self.num_examples_private, per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size, steps=steps,
+            target_epsilon=args.target_epsilon, noise_multiplier=args.noise_multiplier, target_delta=self.target_delta,
+            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            per_sample_max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant,
+            accountant_eps_error=args.accountant_eps_error, clipping=args.clipping,
+            privacy_unit=args.privacy_unit or "example", poisson_sampling=args.poisson_sampling,
+            history=self._history.earlier_mechanisms(),  # a model already DP-trained continues from its history
+        )
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
@@ -1109,8 +1153,8 @@ class DPTrainer(Trainer):
         acc.planned_steps = None
         acc.step(self.noise_multiplier, self.sample_rate, steps)
         planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio = float(self.noise_multiplier) * math.sqrt(d) / (self.sample_rate * self.num_examples_private)
-        run_ratio = ratio / math.sqrt(max(steps, 1))
+        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate * self.num_examples_private,
+                                           steps)
         block = {
             # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
             **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
@@ -1131,7 +1175,7 @@ class DPTrainer(Trainer):
         }
         self.log(block)
         if run_ratio > NOISE_TO_SIGNAL_WARNING:
-            msg = _advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
+            msg = learning_advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
 
@@ -1227,11 +1271,29 @@ class DPTrainer(Trainer):
 
         A ``grad_norm`` entry (the Trainer's norm of the already-noised update, not a clipping statistic) is dropped;
         ``DPTrainer`` does not compute it (:meth:`_get_grad_norm`).
+
+        The training ``loss`` (and the final ``train_loss``) is the realised mean of the per-example losses over the
+        examples sampled in the steps released since the last log (over the run), summed over the ranks
+        (:class:`~hf_dp.clipping.step.RealisedLoss`): not divided by the expected batch, so it does not jump with the
+        realised batch size, and an empty step, having no loss, does not pull it down (a window of empty steps logs
+        no ``loss``). Like the plain Trainer's, it is computed from the private data without noise: it is not covered
+        by the DP guarantee (the card omits it; pushed training records are redacted).
         """
-        if "grad_norm" in logs:
-            logs = {k: v for k, v in logs.items() if k != "grad_norm"}
+        if "train_runtime" in logs and "train_loss" in logs:  # the dict train() returns as TrainOutput.metrics
+            mean = self._realised_loss.run_mean()
+            logs["train_loss"] = float("nan") if mean is None else mean
+        # ``logs`` is changed in place, as the Trainer's own ``log`` does: ``evaluate()`` returns the dict it logged,
+        # and a subclass's ``log`` (trl's) adds its metrics to the same dict.
+        if "loss" in logs and getattr(self, "_logging_train_loss", False):
+            mean = self._realised_loss.pop_window()
+            rest = {k: v for k, v in logs.items() if k != "loss"}
+            logs.clear()
+            if mean is not None:  # a window of empty steps only has no loss (the key is left out)
+                logs["loss"] = mean
+            logs.update(rest)
+        logs.pop("grad_norm", None)
         if self.accountant.steps > 0 and self.train_dataset is not None:
-            logs = {**logs, **self.privacy_record().log_fields(final="train_runtime" in logs)}
+            logs.update(self.privacy_record().log_fields(final="train_runtime" in logs))
             if self.group_clipper is not None:
                 logs.update(self._group_logs())
         super().log(logs, *args, **kwargs)
@@ -1268,6 +1330,7 @@ class DPTrainer(Trainer):
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:
             self.accountant = self._new_accountant()  # a new model is built in train()
+            self._secret_seed = None  # ... with a history of its own (_run_seed)
             self.noise_multiplier = self.args.noise_multiplier
         else:
             # Another trainer may have trained this model since this one was built: continue from all it carries.
@@ -1301,9 +1364,24 @@ class DPTrainer(Trainer):
                 self._load_from_checkpoint(resume_from_checkpoint)
                 return TrainOutput(self.accountant.steps, float("nan"), {"epsilon": self.privacy_record().epsilon()})
         try:
-            return super().train(resume_from_checkpoint or None, *args, **kwargs)
+            output = super().train(resume_from_checkpoint or None, *args, **kwargs)
         finally:
             self._state_guard.stop()  # the run's releases are over (also when train() raised)
+        return self._with_realised_train_loss(output)
+
+    def _with_realised_train_loss(self, output: TrainOutput) -> TrainOutput:
+        """``TrainOutput.training_loss`` as logged: the realised mean loss of the run's released steps (NaN when
+        no example was sampled; :class:`~hf_dp.clipping.step.RealisedLoss`)."""
+        mean = self._realised_loss.run_mean()
+        return output._replace(training_loss=float("nan") if mean is None else mean)
+
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        """``Trainer._maybe_log_save_evaluate``; the training loss it logs is replaced in :meth:`log`."""
+        self._logging_train_loss = True
+        try:
+            return super()._maybe_log_save_evaluate(*args, **kwargs)
+        finally:
+            self._logging_train_loss = False
 
     def _dp_state(self) -> dict[str, Any]:
         """The content of ``dp_state.json``: :meth:`privacy_record` as a dict."""
@@ -1346,6 +1424,12 @@ class DPTrainer(Trainer):
             ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
             ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
         ]
+        if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
+            hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
+            hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
+        if a.dp_adam_bias_correction:
+            hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
+            hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
         return hp
 
     def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.abspath(hf_dp.__file__))
 TRAINER = "hf_dp.trainer"
 CARDS = "hf_dp.cards"
 #: who may import the trainer: the package's public namespace and the trainer's subclass (trl's SFTTrainer)
-TRAINER_IMPORTERS = {"hf_dp", "hf_dp.sft"}
+TRAINER_IMPORTERS = {"hf_dp", "hf_dp.sft", "hf_dp.preference"}  # preference: DPDPOTrainer, DPRewardTrainer
 
 
 def module_files(root: str, package: str) -> dict[str, tuple[str, bool]]:

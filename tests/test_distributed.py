@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
+from helpers import flat_clipped_sum, lm_dataset, per_example_grads, single_example_loss, tiny_gpt2
 
 from hf_dp import PoissonBatchSampler, PrivacyAccountant
 
@@ -65,6 +65,12 @@ def test_two_processes_identical_exact_and_noised_once(tmp_path):
     expected = flat_clipped_sum(per_example_grads(model, lm_dataset(N, seed=3), indices), C)
     for k, upd in clean[0].items():
         torch.testing.assert_close(upd, expected[k] / expected_batch, rtol=1e-7, atol=1e-10, msg=k)
+    # The logged loss: the realised mean of the sampled examples' own losses, summed over both ranks (same on each).
+    data = lm_dataset(N, seed=3)
+    with torch.no_grad():
+        own = [float(single_example_loss(model, {k: torch.tensor([data[i][k]]) for k in data.column_names}))
+               for i in indices]
+    assert [i["training_loss"] for i in info] == pytest.approx([sum(own) / len(own)] * 2, rel=1e-9)
 
     noisy, info = launch(tmp_path / "noisy", SIGMA)
     for k in noisy[0]:

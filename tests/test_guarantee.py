@@ -422,6 +422,80 @@ def test_train_twice_with_target_epsilon_budget_left(tmp_path):
     assert trainer.privacy_spent()["epsilon"] <= 8.0
 
 
+# ---------------------------------------------------------------------- interrupted and resumed steps
+# A step left half done must go out whole or not at all (DESIGN invariant 11). D′ drops D's *first* example, which is
+# the first chunk (GA = m, one example per chunk): the chunk a half-done step leaves behind. Counted again by the next
+# release, it would move Σ_D − Σ_D′ to 2·g₀ − g₁ (‖·‖ > C).
+def first_removed(m: int) -> Dataset:
+    return bert_data(N).select(range(N - m, N))
+
+
+class _AfterFirstChunk(TrainerCallback):
+    """Once, after the first chunk of the first step: raise ``error``, or set the control flag ``flag``."""
+
+    def __init__(self, error: BaseException | None = None, flag: str | None = None):
+        self.error, self.flag, self.fired = error, flag, False
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if not self.fired:
+            self.fired = True
+            if self.error is not None:
+                raise self.error
+            setattr(control, self.flag, True)
+
+
+def interrupted_then_train_again(trainer):
+    """A notebook: the run is interrupted between two chunks (KeyboardInterrupt), then the cell is run again."""
+    trainer.add_callback(_AfterFirstChunk(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    trainer.train()
+    assert trainer.accountant.steps == 1
+
+
+def test_interrupted_train_then_train_again_holds(tmp_path):
+    assert_neighbours_within_c(tmp_path, train=interrupted_then_train_again, ga="all", data_fn=first_removed)
+
+
+def build_epoch_cut(args, data):
+    trainer = default_build(args, data)
+    trainer.add_callback(_AfterFirstChunk(flag="should_epoch_stop"))
+    return trainer
+
+
+def test_callback_ending_the_epoch_inside_a_step_holds(tmp_path):
+    """q = 1, one step per epoch: epoch 1's step is cut after its first chunk, epoch 2's is released."""
+    assert_neighbours_within_c(tmp_path, build=build_epoch_cut, ga="all", data_fn=first_removed, max_steps=-1,
+                               num_train_epochs=2)
+
+
+def build_out_of_memory_once(args, data):
+    """Micro-batches of 2 (the memory bound ``auto_find_batch_size`` starts from): the step's second micro-batch runs
+    out of memory once, after the first (examples 0 and 1) was clipped into the step's sum; accelerate's
+    ``find_executable_batch_size`` re-runs the loop with micro-batches of 1."""
+    model = bert()
+    first_row, fired = data[0]["input_ids"], []
+
+    def forward_pre_hook(module, args_, kwargs):
+        ids = kwargs.get("input_ids")
+        if not fired and ids is not None and ids.shape[0] >= 2 and ids[0].tolist() != first_row:
+            fired.append(True)
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model.register_forward_pre_hook(forward_pre_hook, with_kwargs=True)
+    args.auto_find_batch_size = True
+    trainer = DPTrainer(model=model, args=args, train_dataset=data)
+    trainer._train_batch_size = 2  # the micro-batch bound (memory only); the expected batch stays m (q = 1)
+    return trainer
+
+
+def test_out_of_memory_retry_holds(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="hf_dp.clipping.step"):
+        assert_neighbours_within_c(tmp_path, build=build_out_of_memory_once, data_fn=first_removed)
+    assert caplog.text.count("OutOfMemoryError escaped") == 2  # once on D, once on D′
+
+
 # ---------------------------------------------------------------------- usages that are refused
 def flattening_build(args, data):
     from transformers import DataCollatorWithFlattening

@@ -226,6 +226,14 @@ class FSDPFlatClipping(DPStep):
         self._layout_checked = False
         self.engine.summed_grads = {}
 
+    def _discard_partial(self) -> None:
+        """A discarded step's pass-2 backward left its clipped sum in the sharded ``.grad``: dropped; the first-step
+        check it was part of runs again on the next step."""
+        model = self._step_model if self._step_model is not None else self.engine.model
+        for p in model.parameters():
+            p.grad = None
+        self._checking = False
+
     # ------------------------------------------------------------------ the step
     def training_step(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
         """One chunk of a logical step (``inputs=None``: this rank's chunk is empty). Returns the logged loss."""
@@ -256,8 +264,11 @@ class FSDPFlatClipping(DPStep):
                 self._check_layout(model, part, part_labels)
             if self._checking and not self._singles_checked:
                 self._check_single_examples(model, part, part_labels)
-            losses = self._two_pass(model, part, part_labels, weights)
-            loss_sum = loss_sum + (losses.double() * weights.to(losses.device)).sum().to(loss_sum)
+            nonfinite_before = int(self.nonfinite_in_step)
+            losses = self._two_pass(model, part, part_labels, weights)  # a non-finite example's loss comes back 0
+            micro_sum = (losses.double() * weights.to(losses.device)).sum()
+            self._add_losses(micro_sum, weights.sum() - (int(self.nonfinite_in_step) - nonfinite_before))
+            loss_sum = loss_sum + micro_sum.to(loss_sum)
             self.stats["micro_batches"] += 1
         if pc.sync_gradients():
             self.finish_step(model)
@@ -294,7 +305,8 @@ class FSDPFlatClipping(DPStep):
             losses = self._forward_losses(model, batch, labels)
             engine.norms_backward(losses, retain_graph=True)
         norms_sq = engine.per_example_norms_sq()
-        factors = flat_clip_factors(norms_sq, pc.args.per_sample_max_grad_norm, b).to(losses.device)
+        factors = flat_clip_factors(norms_sq, pc.args.per_sample_max_grad_norm, b, pc.args.clipping_function,
+                                    pc.args.automatic_clipping_gamma).to(losses.device)
         factors = factors * weights.to(device=losses.device, dtype=factors.dtype)
         bad = ~torch.isfinite(losses.detach()) | ((factors == 0) & (weights.to(factors.device) > 0))
         factors = torch.where(bad, 0.0, factors)
@@ -332,13 +344,13 @@ class FSDPFlatClipping(DPStep):
     def finish_step(self, model: nn.Module) -> None:
         """At the step's last chunk: noise once per coordinate on the local shards, record the step."""
         pc = self.pieces
-        self._chunk_in_step = 0
         params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
         if not pc.budget_allows(1):
             pc.stop_for_budget()  # never release a step beyond the budget: no update, nothing recorded
             for _, p in params:
                 p.grad = None
             self._checking = False
+            self._step_released(released=False)
             return
         world = pc.args.world_size
         for n, p in params:
@@ -356,6 +368,7 @@ class FSDPFlatClipping(DPStep):
                 shards = [p.grad.to_local() for _, p in params]  # no-grad to_local: the DTensor's own storage
             add_noise_to_shards(shards, std, lambda device, k: noise.for_shard(step, rank, device, k))
         accountant.step(sigma, pc.sample_rate())
+        self._step_released()
 
     # ------------------------------------------------------------------ self-check (dp_self_check)
     def _norms_only(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,8 @@ class LocalDPStep(DPStep):
                 b = rows if segments is None else int(segments.max()) + 1
                 if not self.self_checked:  # always: coverage never depends on dp_self_check
                     pc.self_check(net, micro, micro_labels)
-                units, weights = unit_layout(micro_units, args.user_contribution)
+                units, weights = (unit_layout(micro_units, args.user_contribution) if pc.unit_layout is None
+                                  else pc.unit_layout(micro_units))
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
                 with pc.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):
@@ -83,7 +84,8 @@ class LocalDPStep(DPStep):
                 if pc.group_clipper is None:
                     norms_sq = engine.per_example_norms_sq()  # per user with user-level units
                     n_units = b if units is None else int(units.max()) + 1
-                    factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units)
+                    factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units,
+                                                args.clipping_function, args.automatic_clipping_gamma)
                     engine.accumulate_clipped(factors.to(losses.device))
                     zero = (factors == 0).to(losses.device)
                     bad = bad | (zero if units is None else zero[units])
@@ -91,7 +93,9 @@ class LocalDPStep(DPStep):
                     engine.finish_fused()  # groups were clipped during the backward pass
                 engine.clear()
                 self.nonfinite_in_step = self.nonfinite_in_step + bad.sum()
-                loss_sum = loss_sum + torch.where(bad, 0.0, losses).sum().to(loss_sum.device)
+                micro_sum = torch.where(bad, 0.0, losses).sum()
+                self._add_losses(micro_sum, (~bad).sum())  # the logged loss: the realised mean (step.RealisedLoss)
+                loss_sum = loss_sum + micro_sum.to(loss_sum.device)
         if pc.sync_gradients():
             self.finish_step(model)
         return loss_sum / self._local_expected()
@@ -99,7 +103,6 @@ class LocalDPStep(DPStep):
     def finish_step(self, model: nn.Module | None = None) -> None:
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
         pc = self.pieces
-        self._chunk_in_step = 0
         pc.check_release()  # nothing changed inside the step (guarantee.ReleasedStateGuard)
         engine = self.engine
         summed = engine.pop_summed_grads()
@@ -108,6 +111,7 @@ class LocalDPStep(DPStep):
             pc.stop_for_budget()
             for p in engine.params.values():
                 p.grad = None
+            self._step_released(released=False)
             return
         device = next(iter(summed.values())).device
         stds = pc.noise_stds()
@@ -126,6 +130,7 @@ class LocalDPStep(DPStep):
             p.grad = grads[name].to(p.dtype)
         pc.grad_guard.released(engine.params.values())  # before the optimizer step: these and only these
         accountant.step(pc.noise_multiplier(), pc.sample_rate())
+        self._step_released()
 
     # ------------------------------------------------------------------ first-step checks
     def self_check(self, net: nn.Module, micro: dict, labels: torch.Tensor) -> None:

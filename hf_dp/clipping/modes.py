@@ -7,6 +7,12 @@ Group-wise clipping (He et al. 2023, §2-3): parameters are split into groups ``
 devices), each example's gradient restricted to group ``k`` is clipped to ``C_k``, so the release
 ``(Σ_i c_{i,k} g_{i,k})_k`` has sensitivity ``(Σ_k C_k²)^½``; with per-layer groups the clipping runs inside the
 backward pass (``ClippingEngine.set_fused_groups``). Adaptive thresholds follow Alg. 1.
+
+Automatic clipping (Bu et al., "Automatic Clipping: Differentially Private Deep Learning Made Easier and Stronger",
+NeurIPS 2023, "AUTO-S"): ``c_i = C / (‖g_i‖ + γ)`` instead of ``min(1, C / ‖g_i‖)`` — every example is
+normalised, small gradients included; ``‖c_i g_i‖ = C ‖g_i‖ / (‖g_i‖ + γ) < C``, so the sensitivity stays ``C`` (and
+``(Σ_k C_k²)^½`` per group: ``C_k / (‖g_{i,k}‖ + γ)``) and the noise and the accounting are unchanged. C then only
+scales the update (with SGD it is interchangeable with the learning rate; Adam is almost invariant to it).
 """
 
 from __future__ import annotations
@@ -19,28 +25,54 @@ from torch import nn
 
 from .engine import ClippingEngine
 
-__all__ = ["flat_clip_factors", "clip_factors_from_norms", "STABILITY_EPS", "ClipGroup", "GroupClipper",
-           "build_groups"]
+__all__ = ["flat_clip_factors", "clip_factors_from_norms", "STABILITY_EPS", "CLIPPING_FUNCTIONS", "ClipGroup",
+           "GroupClipper", "build_groups"]
 
 STABILITY_EPS = 1e-6
+CLIPPING_FUNCTIONS = ("clip", "automatic")
+"""``"clip"``: ``min(1, C / ‖g‖)`` (Abadi et al. 2016); ``"automatic"``: ``C / (‖g‖ + γ)`` (Bu et al. 2023)."""
 
 
-def clip_factors_from_norms(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, C / (‖g‖ + 1e-6))``: ``‖g‖ · factor ≤ C`` always holds, and tiny gradients are left unscaled.
+def clip_factors_from_norms(norms: torch.Tensor, max_norm: float, function: str = "clip",
+                            gamma: float = 0.01) -> torch.Tensor:
+    """Per-example factors from per-example norms, with ``‖g‖ · factor ≤ C`` always.
+
+    * ``function="clip"``: ``min(1, C / (‖g‖ + 1e-6))``; tiny gradients are left unscaled.
+    * ``function="automatic"``: ``C / (‖g‖ + γ)`` (Bu et al. 2023, AUTO-S, with stability constant γ > 0):
+      every gradient is rescaled to norm ``C ‖g‖ / (‖g‖ + γ) < C``.
 
     An example whose norm is not finite (a NaN or infinite loss, e.g. a NaN regression label) gets factor 0: it
     contributes nothing, so the sensitivity stays ``C`` (the engine also zeroes its rows, since ``0 · NaN = NaN``).
     """
-    factors = (max_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+    if function == "clip":
+        factors = (max_norm / (norms + STABILITY_EPS)).clamp(max=1.0)
+    elif function == "automatic":
+        if not gamma > 0:
+            raise ValueError(f"automatic clipping needs γ > 0 (automatic_clipping_gamma), got {gamma}.")
+        factors = max_norm / (norms + gamma)
+    else:
+        raise ValueError(f"clipping_function must be one of {CLIPPING_FUNCTIONS}, got {function!r}.")
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
-def flat_clip_factors(norms_sq: dict[str, torch.Tensor], max_norm: float, batch_size: int) -> torch.Tensor:
-    """Per-example factors for flat clipping from ``{param: (B,) squared norms}``."""
+def flat_clip_factors(norms_sq: dict[str, torch.Tensor], max_norm: float, batch_size: int, function: str = "clip",
+                      gamma: float = 0.01) -> torch.Tensor:
+    """Per-example factors for flat clipping from ``{param: (B,) squared norms}`` (:func:`clip_factors_from_norms`)."""
     if not norms_sq:
         return torch.ones(batch_size)
     total = torch.stack(list(norms_sq.values())).sum(0)
-    return clip_factors_from_norms(total.sqrt(), max_norm)
+    return clip_factors_from_norms(total.sqrt(), max_norm, function, gamma)
+
+
+ADAPTIVE_AUTOMATIC_REFUSAL = (
+    "clipping='adaptive_per_layer' cannot be combined with clipping_function='automatic'. Adaptive clipping (He et "
+    "al. 2023, Alg. 1) moves each threshold C_k to a private quantile of the group's gradient norms so that a target "
+    "fraction of examples goes unclipped; automatic clipping (Bu et al. 2023) rescales every example by "
+    "C_k / (‖g‖ + γ), so no example is unclipped and C_k only sets the group's step size. The quantile would still "
+    "track the norms, but it would spend part of the budget (quantile_budget_fraction) on what the learning rate "
+    "already sets. Use clipping='per_layer' (or 'flat') with clipping_function='automatic', or adaptive_per_layer "
+    "with clipping_function='clip'."
+)
 
 
 # ---------------------------------------------------------------------- group-wise clipping (He et al. 2023)
@@ -133,10 +165,19 @@ class GroupClipper:
         quantile_lr: ``η`` of the geometric update ``C_k ← C_k exp(−η (b̃_k − q))``.
         rescale_to: if set, after each update thresholds are rescaled so that ``‖(C_1..C_K)‖ = rescale_to``
             (App. A.1: ``C̃_k = C · C_k / (Σ C_k²)^½``).
+        function, gamma: the clipping function, ``"clip"`` (``min(1, C_k / ‖g_{i,k}‖)``) or ``"automatic"``
+            (``C_k / (‖g_{i,k}‖ + γ)``, Bu et al. 2023); see :func:`clip_factors_from_norms`. Automatic clipping
+            is not combined with adaptive thresholds: it rescales every example, so no example is "unclipped", and
+            the private quantile of the norms would only set each group's step size, at a privacy cost.
     """
 
     def __init__(self, groups: list[ClipGroup], thresholds: list[float], adaptive: bool = False,
-                 target_quantile: float = 0.5, quantile_lr: float = 0.3, rescale_to: float | None = None):
+                 target_quantile: float = 0.5, quantile_lr: float = 0.3, rescale_to: float | None = None,
+                 function: str = "clip", gamma: float = 0.01):
+        if function not in CLIPPING_FUNCTIONS:
+            raise ValueError(f"clipping_function must be one of {CLIPPING_FUNCTIONS}, got {function!r}.")
+        if adaptive and function != "clip":
+            raise ValueError(ADAPTIVE_AUTOMATIC_REFUSAL)
         if len(thresholds) != len(groups):
             raise ValueError(f"{len(groups)} clipping groups but {len(thresholds)} thresholds.")
         if any(not c > 0 for c in thresholds):
@@ -147,6 +188,8 @@ class GroupClipper:
         self.target_quantile = target_quantile
         self.quantile_lr = quantile_lr
         self.rescale_to = rescale_to
+        self.function = function
+        self.gamma = gamma
         self.released_unclipped_fraction: torch.Tensor | None = None
         self._counts = torch.zeros(len(groups), dtype=torch.float64)
 
@@ -155,13 +198,14 @@ class GroupClipper:
         return len(self.groups)
 
     def factors(self, k: int, norms_sq: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Group ``k``'s per-example factors ``min(1, C_k / ‖g_{i,k}‖)``; counts ``Σ_i (1[‖g_{i,k}‖ ≤ C_k] − ½)``."""
+        """Group ``k``'s per-example factors ``min(1, C_k / ‖g_{i,k}‖)`` (``C_k / (‖g_{i,k}‖ + γ)`` with automatic
+        clipping); adaptive: counts ``Σ_i (1[‖g_{i,k}‖ ≤ C_k] − ½)``."""
         norm = torch.stack(list(norms_sq.values())).sum(0).sqrt()
         c_k = float(self.thresholds[k])
         if self.adaptive:
             # Symmetrised count (Andrew et al. 2019; He et al. 2023 App. D): sensitivity 1/2 per group.
             self._counts[k] += float(((norm <= c_k).double() - 0.5).sum())
-        return clip_factors_from_norms(norm, c_k)
+        return clip_factors_from_norms(norm, c_k, self.function, self.gamma)
 
     def pop_counts(self) -> torch.Tensor:
         """This step's ``Σ_i (b_{i,k} − ½)`` per group (to be privatized); resets them."""

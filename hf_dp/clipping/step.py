@@ -17,11 +17,13 @@ subclass's override (``DPSFTTrainer._segment_ids``, ``_micro_batches``, ``_self_
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..accounting import PrivacyAccountant
@@ -30,7 +32,9 @@ from ..noise import NoiseGenerator
 from .engine import ClippingEngine
 from .modes import GroupClipper
 
-__all__ = ["DPStep", "StepPieces", "UNIT_KEY", "slice_batch"]
+__all__ = ["DPStep", "RealisedLoss", "StepPieces", "UNIT_KEY", "slice_batch"]
+
+logger = logging.getLogger(__name__)
 
 UNIT_KEY = "_hf_dp_unit"
 """The batch key under which the trainer's loader carries each row's privacy-unit (user) id (user-level DP)."""
@@ -40,6 +44,48 @@ def slice_batch(inputs: dict, sl: Any, batch: int) -> dict:
     """The rows ``sl`` of every tensor in ``inputs`` whose first axis is the batch (``batch`` rows); others as is."""
     return {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v
             for k, v in inputs.items()}
+
+
+class RealisedLoss:
+    """The logged training loss: the mean of the per-example losses over the examples of the *released* steps.
+
+    Each released step adds its ``(Σ_i L_i, n)`` (summed over the ranks, examples with a non-finite loss left out);
+    :meth:`pop_window` gives the mean since the last logged loss, :meth:`run_mean` the mean over the run (the final
+    ``train_loss``). A step that is discarded (DESIGN invariant 11) adds nothing, and an empty Poisson step adds no
+    example, so neither pulls the mean towards 0; the realised batch size does not scale it (it is not divided by
+    the expected batch). Like the plain Trainer's loss, it is computed from the private data without noise: it is
+    **not** covered by the DP guarantee (never published by hf_dp: the card omits it, pushed records are redacted).
+    Totals stay on the device; they are read (one synchronisation) only when a loss is logged.
+    """
+
+    def __init__(self) -> None:
+        self._window: torch.Tensor | None = None
+        self._run: torch.Tensor | None = None
+
+    def reset_run(self) -> None:
+        """At train start: a new run, a new window."""
+        self._window = self._run = None
+
+    def add(self, totals: torch.Tensor) -> None:
+        """One released step's ``[Σ_i L_i, n]`` (float64, already summed over the ranks)."""
+        self._window = totals if self._window is None else self._window + totals
+        self._run = totals if self._run is None else self._run + totals
+
+    @staticmethod
+    def _mean(totals: torch.Tensor | None) -> float | None:
+        if totals is None:
+            return None
+        loss_sum, count = totals.tolist()
+        return loss_sum / count if count > 0 else None
+
+    def pop_window(self) -> float | None:
+        """The mean over the examples of the steps released since the last call (None: no example in them)."""
+        mean, self._window = self._mean(self._window), None
+        return mean
+
+    def run_mean(self) -> float | None:
+        """The mean over the examples of every step released since :meth:`reset_run` (None: no example)."""
+        return self._mean(self._run)
 
 
 @dataclass
@@ -79,14 +125,30 @@ class StepPieces:
     optimizer: Callable[[], Any]
     # called first thing when a step releases (or, at a budget stop, releases nothing): the released-state check
     check_release: Callable[[], None] = lambda: None
+    # where released steps' losses go (the logged loss); the trainer keeps one across rebuilt strategies
+    realised_loss: RealisedLoss = field(default_factory=RealisedLoss)
+    # ``units -> (local unit ids, weights)`` for a micro-batch whose model rows are not one example each (the two
+    # sequences of a preference pair, ``hf_dp/preference.py``); None: ``local.unit_layout`` with user_contribution
+    unit_layout: Callable[[torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
 
 
 class DPStep(abc.ABC):
-    """One DP step strategy. The trainer calls :meth:`training_step` once per chunk of a logical step.
+    """One DP step strategy. The trainer calls :meth:`run_chunk` once per chunk of a logical step.
 
     State shared by all strategies: :attr:`self_checked` (the first-step checks ran this run),
     :attr:`nonfinite_in_step` (examples of the current step given clipping factor 0 for a non-finite loss or norm,
     collected by the trainer's report), and the chunk count (:attr:`at_step_boundary`).
+
+    **A step is atomic** (DESIGN invariant 11). Everything a step accumulates before its release — the engine's
+    clipped sums (:attr:`ClippingEngine.summed_grads`), the group clipper's clip counts, the non-finite count, the
+    chunk count, the per-example losses of the logged loss, and (under FSDP) the pass-2 gradients in ``.grad`` — goes
+    out whole with that step's noise in :meth:`finish_step`, or is discarded by :meth:`discard_step`. Every way into
+    a step goes through here: :meth:`begin_step` when the trainer fetches a new step's chunks, :meth:`run_chunk`
+    (an exception escaping a chunk discards the step before it propagates), :meth:`reset` at ``train()`` and at
+    every train start (``on_train_begin``, also when accelerate's ``find_executable_batch_size`` re-runs the loop
+    after running out of memory). A discarded step released nothing and the accountant did not count it; the step
+    that replaces it is drawn as the same DP step (the trainer's Poisson draw of DP step ``k`` depends only on the
+    run's seed and ``k``), so a retry never picks a new draw.
     """
 
     def __init__(self, pieces: StepPieces):
@@ -95,6 +157,8 @@ class DPStep(abc.ABC):
         self.self_checked = False
         self.nonfinite_in_step: torch.Tensor | int = 0
         self._chunk_in_step = 0
+        self._step_losses: tuple | None = None  # (Σ_i L_i, n) of this step's chunks on this rank
+        self._step_model: nn.Module | None = None  # the model the open step's chunks ran on
 
     @property
     def at_step_boundary(self) -> bool:
@@ -108,11 +172,96 @@ class DPStep(abc.ABC):
         return count
 
     def reset(self) -> None:
-        """At ``train()``: the next chunk starts a logical step; a half-done step is dropped."""
-        self._chunk_in_step = 0
+        """At ``train()`` and at every train start: the next chunk starts a logical step; a half-done step (an
+        interrupted ``train()``, a retry after running out of memory) is discarded, with a logged warning."""
+        self.discard_step("training started again after a run that stopped inside the step")
         self.nonfinite_in_step = 0
 
+    # ------------------------------------------------------------------ the step's state (DESIGN invariant 11)
+    def begin_step(self) -> None:
+        """A new logical step begins (the trainer fetches its chunks): the step state must be empty. A step left
+        half done — a callback that ended the epoch or the run between two chunks, an epoch that ended inside a
+        step — is discarded here, with a logged warning, so its clipped sum is never added to this one's."""
+        self.discard_step("a new step began before it was released (a callback ended the epoch or the run, or the "
+                          "epoch ended, between two of its gradient accumulation chunks)")
+
+    def run_chunk(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
+        """One chunk of a logical step (:meth:`training_step`), the one way the trainer runs the strategy: an
+        exception escaping it (``KeyboardInterrupt``, running out of memory, a refusal) discards the step first."""
+        if self._chunk_in_step == 0 and self.has_partial_step():
+            self.discard_step("the state of an earlier step was still held when a step began")
+        try:
+            return self.training_step(model, inputs)
+        except BaseException as err:
+            self.discard_step(f"{type(err).__name__} escaped the DP step", force=True)
+            raise
+
+    def has_partial_step(self) -> bool:
+        """Whether a step has begun and not been released: a chunk ran, or clipped sums are held."""
+        return self._chunk_in_step > 0 or bool(self.engine.summed_grads)
+
+    def discard_step(self, reason: str, force: bool = False) -> bool:
+        """Drop the open step's whole state; nothing of it is released, counted or logged. Logs a warning when there
+        was one (``force``: treat the step as open, e.g. an exception inside :meth:`finish_step`). Returns whether
+        a step was discarded."""
+        chunks = self._chunk_in_step
+        gc = self.pieces.group_clipper
+        counts = gc.pop_counts() if gc is not None else None
+        partial = force or self.has_partial_step() or (counts is not None and bool(counts.any()))
+        self._chunk_in_step = 0
+        self._step_losses = None
+        if not partial:
+            return False
+        self.engine.summed_grads = {}
+        self.engine.clear()
+        self.nonfinite_in_step = 0
+        self._discard_partial()
+        self._step_model = None
+        logger.warning(
+            "hf_dp: a DP step left half done (%d of %d chunk(s) run) was discarded: %s. Its clipped sums, clip "
+            "counts and non-finite count are dropped; nothing of it was released, counted by the accountant or "
+            "logged. The step is drawn again as the same DP step (same Poisson draw).",
+            chunks, self.pieces.args.gradient_accumulation_steps, reason)
+        return True
+
+    def _discard_partial(self) -> None:
+        """Strategy-specific state of a discarded step (FSDP: the pass-2 gradients). By default the ``.grad`` of the
+        clipped parameters, which a step writes only in :meth:`finish_step`."""
+        for p in self.engine.params.values():
+            p.grad = None
+
+    def _add_losses(self, loss_sum: torch.Tensor, count: torch.Tensor | int) -> None:
+        """Add a micro-batch's ``Σ_i L_i`` over ``count`` examples (finite losses only) to the step's logged loss
+        (kept as they come, on their devices: no copy and no synchronisation per micro-batch)."""
+        if self._step_losses is None:
+            self._step_losses = (loss_sum.detach(), count)
+        else:
+            total, n = self._step_losses
+            self._step_losses = (total + loss_sum.detach(), n + count)
+
+    def _step_released(self, released: bool = True) -> None:
+        """End of :meth:`finish_step`: the step went out (``released``: its losses join the logged loss, summed over
+        the ranks) or released nothing (budget stop). Either way the step state is now empty."""
+        if released:
+            device = self.pieces.args.device
+            if self._step_losses is None:
+                totals = torch.zeros(2, dtype=torch.float64, device=device)
+            else:
+                total, n = self._step_losses
+                totals = torch.stack([total.to(device=device, dtype=torch.float64).reshape(()),
+                                      torch.as_tensor(n, dtype=torch.float64).to(device).reshape(())])
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(totals)  # every rank finishes every step (empty chunks included)
+            self.pieces.realised_loss.add(totals)
+        gc = self.pieces.group_clipper
+        if gc is not None:
+            gc.pop_counts()  # released with the gradient (adaptive clipping) or, with nothing released, dropped
+        self._step_losses = None
+        self._chunk_in_step = 0
+        self._step_model = None
+
     def _begin_chunk(self, model: nn.Module) -> None:
+        self._step_model = model
         model.train()
         optimizer = self.pieces.optimizer()
         if hasattr(optimizer, "train") and callable(optimizer.train):
@@ -120,17 +269,21 @@ class DPStep(abc.ABC):
         self._chunk_in_step += 1
 
     def _local_expected(self) -> int:
-        """This rank's expected batch per step: the logged loss is ``Σ_i L_i`` over it (summed over the chunks, the
-        step's mean loss)."""
+        """This rank's expected batch per step: each chunk returns ``Σ_i L_i`` over it to the Trainer's own loss
+        accumulator (summed over the chunks, about the step's mean loss). The loss the trainer logs is not that one:
+        it is the realised mean over the examples of the released steps (:class:`RealisedLoss`)."""
         args = self.pieces.args
         return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
     @abc.abstractmethod
     def training_step(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
-        """One chunk of a logical step (``inputs=None``: this rank's Poisson chunk is empty). Returns the logged
-        loss; at the step's last chunk, calls :meth:`finish_step`."""
+        """One chunk of a logical step (``inputs=None``: this rank's Poisson chunk is empty); called through
+        :meth:`run_chunk`. Adds each example's finite loss to the step's logged loss (:meth:`_add_losses`) and returns
+        the chunk's ``Σ_i L_i / expected batch`` for the Trainer's accumulator; at the step's last chunk, calls
+        :meth:`finish_step`."""
 
     @abc.abstractmethod
     def finish_step(self, model: nn.Module) -> None:
         """Privatize the step's clipped sum once, write ``.grad``, record the step with the accountant — or, when
-        one more step would exceed the budget, release nothing and stop training."""
+        one more step would exceed the budget, release nothing and stop training. Ends with
+        :meth:`_step_released`."""

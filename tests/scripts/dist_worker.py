@@ -30,7 +30,7 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
             save_strategy="no", dp_seed=17, disable_tqdm=True,
         )
     trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(24, seed=3))
-    trainer.train()
+    result = trainer.train()
     rank = trainer.args.process_index
     gc = trainer.group_clipper
     update = {k: (before[k] - p.detach()) for k, p in model.named_parameters()}
@@ -39,6 +39,7 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
         json.dump({"world_size": trainer.args.world_size, "expected_batch_size": trainer.expected_batch_size,
                    "sample_rate": trainer.sample_rate, "epsilon": trainer.privacy_spent()["epsilon"],
                    "steps": trainer.accountant.steps, "seed": trainer._noise.seed,
+                   "training_loss": result.training_loss,
                    "thresholds": None if gc is None else gc.thresholds.tolist(),
                    "groups": None if gc is None else [g.params for g in gc.groups]}, f)
 
