@@ -374,7 +374,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         if segments is None:
             return super()._self_check(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
-        super()._self_check(net, padded, padded_labels)
+        self._dp_step.self_check(net, padded, padded_labels)
         engine = self.clipping_engine
         saved = engine._groups, engine._handler
         engine.set_fused_groups(None, None)
@@ -393,6 +393,16 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 f"examples unpacked ({unpacked.tolist()}): some layer mixes the examples of a packed row or does not "
                 "see one position per token. Train with packing=False."
             )
+        self._check_examples_alone(net, micro, labels)  # each packed segment vs the example collated alone
+
+    def _alone_collator(self, loader: Any = None) -> Any:
+        """With packing, an example sampled alone is collated by trl's unpacked path (the same collator with
+        ``padding_free=False``): the counterfactual each packed segment is compared with."""
+        collator = self._packing_collator
+        if self.padding_free and dataclasses.is_dataclass(collator) and any(
+                f.name == "padding_free" for f in dataclasses.fields(collator)):
+            return dataclasses.replace(collator, padding_free=False)
+        return super()._alone_collator(loader)
 
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         engine = self.clipping_engine

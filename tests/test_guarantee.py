@@ -16,10 +16,10 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2
+from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
 
-from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError
 
 C = 1e-2  # small: every example is clipped, so an unclipped gradient shows as a jump far above C
 N = 5
@@ -611,3 +611,104 @@ def test_steps_within_budget_is_the_last_step_under_the_target():
     assert steps_within_budget(eps, 100, 2.55) == 25
     assert steps_within_budget(eps, 100, 0.05) == 0
     assert budget_allows(24, 1, 25) and not budget_allows(25, 1, 25) and budget_allows(10**6, 1, None)
+
+
+# ---------------------------------------------------------------------- an example's loss is its own (invariant 12)
+# The reference is the counterfactual: the example collated ALONE by the same collator (its own length, padding and
+# positions), checked on the first micro-batch and on a batch of the training set's shortest and longest rows
+# (hf_dp/counterfactual.py). Rows below have very different lengths and are padded by the collator.
+LENGTHS = [3, 9, 5, 12, 4]
+
+
+def varlen_lm(m: int, lengths: list[int] = LENGTHS) -> Dataset:
+    """Causal-LM rows of their own lengths, unpadded (the collator pads)."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(2, 61, (n,), generator=g).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "labels": ids}).select(range(m))
+
+
+def varlen_cls(m: int, lengths: list[int] = LENGTHS) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 61, (n,), generator=g).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "labels": [i % 3 for i in range(len(lengths))]}).select(range(m))
+
+
+def pad_collator(side: str = "right", position_ids: bool = False, mask: bool = True, first_label: bool = True):
+    """Pads ``input_ids`` with 0 (and sequence ``labels`` with -100) to the batch's longest row, on ``side``;
+    ``position_ids`` from the attention mask on request; ``mask=False`` gives an all-ones attention mask (the padding
+    is attended: an example's loss then depends on its batch's longest row); ``first_label=False`` sets each row's
+    first label to -100 (never predicted alone; left-padded, the last padding position would predict it)."""
+
+    def collate(features):
+        longest = max(len(f["input_ids"]) for f in features)
+
+        def pad(x, value):
+            fill = [value] * (longest - len(x))
+            return fill + list(x) if side == "left" else list(x) + fill
+
+        batch = {"input_ids": torch.tensor([pad(f["input_ids"], 0) for f in features]),
+                 "attention_mask": torch.tensor([pad([1] * len(f["input_ids"]), 1 if not mask else 0)
+                                                 for f in features])}
+        labels = [f["labels"] if first_label or not isinstance(f["labels"], list) else [-100] + f["labels"][1:]
+                  for f in features]
+        batch["labels"] = torch.tensor([pad(x, -100) for x in labels] if isinstance(labels[0], list) else labels)
+        if position_ids:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return batch
+
+    return collate
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny_gpt2().double()
+
+
+def collated_build(collator, model_factory=gpt2, **kw):
+    def build(args, data):
+        return DPTrainer(model=model_factory(), args=args, train_dataset=data, data_collator=collator, **kw)
+
+    return build
+
+
+def assert_refused_before_release(trainer, error, match):
+    before = params(trainer.model)
+    with pytest.raises(error, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and all(torch.equal(before[k], p) for k, p in params(trainer.model).items())
+
+
+def test_right_padding_rows_of_very_different_lengths_hold(tmp_path):
+    """GPT-2 (absolute positions) with right padding: rows of 3 to 12 tokens in one batch; held exactly."""
+    assert_neighbours_within_c(tmp_path, build=collated_build(pad_collator("right")), data_fn=varlen_lm)
+
+
+def test_left_padding_with_positions_from_the_layout_is_refused(tmp_path):
+    """GPT-2 takes position_ids = cache_position unless given: left-padded, an example's positions depend on the
+    longest row of its batch. Refused at train start, with the ways out."""
+    trainer = collated_build(pad_collator("left"))(dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, ValueError, "Left padding.*padding_side = 'right'.*position_ids")
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny_llama().double()
+
+
+@pytest.mark.parametrize("model_factory, position_ids", [(gpt2, True), (llama, False)], ids=["gpt2", "llama"])
+def test_left_padding_with_positions_of_the_example_holds(tmp_path, model_factory, position_ids):
+    """Left padding holds exactly when the positions are the example's own: GPT-2 given position_ids from the
+    attention mask; Llama's rotary positions are relative (no refusal at train start). The first label is -100."""
+    collator = pad_collator("left", position_ids=position_ids, first_label=False)
+    assert_neighbours_within_c(tmp_path, build=collated_build(collator, model_factory=model_factory),
+                               data_fn=varlen_lm)
+
+
+def test_left_padded_causal_lm_predicting_its_first_token_from_padding_is_refused(tmp_path):
+    """Left-padded, a causal LM's last padding position predicts the example's first token: a loss term the example
+    alone does not have, present only when a longer row is in the batch (as with transformers'
+    DataCollatorForLanguageModeling and padding_side='left'). Positions are right (Llama: relative): only the
+    counterfactual check sees it, at the first step, before anything is released."""
+    trainer = collated_build(pad_collator("left"), model_factory=llama)(dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError,
+                                  "loss depends on the other rows.*left-padded.*predicts the first token")
