@@ -712,3 +712,84 @@ def test_left_padded_causal_lm_predicting_its_first_token_from_padding_is_refuse
     trainer = collated_build(pad_collator("left"), model_factory=llama)(dp_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, UnsupportedLayerError,
                                   "loss depends on the other rows.*left-padded.*predicts the first token")
+
+
+def dynamic_rope_llama(rope_type: str = "dynamic") -> torch.nn.Module:
+    """Llama whose rope scaling grows with the batch's largest position beyond 8 (rows here have up to 12 tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_llama().config.to_dict()
+    extra = {"original_max_position_embeddings": 8, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4} \
+        if rope_type == "longrope" else {}
+    cfg.update(max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0,
+                                                           "rope_theta": 10000.0, **extra})
+    return LlamaForCausalLM(LlamaConfig(**cfg)).double()
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaling_from_the_longest_row_is_refused_before_training(tmp_path, rope_type):
+    trainer = collated_build(pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type))(
+        dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, ValueError, f"rope_type='{rope_type}'.*fixed rope scaling")
+
+
+def test_rope_scaling_dependence_is_also_caught_by_the_counterfactual(tmp_path, monkeypatch):
+    """Without the configuration refusal, the counterfactual check itself sees the dynamic scaling (the short rows'
+    frequencies change with the longest row of their batch)."""
+    import hf_dp.trainer
+
+    monkeypatch.setattr(hf_dp.trainer, "check_known_dependences", lambda *a, **k: None)
+    trainer = collated_build(pad_collator("right"), model_factory=dynamic_rope_llama)(dp_args(tmp_path, N),
+                                                                                     varlen_lm(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def next_row_token_collator(features):
+    """Mixes rows but keeps the row count: each row's last token is replaced by the next row's first token."""
+    batch = pad_collator("right")(features)
+    ids = batch["input_ids"]
+    last = batch["attention_mask"].sum(1) - 1
+    ids[torch.arange(len(ids)), last] = ids.roll(-1, 0)[:, 0]
+    return batch
+
+
+def mixup_collator(features):
+    """Random mixup on the tokens: each row takes the tokens of a random partner row at random positions."""
+    batch = pad_collator("right", mask=False)(features)
+    ids = batch["input_ids"]
+    partner = torch.randperm(len(ids))
+    take = torch.rand(ids.shape) < 0.3
+    batch["input_ids"] = torch.where(take, ids[partner], ids)
+    return batch
+
+
+@pytest.mark.parametrize("collator", [next_row_token_collator, mixup_collator], ids=["next_row_token", "mixup"])
+def test_collator_that_mixes_rows_is_refused(tmp_path, collator):
+    trainer = collated_build(collator, model_factory=bert)(dp_args(tmp_path, N), varlen_cls(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "collator mixes rows")
+
+
+def test_collator_whose_padding_changes_the_loss_is_refused(tmp_path):
+    """All-ones attention mask: BERT attends to the padding, so an example's loss depends on its batch's longest
+    row."""
+    trainer = collated_build(pad_collator("right", mask=False), model_factory=bert)(dp_args(tmp_path, N),
+                                                                                   varlen_cls(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def padded_length_mean_loss(outputs, labels):
+    """A per-example loss that averages over the padded length (a common slip): it depends on the longest row."""
+    logits = outputs.logits
+    target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    tokens = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+    return tokens.sum(1) / labels.shape[1]
+
+
+def test_lucky_first_batch_of_equal_lengths_is_caught_by_the_hard_batch(tmp_path):
+    """The first micro-batch holds two rows of equal length (no padding: the per-example loss normalised by the
+    padded length looks right on it); the batch of the training set's shortest and longest rows exposes it."""
+    data = varlen_lm(N, lengths=[5, 5, 5, 5, 12])
+    trainer = collated_build(pad_collator("right"), per_example_loss=padded_length_mean_loss)(
+        dp_args(tmp_path, 4, ga=2), data)
+    assert_refused_before_release(trainer, UnsupportedLayerError, "shortest and longest rows")
