@@ -793,3 +793,78 @@ def test_lucky_first_batch_of_equal_lengths_is_caught_by_the_hard_batch(tmp_path
     trainer = collated_build(pad_collator("right"), per_example_loss=padded_length_mean_loss)(
         dp_args(tmp_path, 4, ga=2), data)
     assert_refused_before_release(trainer, UnsupportedLayerError, "shortest and longest rows")
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the 61 ids of the tiny models: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, 61)])}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                                   pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                   mask_token="[MASK]")
+
+
+class Recording:
+    """Wraps a collator and keeps every batch it returns (the training batches, and the checks' collations)."""
+
+    def __init__(self, collator):
+        self.collator, self.batches = collator, []
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        self.batches.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+
+def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle(tmp_path):
+    """transformers' MLM collator masks each row independently at random: it passes the checks (the collator keeps
+    rows apart under the same seed; each row, padding removed, scores as in the batch) and the update is exactly
+    Σ_i clip(∇L_i) over the rows as masked in the step, L_i being BertForMaskedLM's own loss on a batch of one."""
+    import copy
+
+    from helpers import single_example_loss, tiny_bert_mlm
+    from transformers import DataCollatorForLanguageModeling
+
+    torch.manual_seed(0)
+    model = tiny_bert_mlm().double()
+    start = copy.deepcopy(model)
+    collator = Recording(DataCollatorForLanguageModeling(word_tokenizer(), mlm=True, mlm_probability=0.5))
+    data = varlen_lm(N).remove_columns("labels")
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, N), train_dataset=data, data_collator=collator)
+    before = params(model)
+    trainer.train()
+    (step,) = [b for b in collator.batches if b["input_ids"].shape[0] == N]  # the step's batch (q = 1)
+    assert bool((step["labels"] != -100).any()) and bool((step["input_ids"] == 4).any())  # masked at random
+    oracle = {n: torch.zeros_like(p) for n, p in start.named_parameters()}
+    for i in range(N):
+        keep = step["attention_mask"][i].bool()
+        row = {k: v[i][keep][None] for k, v in step.items()}
+        if not bool((row["labels"] != -100).any()):
+            continue  # no masked token: no loss
+        start.zero_grad(set_to_none=True)
+        single_example_loss(start, row).backward()
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in start.named_parameters()}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        for n in oracle:
+            oracle[n] += min(1.0, C / (norm + 1e-6)) * grads[n]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close((before[n] - p.detach()) * N, oracle[n], rtol=1e-6, atol=1e-12, msg=n)
+
+
+def test_mlm_masking_collator_still_catches_a_loss_that_depends_on_padding(tmp_path):
+    """With a random collator each example is compared with its own row of the batch, padding removed by its
+    attention mask (the same random draw): a per-example loss averaged over the padded length is still refused."""
+    from helpers import tiny_bert_mlm
+    from transformers import DataCollatorForLanguageModeling
+
+    def padded_mean(outputs, labels):
+        tokens = torch.nn.functional.cross_entropy(outputs.logits.transpose(1, 2), labels, reduction="none")
+        return tokens.sum(1) / labels.shape[1]
+
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=tiny_bert_mlm().double(), args=dp_args(tmp_path, N), per_example_loss=padded_mean,
+                        train_dataset=varlen_lm(N).remove_columns("labels"),
+                        data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm_probability=0.5))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows.*collator is random")
