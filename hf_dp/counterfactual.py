@@ -96,11 +96,19 @@ def feature_length(feature: Any) -> int:
     total length of its sequence-valued fields (0 for anything else)."""
     if not isinstance(feature, Mapping):
         return 0
-    for key in ("attention_mask", "input_ids"):
-        v = feature.get(key)
-        if v is not None and hasattr(v, "__len__"):
-            return int(sum(int(x) for x in _flat(v))) if key == "attention_mask" else len(v)
-    return sum(len(v) for v in feature.values() if isinstance(v, (list, tuple, torch.Tensor, np.ndarray)))
+    mask = feature.get("attention_mask")
+    if _size(mask):
+        return int(sum(int(x) for x in _flat(mask)))
+    if _size(feature.get("input_ids")):
+        return _size(feature["input_ids"])
+    return sum(_size(v) for v in feature.values())
+
+
+def _size(v: Any) -> int:
+    """The length of a sequence-valued field (its first axis), 0 for anything else."""
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        return int(v.shape[0]) if v.ndim >= 1 else 0
+    return len(v) if isinstance(v, (list, tuple)) else 0
 
 
 def _flat(v: Any) -> list:
