@@ -678,9 +678,25 @@ def assert_refused_before_release(trainer, error, match):
     assert trainer.accountant.steps == 0 and all(torch.equal(before[k], p) for k, p in params(trainer.model).items())
 
 
-def test_right_padding_rows_of_very_different_lengths_hold(tmp_path):
-    """GPT-2 (absolute positions) with right padding: rows of 3 to 12 tokens in one batch; held exactly."""
-    assert_neighbours_within_c(tmp_path, build=collated_build(pad_collator("right")), data_fn=varlen_lm)
+@pytest.mark.parametrize("model, clipping", [("gpt2", "flat"), ("llama", "flat"), ("bert", "flat"),
+                                             ("gpt2", "per_layer")])
+def test_right_padding_rows_of_very_different_lengths_hold(tmp_path, model, clipping):
+    """Right padding, rows of 3 to 12 tokens in one batch (D′ drops the longest): GPT-2 (absolute positions), Llama
+    (rotary), BERT classification; flat and per-layer clipping. No refusal, held exactly."""
+    factory, data = {"gpt2": (gpt2, varlen_lm), "llama": (llama, varlen_lm), "bert": (bert, varlen_cls)}[model]
+    assert_neighbours_within_c(tmp_path, build=collated_build(pad_collator("right"), model_factory=factory),
+                               data_fn=data, clipping=clipping)
+
+
+def test_transformers_lm_collator_with_a_left_padding_tokenizer_is_refused(tmp_path):
+    """The ordinary way to left-pad: a tokenizer with padding_side='left' and transformers' LM collator."""
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = word_tokenizer()
+    tok.padding_side = "left"
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    trainer = collated_build(collator)(dp_args(tmp_path, N), varlen_lm(N).remove_columns("labels"))
+    assert_refused_before_release(trainer, ValueError, "Left padding with GPT2LMHeadModel")
 
 
 def test_left_padding_with_positions_from_the_layout_is_refused(tmp_path):
@@ -869,3 +885,59 @@ def test_mlm_masking_collator_still_catches_a_loss_that_depends_on_padding(tmp_p
                         train_dataset=varlen_lm(N).remove_columns("labels"),
                         data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm_probability=0.5))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows.*collator is random")
+
+
+def test_batch_dependent_rope_is_found_in_every_spelling():
+    from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig
+
+    from hf_dp.counterfactual import batch_dependent_rope
+
+    assert batch_dependent_rope(LlamaConfig()) is None
+    assert batch_dependent_rope(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})) == "dynamic"
+    assert batch_dependent_rope(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
+    per_layer = Gemma3TextConfig()
+    assert batch_dependent_rope(per_layer) is None
+    per_layer.rope_parameters["full_attention"]["rope_type"] = "dynamic"  # per attention type (Gemma 3)
+    assert batch_dependent_rope(per_layer) == "dynamic"
+    outer = PretrainedConfig()
+    outer.text_config = LlamaConfig(rope_scaling={"type": "dynamic", "factor": 2.0})  # a sub-config, old key
+    assert batch_dependent_rope(outer) == "dynamic"
+
+
+def test_hard_batch_is_the_shortest_and_longest_rows():
+    from hf_dp.counterfactual import hard_batch_indices
+
+    rows = [{"input_ids": [1] * n} for n in [4, 2, 9, 5, 7]]
+    assert hard_batch_indices(rows, size=2) == [1, 2]
+    assert hard_batch_indices(rows, size=3) == [1, 2, 3]
+    masked = [{"input_ids": [1] * 6, "attention_mask": [1] * n + [0] * (6 - n)} for n in [3, 6, 1]]  # pre-padded
+    assert hard_batch_indices(masked, size=2) == [2, 1]
+
+
+def test_collator_randomness_and_row_isolation_as_functions():
+    import os
+
+    from hf_dp.counterfactual import check_collator_keeps_rows_apart, collator_randomness
+
+    rows = [{"input_ids": [i + 2] * 4, "labels": i} for i in range(4)]
+    plain = pad_collator("right")
+
+    def masking(features):  # per-row random masking (MLM-like)
+        batch = plain(features)
+        batch["input_ids"] = torch.where(torch.rand(batch["input_ids"].shape) < 0.5, 4, batch["input_ids"])
+        return batch
+
+    def os_random(features):  # randomness no seed controls
+        batch = plain(features)
+        batch["input_ids"][0, 0] = os.urandom(1)[0] % 50 + 2
+        return batch
+
+    assert collator_randomness(plain, rows) == "none"
+    assert collator_randomness(masking, rows) == "seeded"
+    assert collator_randomness(os_random, rows) == "unseeded"
+    state = torch.get_rng_state()
+    check_collator_keeps_rows_apart(masking, rows)
+    check_collator_keeps_rows_apart(plain, rows)
+    assert torch.equal(state, torch.get_rng_state())  # the checks never shift the training run's random stream
+    with pytest.raises(UnsupportedLayerError, match="row 0's 'input_ids'"):
+        check_collator_keeps_rows_apart(next_row_token_collator, rows)
