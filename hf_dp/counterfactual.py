@@ -408,6 +408,9 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
                       + ": with left padding a causal LM's last padding position also predicts the first token, a "
                       "loss term the example alone does not have (pad on the right, or set the first token's label "
                       "to -100).")
+        if segments is not None:
+            layout = (" The batch is packed (padding-free rows): if the model does not keep packed examples apart at "
+                      "these lengths, train with packing=False and padding_free=False.")
         random_note = (" The collator is random: each example was compared with its own row of the batch, padding "
                        "removed (the same random draw).") if randomness != "none" else ""
         raise UnsupportedLayerError(f"{err}{layout}{random_note} {WAYS_OUT}") from err

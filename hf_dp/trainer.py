@@ -793,7 +793,7 @@ class DPTrainer(Trainer):
         if self.args.bf16 or self.args.fp16:
             return 5e-2
         dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
-        return 1e-6 if dtype == torch.float64 else 1e-3
+        return 1e-5 if dtype == torch.float64 else 1e-3
 
     def _check_known_dependences(self, loader: Any = None) -> None:
         """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
