@@ -66,6 +66,9 @@ __all__ = [
     "feature_length",
     "hard_batch_indices",
     "is_left_padded",
+    "longest_position",
+    "longest_row",
+    "rope_switch_length",
     "unpadded_row",
 ]
 
@@ -243,16 +246,29 @@ def batch_dependent_rope(config: Any) -> str | None:
     """The ``rope_type`` of ``config`` (or of a sub-config, per layer type too) whose frequencies depend on the
     batch's longest position (:data:`BATCH_DEPENDENT_ROPE`), or ``None``. Reads ``rope_parameters`` (transformers 5)
     and ``rope_scaling`` (the older spelling, also kept as an alias)."""
+    found = rope_switch_length(config)
+    return None if found is None else found[0]
+
+
+def rope_switch_length(config: Any) -> tuple[str, int | None] | None:
+    """``(rope_type, L)`` for a batch-dependent rope scaling (:func:`batch_dependent_rope`): its frequencies are the
+    configuration's own as long as the batch's largest position id + 1 is at most ``L`` (transformers'
+    ``dynamic_rope_update``: dynamic NTK grows beyond the config's ``max_position_embeddings``; LongRoPE switches to
+    its long factors beyond ``original_max_position_embeddings``); ``L`` is ``None`` when the config does not say."""
     seen: set[int] = set()
 
-    def scan(cfg: Any) -> str | None:
+    def scan(cfg: Any) -> tuple[str, int | None] | None:
         if cfg is None or id(cfg) in seen:
             return None
         seen.add(id(cfg))
         for attr in ("rope_parameters", "rope_scaling"):
-            found = _rope_type_in(getattr(cfg, attr, None))
-            if found:
-                return found
+            params = _rope_params_in(getattr(cfg, attr, None))
+            if params is not None:
+                kind = params.get("rope_type", params.get("type"))
+                limit = params.get("original_max_position_embeddings") if kind == "longrope" else None
+                limit = limit or getattr(cfg, "original_max_position_embeddings", None) if kind == "longrope" else None
+                limit = limit or getattr(cfg, "max_position_embeddings", None)
+                return kind, None if limit is None else int(limit)
         for v in list(vars(cfg).values()) if hasattr(cfg, "__dict__") else []:
             if hasattr(v, "to_dict") and hasattr(v, "model_type"):  # a sub-config (text_config, decoder, ...)
                 found = scan(v)
@@ -263,25 +279,62 @@ def batch_dependent_rope(config: Any) -> str | None:
     return scan(config)
 
 
-def _rope_type_in(params: Any) -> str | None:
+def _rope_params_in(params: Any) -> Mapping | None:
     if not isinstance(params, Mapping):
         return None
     kind = params.get("rope_type", params.get("type"))
     if isinstance(kind, str) and kind in BATCH_DEPENDENT_ROPE:
-        return kind
+        return params
     for v in params.values():  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
-        found = _rope_type_in(v)
-        if found:
+        found = _rope_params_in(v)
+        if found is not None:
             return found
     return None
 
 
+def longest_position(dataset: Any, features: list, batch: Mapping) -> int:
+    """The largest position count (max position id + 1) a batch of the training set can have: the training set's
+    longest row (:func:`longest_row`) plus what the collator adds to a row (measured on ``batch``, the collated
+    ``features``), at least ``batch``'s own."""
+    if "position_ids" in batch and isinstance(batch["position_ids"], torch.Tensor):
+        seen = int(batch["position_ids"].max()) + 1
+    else:
+        seen = max((int(v.shape[-1]) for k, v in batch.items() if k in ("input_ids", "attention_mask")
+                    and isinstance(v, torch.Tensor) and v.dim() >= 1), default=0)
+    return max(seen, longest_row(dataset) + max(seen - longest_row(features), 0))
+
+
+def longest_row(dataset: Any) -> int:
+    """The longest ``input_ids`` of the training set (every row; columnar for a ``datasets.Dataset``), else the
+    longest sequence-valued field (:func:`feature_length` without the attention mask)."""
+    column = getattr(dataset, "column_names", None) or []
+    if "input_ids" in column and hasattr(dataset, "data"):
+        try:
+            import pyarrow.compute as pc
+
+            lengths = pc.list_value_length(dataset.data.column("input_ids"))
+            if getattr(dataset, "_indices", None) is None:
+                return int(pc.max(lengths).as_py() or 0)
+        except Exception:  # noqa: BLE001 - not an Arrow list column: row by row below
+            pass
+    best = 0
+    for i in range(len(dataset)):
+        row = dataset[i]
+        if isinstance(row, Mapping):
+            best = max(best, _size(row.get("input_ids")) or feature_length(
+                {k: v for k, v in row.items() if k != "attention_mask"}))
+    return best
+
+
 def check_known_dependences(net: nn.Module, batch: dict | None = None, labels: torch.Tensor | None = None,
-                            forward: Callable[[dict, torch.Tensor], Any] | None = None, rtol: float = 1e-3) -> None:
+                            forward: Callable[[dict, torch.Tensor], Any] | None = None, rtol: float = 1e-3,
+                            longest: Callable[[], int] | None = None) -> None:
     """Refuse, before training, configurations whose per-example loss is known to depend on the other rows:
 
     * a rope scaling computed from the batch's largest position (``rope_type="dynamic"`` / ``"longrope"``): an
-      example's rotary frequencies would depend on the longest row it was batched with;
+      example's rotary frequencies would depend on the longest row it was batched with — unless no batch can reach
+      the length where the scaling starts (:func:`rope_switch_length`): ``longest()``, the largest position count a
+      batch can have (the training set's longest row plus what the collator adds), is at most that length;
     * left padding (``batch``, collated by the training collator, has padding before tokens and no
       ``position_ids``) with a model whose outputs at a left-padded row's tokens differ from those of the same row
       without padding (``forward(batch, labels) -> model outputs``): its positions come from the padded layout, so
@@ -289,15 +342,19 @@ def check_known_dependences(net: nn.Module, batch: dict | None = None, labels: t
       transformers 5 are ``position_ids = cache_position`` unless given; rotary positions are relative and pass).
     """
     config = getattr(net, "config", None)
-    kind = batch_dependent_rope(config)
-    if kind is not None:
+    found = rope_switch_length(config)
+    reach = None if found is None or found[1] is None or longest is None else longest()
+    if found is not None and (reach is None or reach > found[1]):
+        kind, limit = found
+        seen = "" if reach is None else f" (this training set's batches reach {reach} positions)"
         raise ValueError(
             f"rope_type={kind!r} in the model's config (rope_parameters / rope_scaling) rescales the rotary "
-            "frequencies from the largest position id of each batch, so an example's loss depends on the longest "
-            "row it is batched with (and, for 'dynamic', on earlier batches: the scaled frequencies are kept), which "
-            "per-example clipping cannot bound. Use a fixed rope scaling (rope_type 'linear', 'yarn' or 'llama3' with "
-            "the factor you need, or 'default'), e.g. model.config.rope_parameters = {'rope_type': 'linear', "
-            "'factor': 2.0, 'rope_theta': ...} before building the model."
+            f"frequencies from the largest position id of each batch once it exceeds {limit}{seen}, so an "
+            "example's loss depends on the longest row it is batched with (and, for 'dynamic', on earlier batches: "
+            "the scaled frequencies are kept), which per-example clipping cannot bound. Use a fixed rope scaling "
+            "(rope_type 'linear', 'yarn' or 'llama3' with the factor you need, or 'default'), e.g. "
+            "model.config.rope_parameters = {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': ...} before "
+            f"building the model; or truncate every row to at most {limit} tokens (padded batches included)."
         )
     if batch is None or labels is None or forward is None or "position_ids" in batch or not is_left_padded(batch):
         return

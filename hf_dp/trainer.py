@@ -42,7 +42,7 @@ from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supp
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
 from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, StepPieces, slice_batch
-from .counterfactual import check_examples_alone, check_known_dependences, hard_batch_indices
+from .counterfactual import check_examples_alone, check_known_dependences, hard_batch_indices, longest_position
 from .guarantee import (
     StepGradientGuard,
     budget_allows,
@@ -800,15 +800,16 @@ class DPTrainer(Trainer):
         computed from the batch; left padding with positions from the padded layout), with the way out
         (``counterfactual.check_known_dependences``)."""
         net = self._unwrapped_model()
-        if self._fsdp is not None:
-            return check_known_dependences(net)  # the model is not wrapped yet: its configuration only
         hard = self._hard_batch(loader)
         if hard is None:
             return check_known_dependences(net)
-        rtol = self._alone_rtol(net)
+        dataset = (loader if loader is not None else self.callback_handler.train_dataloader).dataset
+        longest = lambda: longest_position(dataset.dataset, hard[0], hard[1])  # noqa: E731 - only read for rope
+        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
+            return check_known_dependences(net, longest=longest)
         with self.compute_loss_context_manager():
-            return check_known_dependences(net, hard[1], hard[2],
-                                           lambda b, lab: net(**self._model_inputs(net, b, lab)), rtol=rtol)
+            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**self._model_inputs(net, b, lab)),
+                                           rtol=self._alone_rtol(net), longest=longest)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:

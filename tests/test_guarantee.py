@@ -730,16 +730,17 @@ def test_left_padded_causal_lm_predicting_its_first_token_from_padding_is_refuse
                                   "loss depends on the other rows.*left-padded.*predicts the first token")
 
 
-def dynamic_rope_llama(rope_type: str = "dynamic") -> torch.nn.Module:
-    """Llama whose rope scaling grows with the batch's largest position beyond 8 (rows here have up to 12 tokens)."""
+def dynamic_rope_llama(rope_type: str = "dynamic", limit: int = 8) -> torch.nn.Module:
+    """Llama whose rope scaling changes with the batch's largest position beyond ``limit`` (rows here have up to 12
+    tokens)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = tiny_llama().config.to_dict()
-    extra = {"original_max_position_embeddings": 8, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4} \
+    extra = {"original_max_position_embeddings": limit, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4} \
         if rope_type == "longrope" else {}
-    cfg.update(max_position_embeddings=8, rope_parameters={"rope_type": rope_type, "factor": 2.0,
-                                                           "rope_theta": 10000.0, **extra})
+    cfg.update(max_position_embeddings=limit if rope_type == "dynamic" else 32,
+               rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra})
     return LlamaForCausalLM(LlamaConfig(**cfg)).double()
 
 
@@ -747,7 +748,16 @@ def dynamic_rope_llama(rope_type: str = "dynamic") -> torch.nn.Module:
 def test_rope_scaling_from_the_longest_row_is_refused_before_training(tmp_path, rope_type):
     trainer = collated_build(pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type))(
         dp_args(tmp_path, N), varlen_lm(N))
-    assert_refused_before_release(trainer, ValueError, f"rope_type='{rope_type}'.*fixed rope scaling")
+    assert_refused_before_release(trainer, ValueError, f"rope_type='{rope_type}'.*exceeds 8 .*reach 12 positions"
+                                                       ".*fixed rope scaling.*truncate every row to at most 8")
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaling_that_no_batch_reaches_holds(tmp_path, rope_type):
+    """The same scalings with rows (12 tokens at most) that never reach the length where they start (16): no batch
+    changes the frequencies, nothing is refused, and the update is held exactly."""
+    assert_neighbours_within_c(tmp_path, data_fn=varlen_lm, build=collated_build(
+        pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type, limit=16)))
 
 
 def test_rope_scaling_dependence_is_also_caught_by_the_counterfactual(tmp_path, monkeypatch):
@@ -912,6 +922,18 @@ def test_hard_batch_is_the_shortest_and_longest_rows():
     assert hard_batch_indices(rows, size=3) == [1, 2, 3]
     masked = [{"input_ids": [1] * 6, "attention_mask": [1] * n + [0] * (6 - n)} for n in [3, 6, 1]]  # pre-padded
     assert hard_batch_indices(masked, size=2) == [2, 1]
+
+
+def test_longest_position_a_batch_can_reach():
+    """Every row is scanned (Arrow column lengths), plus what the collator adds (here a BOS token)."""
+    from hf_dp.counterfactual import longest_position, longest_row
+
+    data = varlen_lm(N)  # rows of 3..12 tokens
+    assert longest_row(data) == 12 == longest_row(data.select(range(N))) == longest_row(list(data))
+    features = [data[0], data[2]]  # 3 and 5 tokens, collated with a BOS: 6 positions
+    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long)}
+    assert longest_position(data, features, batch) == 13
+    assert longest_position(data, features, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}) == 12
 
 
 def test_collator_randomness_and_row_isolation_as_functions():
