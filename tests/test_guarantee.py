@@ -963,3 +963,31 @@ def test_collator_randomness_and_row_isolation_as_functions():
     assert torch.equal(state, torch.get_rng_state())  # the checks never shift the training run's random stream
     with pytest.raises(UnsupportedLayerError, match="row 0's 'input_ids'"):
         check_collator_keeps_rows_apart(next_row_token_collator, rows)
+
+
+@pytest.mark.parametrize("alone, match", [
+    (lambda loss: loss, None),
+    (lambda loss: loss * 1.01, "example 1's loss is"),  # another value
+    (lambda loss: loss + 0.5 * (loss - loss.detach()), "example 1's gradient norm"),  # same value, longer gradient
+    (lambda loss: 2 * loss.detach() - loss, "clipped sum of 0.weight differs"),  # same value and norm, opposite
+], ids=["same", "loss", "norm", "direction"])
+def test_counterfactual_compares_loss_norm_and_the_whole_vector(alone, match):
+    """ClippingEngine.check_counterfactual on a two-layer net: each comparison catches what the others cannot."""
+    from hf_dp.clipping.engine import ClippingEngine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    engine = ClippingEngine(net)
+
+    def losses(rows):
+        return net(rows).squeeze(-1).pow(2)
+
+    runs = {i: (lambda i=i: (alone if i == 1 else (lambda v: v))(losses(x[i:i + 1]))) for i in range(3)}
+    check = lambda: engine.check_counterfactual(lambda: losses(x), 3, 3, runs, rtol=1e-6)  # noqa: E731
+    if match is None:
+        check()
+    else:
+        with pytest.raises(UnsupportedLayerError, match=match):
+            check()
+    assert all(p.grad is None for p in net.parameters())  # the check leaves .grad untouched
