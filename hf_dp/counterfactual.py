@@ -27,16 +27,17 @@ some probability or only for some tokens). The README ("An example's loss depend
 these. Parameters only change by DP releases in between, which are post-processing.
 
 Configurations where the dependence is known in advance are refused before training, with the way out
-(:func:`check_known_dependences`): a rope scaling that rescales by the longest position in the batch
-(``rope_type`` ``"dynamic"`` / ``"longrope"``), and left padding with a model that derives positions from the padded
-layout (its loss on a left-padded row differs from the row without padding).
+(:func:`check_known_dependences`): a rope scaling that rescales by the batch's largest position (``rope_type``
+``"dynamic"`` / ``"longrope"``) when a batch can reach the length where it starts, and left padding with a model that
+derives positions from the padded layout (its outputs at a left-padded row's tokens differ from the row's own).
 
 Randomised collators (MLM masking) cannot be compared with a fresh collation alone: their draws differ. Randomness
-is detected by collating the same rows under two seeds (torch, ``random`` and NumPy generators, and a deep copy of
-the collator, so its own generator restarts too); then (a) the collator must keep rows apart: with the same seed, a
-row's collated tensors may not change when the other rows are replaced by each other (a cyclic shift keeps the
-padded shape, so per-position draws line up, as MLM's do), and (b) the model is compared on each row of the batch
-with that row's own padding removed (the tokens its attention mask keeps), the same random draw.
+is detected by collating the same rows under two seeds (torch, ``random`` and NumPy generators; the collator's own
+generators are seeded too, and everything is restored afterwards, :func:`collator_state_kept`); then (a) the collator
+must keep rows apart: with the same seed, a row's collated tensors may not change when the other rows are replaced by
+each other (a cyclic shift keeps the padded shape, so per-position draws line up, as MLM's do), and (b) the model is
+compared on each row of the batch with that row's own padding removed (the tokens its attention mask keeps), the same
+random draw.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ __all__ = [
     "check_examples_alone",
     "check_known_dependences",
     "collator_randomness",
+    "collator_state_kept",
     "feature_length",
     "hard_batch_indices",
     "is_left_padded",
@@ -156,13 +158,84 @@ def seeded(seed: int) -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-def _collate_seeded(collate: Callable, features: list, seed: int) -> dict:
+_GENERATORS = (torch.Generator, random.Random, np.random.Generator, np.random.RandomState)
+
+
+def _own_generators(obj: Any, depth: int = 3) -> list:
+    """Random generators a collator holds (its attributes, and theirs, ``depth`` levels down; e.g. the generator of
+    ``DataCollatorForLanguageModeling(seed=...)`` inside the Trainer's column-removing wrapper)."""
+    found: list = []
+    seen: set[int] = set()
+
+    def walk(o: Any, d: int) -> None:
+        if id(o) in seen or d < 0:
+            return
+        seen.add(id(o))
+        if isinstance(o, _GENERATORS):
+            found.append(o)
+            return
+        if isinstance(o, (nn.Module, torch.Tensor, str, bytes, int, float)) or not hasattr(o, "__dict__"):
+            return
+        for v in vars(o).values():
+            walk(v, d - 1)
+
+    walk(getattr(obj, "__self__", obj), depth)  # a bound method: its object
+    return found
+
+
+def _state(g: Any) -> Any:
+    if isinstance(g, torch.Generator):
+        return g.get_state()
+    if isinstance(g, np.random.Generator):
+        return copy.deepcopy(g.bit_generator.state)
+    return g.get_state() if isinstance(g, np.random.RandomState) else g.getstate()
+
+
+def _set_state(g: Any, state: Any) -> None:
+    if isinstance(g, torch.Generator):
+        g.set_state(state)
+    elif isinstance(g, np.random.Generator):
+        g.bit_generator.state = copy.deepcopy(state)
+    elif isinstance(g, np.random.RandomState):
+        g.set_state(state)
+    else:
+        g.setstate(state)
+
+
+@contextlib.contextmanager
+def collator_state_kept(collate: Callable) -> Iterator[Callable[[], None]]:
+    """Inside, the collator's own random generators (:func:`_own_generators`) can be rewound to their state at entry
+    (the yielded callable); on exit they are restored to it, so the checks' extra collations leave the training run's
+    draws unchanged. The global generators are handled by :func:`seeded`."""
+    gens = _own_generators(collate)
+    states = [_state(g) for g in gens]
+
+    def rewind() -> None:
+        for g, st in zip(gens, states):
+            _set_state(g, st)
+
     try:
-        fresh = copy.deepcopy(collate)  # a collator with its own generator restarts from the same state
-    except Exception:  # noqa: BLE001 - a collator that cannot be copied is called as it is
-        fresh = collate
-    with seeded(seed):
-        return fresh(list(features))
+        yield rewind
+    finally:
+        rewind()
+
+
+def _reseed(g: Any, seed: int) -> None:
+    if isinstance(g, torch.Generator):
+        g.manual_seed(seed)
+    elif isinstance(g, np.random.Generator):
+        g.bit_generator.state = type(g.bit_generator)(seed).state
+    else:
+        g.seed(seed)
+
+
+def _collate_seeded(collate: Callable, features: list, seed: int) -> dict:
+    """``collate(features)`` with the global generators and the collator's own generators seeded with ``seed`` (all
+    restored afterwards)."""
+    with collator_state_kept(collate), seeded(seed):
+        for g in _own_generators(collate):
+            _reseed(g, seed)
+        return collate(list(features))
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -178,7 +251,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 def collator_randomness(collate: Callable, features: list) -> str:
     """``"none"`` (the same rows always collate to the same batch), ``"seeded"`` (random, reproducible under the same
-    seeds of torch / ``random`` / NumPy and a fresh copy of the collator) or ``"unseeded"`` (random, not
+    seeds of torch / ``random`` / NumPy and of the collator's own generators) or ``"unseeded"`` (random, not
     reproducible: its randomness comes from somewhere else)."""
     first = _collate_seeded(collate, features, 0)
     if not _equal(first, _collate_seeded(collate, features, 0)):
@@ -455,7 +528,7 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
                        "without its padding).")
     alone = {i: alone_run(i) for i in chosen}
     try:
-        with seeded(0), train_without_dropout(net), adapter_advice(net):
+        with collator_state_kept(collate_alone), seeded(0), train_without_dropout(net), adapter_advice(net):
             engine.check_counterfactual(lambda: run(batch, labels, segments), rows, num, alone, rtol=rtol,
                                         segments=segments, what=what)
     except UnsupportedLayerError as err:

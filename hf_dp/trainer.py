@@ -42,7 +42,13 @@ from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supp
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
 from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, StepPieces, slice_batch
-from .counterfactual import check_examples_alone, check_known_dependences, hard_batch_indices, longest_position
+from .counterfactual import (
+    check_examples_alone,
+    check_known_dependences,
+    collator_state_kept,
+    hard_batch_indices,
+    longest_position,
+)
 from .guarantee import (
     StepGradientGuard,
     budget_allows,
@@ -758,7 +764,7 @@ class DPTrainer(Trainer):
         features = self._raw_features(hard_batch_indices(dataset.dataset, size=size), loader)
         if len(features) < 2:
             return None
-        with torch.random.fork_rng(devices=[]):  # a masking collator's draws are not shifted
+        with torch.random.fork_rng(devices=[]), collator_state_kept(collate):  # the run's own draws are not shifted
             batch, labels = self._collated_on_device(collate(list(features)))
         return features, batch, labels
 

@@ -845,10 +845,12 @@ class Recording:
         return batch
 
 
-def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle(tmp_path):
-    """transformers' MLM collator masks each row independently at random: it passes the checks (the collator keeps
-    rows apart under the same seed; each row, padding removed, scores as in the batch) and the update is exactly
-    Σ_i clip(∇L_i) over the rows as masked in the step, L_i being BertForMaskedLM's own loss on a batch of one."""
+@pytest.mark.parametrize("seed", [None, 3], ids=["global_rng", "own_generator"])
+def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle(tmp_path, seed):
+    """transformers' MLM collator masks each row independently at random (from the global generator, or its own with
+    ``seed=``): it passes the checks (the collator keeps rows apart under the same seed; each row, padding removed,
+    scores as in the batch) and the update is exactly Σ_i clip(∇L_i) over the rows as masked in the step, L_i being
+    BertForMaskedLM's own loss on a batch of one."""
     import copy
 
     from helpers import single_example_loss, tiny_bert_mlm
@@ -857,12 +859,13 @@ def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle
     torch.manual_seed(0)
     model = tiny_bert_mlm().double()
     start = copy.deepcopy(model)
-    collator = Recording(DataCollatorForLanguageModeling(word_tokenizer(), mlm=True, mlm_probability=0.5))
+    collator = Recording(DataCollatorForLanguageModeling(word_tokenizer(), mlm=True, mlm_probability=0.5, seed=seed))
     data = varlen_lm(N).remove_columns("labels")
     trainer = DPTrainer(model=model, args=dp_args(tmp_path, N), train_dataset=data, data_collator=collator)
     before = params(model)
     trainer.train()
-    (step,) = [b for b in collator.batches if b["input_ids"].shape[0] == N]  # the step's batch (q = 1)
+    # the step's batch (q = 1): the first of N rows (the first-step checks collate the same rows again afterwards)
+    step = next(b for b in collator.batches if b["input_ids"].shape[0] == N)
     assert bool((step["labels"] != -100).any()) and bool((step["input_ids"] == 4).any())  # masked at random
     oracle = {n: torch.zeros_like(p) for n, p in start.named_parameters()}
     for i in range(N):
@@ -954,6 +957,21 @@ def test_collator_randomness_and_row_isolation_as_functions():
         batch["input_ids"][0, 0] = os.urandom(1)[0] % 50 + 2
         return batch
 
+    class OwnGenerator:  # per-row masking drawn from the collator's own generator
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(5)
+
+        def __call__(self, features):
+            batch = plain(features)
+            draw = torch.rand(batch["input_ids"].shape, generator=self.generator)
+            batch["input_ids"] = torch.where(draw < 0.5, 4, batch["input_ids"])
+            return batch
+
+    own = OwnGenerator()
+    before = own.generator.get_state()
+    assert collator_randomness(own, rows) == "seeded"
+    check_collator_keeps_rows_apart(own, rows)
+    assert torch.equal(before, own.generator.get_state())  # its draws in training are not shifted by the checks
     assert collator_randomness(plain, rows) == "none"
     assert collator_randomness(masking, rows) == "seeded"
     assert collator_randomness(os_random, rows) == "unseeded"
