@@ -259,15 +259,16 @@ def collator_randomness(collate: Callable, features: list) -> str:
     return "none" if _equal(first, _collate_seeded(collate, features, 1)) else "seeded"
 
 
-def check_collator_keeps_rows_apart(collate: Callable, features: list) -> None:
+def check_collator_keeps_rows_apart(collate: Callable, features: list, rows: list[int] | None = None) -> None:
     """Row ``i`` of the collated batch may not change when the other rows are replaced by each other (a cyclic shift
     of the other rows: the same lengths, so the same padded shape and, under the same seed, the same per-position
-    random draws). Needs three rows or more; checks every tensor whose first axis is the batch."""
+    random draws), for each ``i`` in ``rows`` (default: all). Needs three rows or more; checks every tensor whose
+    first axis is the batch."""
     b = len(features)
     if b < 3:
         return
     base = _collate_seeded(collate, features, 0)
-    for i in range(b):
+    for i in range(b) if rows is None else rows:
         others = [j for j in range(b) if j != i]
         shifted = list(features)
         for j, k in zip(others, others[1:] + others[:1]):
@@ -505,7 +506,7 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
     chosen = list(dict.fromkeys([order[0], order[-1], 0, num - 1]))[:MAX_CHECKED]
     randomness = collator_randomness(collate, features)
     if segments is None and randomness != "unseeded":
-        check_collator_keeps_rows_apart(collate, features)
+        check_collator_keeps_rows_apart(collate, features, chosen)
     if randomness == "none":
         def alone_run(i: int) -> Callable[[], torch.Tensor]:
             def go() -> torch.Tensor:
