@@ -776,6 +776,7 @@ class DPTrainer(Trainer):
         (the argument and its limits: the module's docstring and the README)."""
         collate, alone = self._training_collator(), self._alone_collator()
         if collate is None or alone is None:
+            logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
             return
         rtol = self._alone_rtol(net)
         common = dict(collate=collate, collate_alone=alone, prepare=self._collated_on_device,
@@ -788,6 +789,10 @@ class DPTrainer(Trainer):
         if features is not None:
             check_examples_alone(self.clipping_engine, net, features, micro, labels, **common,
                                  what=" (the first micro-batch)")
+        else:
+            logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
+                           "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "
+                           "training set's shortest and longest rows is.")
         hard = self._hard_batch()
         if hard is not None:
             check_examples_alone(self.clipping_engine, net, hard[0], hard[1], hard[2], **common,
