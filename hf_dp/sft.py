@@ -369,7 +369,10 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """``DPTrainer``'s check (hooks vs autograd, per-example vs alone) on the micro-batch unpacked; for a packed
         micro-batch also: each example's gradient norm from the packed row equals its norm from the unpacked batch
-        (the per-segment split of every layer, on the real model and data)."""
+        (the per-segment split of every layer, on the real model and data), and the counterfactual check
+        (``DPTrainer._check_examples_alone``, ``hf_dp/counterfactual.py``): each packed segment, as the DP step
+        computes it at the lengths actually used, against that example collated alone by trl's unpacked collator —
+        on this micro-batch and on a packed batch of the training set's shortest and longest rows."""
         segments = self._segment_ids(micro)
         if segments is None:
             return super()._self_check(net, micro, labels)

@@ -633,11 +633,13 @@ def varlen_cls(m: int, lengths: list[int] = LENGTHS) -> Dataset:
     return Dataset.from_dict({"input_ids": ids, "labels": [i % 3 for i in range(len(lengths))]}).select(range(m))
 
 
-def pad_collator(side: str = "right", position_ids: bool = False, mask: bool = True, first_label: bool = True):
+def pad_collator(side: str = "right", position_ids: bool = False, mask: bool = True, first_label: bool = True,
+                 label_pad: int = -100):
     """Pads ``input_ids`` with 0 (and sequence ``labels`` with -100) to the batch's longest row, on ``side``;
     ``position_ids`` from the attention mask on request; ``mask=False`` gives an all-ones attention mask (the padding
     is attended: an example's loss then depends on its batch's longest row); ``first_label=False`` sets each row's
-    first label to -100 (never predicted alone; left-padded, the last padding position would predict it)."""
+    first label to -100 (never predicted alone; left-padded, the last padding position would predict it);
+    ``label_pad`` pads sequence labels (the pad token id instead of -100 trains on the padding)."""
 
     def collate(features):
         longest = max(len(f["input_ids"]) for f in features)
@@ -651,7 +653,7 @@ def pad_collator(side: str = "right", position_ids: bool = False, mask: bool = T
                                                  for f in features])}
         labels = [f["labels"] if first_label or not isinstance(f["labels"], list) else [-100] + f["labels"][1:]
                   for f in features]
-        batch["labels"] = torch.tensor([pad(x, -100) for x in labels] if isinstance(labels[0], list) else labels)
+        batch["labels"] = torch.tensor([pad(x, label_pad) for x in labels] if isinstance(labels[0], list) else labels)
         if position_ids:
             batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         return batch
@@ -801,6 +803,13 @@ def test_collator_whose_padding_changes_the_loss_is_refused(tmp_path):
     row."""
     trainer = collated_build(pad_collator("right", mask=False), model_factory=bert)(dp_args(tmp_path, N),
                                                                                    varlen_cls(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def test_collator_that_trains_on_its_padding_is_refused(tmp_path):
+    """Labels padded with the pad token instead of -100 (labels = input_ids after padding): each example is also
+    trained to predict padding, as many tokens as its batch's longest row adds."""
+    trainer = collated_build(pad_collator("right", label_pad=0))(dp_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
 
 
