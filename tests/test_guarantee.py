@@ -701,6 +701,16 @@ def test_transformers_lm_collator_with_a_left_padding_tokenizer_is_refused(tmp_p
     assert_refused_before_release(trainer, ValueError, "Left padding with GPT2LMHeadModel")
 
 
+def test_left_padding_with_positions_from_the_layout_breaks_the_bound_unchecked(tmp_path, monkeypatch):
+    """Why it is refused: with both checks switched off, removing the longest row moves the update by 2 × C."""
+    import hf_dp.trainer
+
+    monkeypatch.setattr(hf_dp.trainer, "check_known_dependences", lambda *a, **k: None)
+    monkeypatch.setattr(DPTrainer, "_check_examples_alone", lambda *a, **k: None)
+    sigma_d, sigma_d2 = summed_updates(tmp_path, build=collated_build(pad_collator("left")), data_fn=varlen_lm)
+    assert distance(sigma_d, sigma_d2) > 1.5 * C
+
+
 def test_left_padding_with_positions_from_the_layout_is_refused(tmp_path):
     """GPT-2 takes position_ids = cache_position unless given: left-padded, an example's positions depend on the
     longest row of its batch. Refused at train start, with the ways out."""
