@@ -536,9 +536,10 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
         layout = ""
         if segments is None and is_left_padded(batch):
             layout = (" The batch is left-padded" + ("" if "position_ids" in batch else " and carries no position_ids")
-                      + ": with left padding a causal LM's last padding position also predicts the first token, a "
-                      "loss term the example alone does not have (pad on the right, or set the first token's label "
-                      "to -100).")
+                      + ". Left padding does this when positions come from the padded layout, or, for a causal LM "
+                      "whose first token is labelled, because the last padding position then predicts the first "
+                      "token, a loss term the example alone does not have: pad on the right (or pass position_ids "
+                      "from the attention mask and set the first token's label to -100).")
         if segments is not None:
             layout = (" The batch is packed (padding-free rows): if the model does not keep packed examples apart at "
                       "these lengths, train with packing=False and padding_free=False.")
