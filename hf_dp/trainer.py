@@ -797,6 +797,9 @@ class DPTrainer(Trainer):
         if hard is not None:
             check_examples_alone(self.clipping_engine, net, hard[0], hard[1], hard[2], **common,
                                  what=" (a batch of the training set's shortest and longest rows)")
+        logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
+                    " and ".join(w for w, done in (("first micro-batch", features is not None),
+                                                   ("shortest and longest rows", hard is not None)) if done))
 
     def _alone_rtol(self, net: torch.nn.Module) -> float:
         """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
