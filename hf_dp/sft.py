@@ -369,12 +369,15 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """``DPTrainer``'s check (hooks vs autograd, per-example vs alone) on the micro-batch unpacked; for a packed
         micro-batch also: each example's gradient norm from the packed row equals its norm from the unpacked batch
-        (the per-segment split of every layer, on the real model and data)."""
+        (the per-segment split of every layer, on the real model and data), and the counterfactual check
+        (``DPTrainer._check_examples_alone``, ``hf_dp/counterfactual.py``): each packed segment, as the DP step
+        computes it at the lengths actually used, against that example collated alone by trl's unpacked collator —
+        on this micro-batch and on a packed batch of the training set's shortest and longest rows."""
         segments = self._segment_ids(micro)
         if segments is None:
             return super()._self_check(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
-        super()._self_check(net, padded, padded_labels)
+        self._dp_step.self_check(net, padded, padded_labels)
         engine = self.clipping_engine
         saved = engine._groups, engine._handler
         engine.set_fused_groups(None, None)
@@ -393,6 +396,16 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 f"examples unpacked ({unpacked.tolist()}): some layer mixes the examples of a packed row or does not "
                 "see one position per token. Train with packing=False."
             )
+        self._check_examples_alone(net, micro, labels)  # each packed segment vs the example collated alone
+
+    def _alone_collator(self, loader: Any = None) -> Any:
+        """With packing, an example sampled alone is collated by trl's unpacked path (the same collator with
+        ``padding_free=False``): the counterfactual each packed segment is compared with."""
+        collator = self._packing_collator
+        if self.padding_free and dataclasses.is_dataclass(collator) and any(
+                f.name == "padding_free" for f in dataclasses.fields(collator)):
+            return dataclasses.replace(collator, padding_free=False)
+        return super()._alone_collator(loader)
 
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         engine = self.clipping_engine
