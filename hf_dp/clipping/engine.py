@@ -1096,7 +1096,10 @@ class ClippingEngine:
                     single = alone[i]()
                     grads = [None] * len(names)
                     if single.requires_grad:
-                        grads = torch.autograd.grad(single.sum(), [stand_ins[n] for n in names], allow_unused=True)
+                        # .backward(), not autograd.grad: reentrant activation checkpointing (transformers'
+                        # default under peft.prepare_model_for_kbit_training) supports only .backward()
+                        single.sum().backward()
+                        grads = [stand_ins[n].grad for n in names]
                 single = float(single.detach().double().reshape(-1)[0])
                 norm_sq = 0.0
                 for n, g in zip(names, grads):
