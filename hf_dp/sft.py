@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, _has_accelerator
+from .clipping.engine import train_without_dropout
 from .clipping.layers import UnsupportedLayerError
 from .losses import IGNORE_INDEX, causal_lm_loss
 from .peft_support import is_peft_model
@@ -381,13 +382,11 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         engine = self.clipping_engine
         saved = engine._groups, engine._handler
         engine.set_fused_groups(None, None)
-        was_training = net.training
-        net.eval()
         try:
-            packed = self._norms(net, micro, labels, segments)
-            unpacked = self._norms(net, padded, padded_labels, None)
+            with train_without_dropout(net):  # as training runs the model (eval mode may change it: bitsandbytes)
+                packed = self._norms(net, micro, labels, segments)
+                unpacked = self._norms(net, padded, padded_labels, None)
         finally:
-            net.train(was_training)
             engine.set_fused_groups(*saved)
         rtol = 5e-2 if (self.args.bf16 or self.args.fp16) else 1e-3
         if not torch.allclose(packed, unpacked, rtol=rtol, atol=1e-12):
@@ -431,8 +430,8 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def check_packed_isolation(self) -> None:
         """Refuse packing unless the model keeps the examples of a packed row apart.
 
-        Runs the model (eval mode, no autocast, exactly the inputs training passes) on synthetic token ids:
-        the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are replaced by other
+        Runs the model (train mode with dropout off, no autocast, exactly the inputs training passes) on synthetic
+        token ids: the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are replaced by other
         tokens (no attention across examples: with it, B's clipped gradient would carry A's data), and the same
         logits as B alone (positions restart per example, so the packed run trains what the unpacked run trains).
         """
@@ -453,12 +452,11 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             return net(**self._model_inputs(net, batch, labels)).logits[0].double()
 
-        was_training = net.training
-        net.eval()
-        try:
+        # Train mode with dropout off, as training runs the model: an eval-mode forward is not what is trained, and
+        # it may change the model (bitsandbytes on CPU repacks 4-bit weights for inference, after which a layer with
+        # a bias cannot be trained).
+        with train_without_dropout(net):
             first, second, alone = logits([a, b, c]), logits([a2, b, c2]), logits([b])
-        finally:
-            net.train(was_training)
         mid = slice(len(a), len(a) + len(b))
         scale = 1.0 + float(first.abs().max())
         leak = float((first[mid] - second[mid]).abs().max())
