@@ -22,6 +22,7 @@ loss is a function of: its gradient is what the chain rule combines.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -89,6 +90,9 @@ class PairedRows:
                     )
         batch["labels"] = self.labels(batch, b)
         return batch
+
+
+logger = logging.getLogger(__name__)
 
 
 class PreferencePairsDP(DPTrainer):
@@ -217,6 +221,16 @@ class PreferencePairsDP(DPTrainer):
             super()._self_check(net, micro, labels)
         finally:
             self.per_example_loss = loss
+
+    def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Not run for preference rows (yet): ``hf_dp/counterfactual.py`` compares one model row per raw example,
+        while a preference row is two sequences whose scores its loss combines. What holds instead: :class:`PairedRows`
+        checks on every batch that sequences ``i`` and ``B+i`` hold exactly row ``i``'s tokens (no collator mixing),
+        and the first-step checks prove the per-sequence gradients (batch axes, hooks vs autograd). Not detected: a
+        model whose outputs depend on the batch's padding layout (README, "DP preference optimisation")."""
+        logger.warning("hf_dp: preference rows are not compared with the same rows collated alone (the counterfactual "
+                       "check takes one model row per example); each batch's rows are checked to hold their own "
+                       "tokens. See the README, 'DP preference optimisation'.")
 
     def get_train_dataloader(self):
         """``DPTrainer``'s Poisson loader over rows, its collator checked and labelled by :class:`PairedRows`."""

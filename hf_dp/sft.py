@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, _has_accelerator
+from .clipping.engine import train_without_dropout
 from .clipping.layers import UnsupportedLayerError
 from .losses import IGNORE_INDEX, causal_lm_loss
 from .peft_support import is_peft_model
@@ -369,22 +370,23 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """``DPTrainer``'s check (hooks vs autograd, per-example vs alone) on the micro-batch unpacked; for a packed
         micro-batch also: each example's gradient norm from the packed row equals its norm from the unpacked batch
-        (the per-segment split of every layer, on the real model and data)."""
+        (the per-segment split of every layer, on the real model and data), and the counterfactual check
+        (``DPTrainer._check_examples_alone``, ``hf_dp/counterfactual.py``): each packed segment, as the DP step
+        computes it at the lengths actually used, against that example collated alone by trl's unpacked collator —
+        on this micro-batch and on a packed batch of the training set's shortest and longest rows."""
         segments = self._segment_ids(micro)
         if segments is None:
             return super()._self_check(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
-        super()._self_check(net, padded, padded_labels)
+        self._dp_step.self_check(net, padded, padded_labels)
         engine = self.clipping_engine
         saved = engine._groups, engine._handler
         engine.set_fused_groups(None, None)
-        was_training = net.training
-        net.eval()
         try:
-            packed = self._norms(net, micro, labels, segments)
-            unpacked = self._norms(net, padded, padded_labels, None)
+            with train_without_dropout(net):  # as training runs the model (eval mode may change it: bitsandbytes)
+                packed = self._norms(net, micro, labels, segments)
+                unpacked = self._norms(net, padded, padded_labels, None)
         finally:
-            net.train(was_training)
             engine.set_fused_groups(*saved)
         rtol = 5e-2 if (self.args.bf16 or self.args.fp16) else 1e-3
         if not torch.allclose(packed, unpacked, rtol=rtol, atol=1e-12):
@@ -393,6 +395,16 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 f"examples unpacked ({unpacked.tolist()}): some layer mixes the examples of a packed row or does not "
                 "see one position per token. Train with packing=False."
             )
+        self._check_examples_alone(net, micro, labels)  # each packed segment vs the example collated alone
+
+    def _alone_collator(self, loader: Any = None) -> Any:
+        """With packing, an example sampled alone is collated by trl's unpacked path (the same collator with
+        ``padding_free=False``): the counterfactual each packed segment is compared with."""
+        collator = self._packing_collator
+        if self.padding_free and dataclasses.is_dataclass(collator) and any(
+                f.name == "padding_free" for f in dataclasses.fields(collator)):
+            return dataclasses.replace(collator, padding_free=False)
+        return super()._alone_collator(loader)
 
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         engine = self.clipping_engine
@@ -418,8 +430,8 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def check_packed_isolation(self) -> None:
         """Refuse packing unless the model keeps the examples of a packed row apart.
 
-        Runs the model (eval mode, no autocast, exactly the inputs training passes) on synthetic token ids:
-        the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are replaced by other
+        Runs the model (train mode with dropout off, no autocast, exactly the inputs training passes) on synthetic
+        token ids: the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are replaced by other
         tokens (no attention across examples: with it, B's clipped gradient would carry A's data), and the same
         logits as B alone (positions restart per example, so the packed run trains what the unpacked run trains).
         """
@@ -440,12 +452,11 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             return net(**self._model_inputs(net, batch, labels)).logits[0].double()
 
-        was_training = net.training
-        net.eval()
-        try:
+        # Train mode with dropout off, as training runs the model: an eval-mode forward is not what is trained, and
+        # it may change the model (bitsandbytes on CPU repacks 4-bit weights for inference, after which a layer with
+        # a bias cannot be trained).
+        with train_without_dropout(net):
             first, second, alone = logits([a, b, c]), logits([a2, b, c2]), logits([b])
-        finally:
-            net.train(was_training)
         mid = slice(len(a), len(a) + len(b))
         scale = 1.0 + float(first.abs().max())
         leak = float((first[mid] - second[mid]).abs().max())

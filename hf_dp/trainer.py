@@ -41,7 +41,14 @@ from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
-from .clipping.step import UNIT_KEY, DPStep, RealisedLoss, StepPieces, slice_batch
+from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, slice_batch
+from .counterfactual import (
+    check_examples_alone,
+    check_known_dependences,
+    collator_state_kept,
+    hard_batch_indices,
+    longest_position,
+)
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
@@ -103,12 +110,14 @@ logger = logging.getLogger(__name__)
 DP_STATE_NAME = "dp_state.json"
 _EMPTY = "_hf_dp_empty_batch"
 _UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
+_INDEX = INDEX_KEY  # each row's index in the training set, popped by training_step (counterfactual check)
 
 
 class _EmptySafeCollator:
     """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, the
-    privacy-unit ids that :class:`_UnitTaggedDataset` attaches are collated into one tensor, and every collated batch
-    is checked to hold one row per sampled example (``check_rows``: ``DPTrainer._check_batch_rows``)."""
+    row indices and privacy-unit ids that :class:`_TaggedDataset` attaches are collated into one tensor each (the user's
+    collator never sees them), and every collated batch is checked to hold one row per sampled example
+    (``check_rows``: ``DPTrainer._check_batch_rows``)."""
 
     def __init__(self, collator, check_rows=None):
         self.collator = collator
@@ -117,23 +126,24 @@ class _EmptySafeCollator:
     def __call__(self, features: list) -> dict:
         if len(features) == 0:
             return {_EMPTY: True}
-        if isinstance(features[0], dict) and _UNIT in features[0]:
-            units = torch.tensor([f[_UNIT] for f in features], dtype=torch.long)
-            batch = self.collator([{k: v for k, v in f.items() if k != _UNIT} for f in features])
-            if self.check_rows is not None:
-                self.check_rows(len(features), batch)
-            batch[_UNIT] = units
-            return batch
+        tags = {}
+        if isinstance(features[0], dict):
+            tags = {key: torch.tensor([f[key] for f in features], dtype=torch.long) for key in (_UNIT, _INDEX)
+                    if key in features[0]}
+            if tags:
+                features = [{k: v for k, v in f.items() if k not in tags} for f in features]
         batch = self.collator(features)
         if self.check_rows is not None:
             self.check_rows(len(features), batch)
+        batch.update(tags)
         return batch
 
 
-class _UnitTaggedDataset(torch.utils.data.Dataset):
-    """The training set, each row tagged with its privacy unit (user) id for user-level clipping."""
+class _TaggedDataset(torch.utils.data.Dataset):
+    """The training set, each row tagged with its index (read back by the first-step counterfactual check) and, for
+    user-level clipping, its privacy unit (user) id. ``dataset`` is the untagged set."""
 
-    def __init__(self, dataset, unit_of_example):
+    def __init__(self, dataset, unit_of_example=None):
         self.dataset = dataset
         self.unit_of_example = unit_of_example
 
@@ -141,7 +151,13 @@ class _UnitTaggedDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> dict:
-        return {**self.dataset[i], _UNIT: int(self.unit_of_example[i])}
+        row = self.dataset[i]
+        if not isinstance(row, dict):
+            return row
+        tags = {_INDEX: int(i)}
+        if self.unit_of_example is not None:
+            tags[_UNIT] = int(self.unit_of_example[i])
+        return {**row, **tags}
 
 
 def _is_empty(inputs: dict) -> bool:
@@ -603,11 +619,13 @@ class DPTrainer(Trainer):
             units = self._unit_ids()
             sampler = PoissonUserSampler(units, self.sample_rate, self.steps_per_epoch,
                                          max_examples_per_user=self.args.max_examples_per_user, **common)
-            dataset = _UnitTaggedDataset(dataset, units)
+            dataset = _TaggedDataset(dataset, units)
         elif self.args.poisson_sampling:
             sampler = PoissonBatchSampler(self.num_examples_private, self.sample_rate, self.steps_per_epoch, **common)
         else:
             sampler = ShuffledBatchSampler(self.num_examples_private, self.expected_batch_size, **common)
+        if not isinstance(dataset, _TaggedDataset):
+            dataset = _TaggedDataset(dataset)
         self._dp_sampler = sampler
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
@@ -747,6 +765,7 @@ class DPTrainer(Trainer):
         (:meth:`LocalDPStep.self_check <hf_dp.clipping.local.LocalDPStep.self_check>`). Subclasses extend it
         (``DPSFTTrainer`` checks packed rows)."""
         self._dp_step.self_check(net, micro, labels)
+        self._check_examples_alone(net, micro, labels)
 
     def _check_batch(self) -> tuple[dict, torch.Tensor] | None:
         """The first two training examples, collated and on the device (for the first-step checks)."""
@@ -755,6 +774,7 @@ class DPTrainer(Trainer):
             return None
         batch = self._prepare_inputs(loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
         batch.pop(_UNIT, None)
+        batch.pop(_INDEX, None)
         labels = batch.pop("labels")
         return batch, labels
 
@@ -792,6 +812,7 @@ class DPTrainer(Trainer):
         Without FSDP, first the trainable set is checked (at a step boundary the engine is rebuilt for a changed
         set, which also rebuilds the strategy) and, at a step's first chunk, gradients computed outside the DP step
         are discarded (``guarantee.py``)."""
+        self._chunk_indices = inputs.pop(_INDEX, None)  # the rows' dataset indices (counterfactual check)
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
             try:
@@ -808,9 +829,118 @@ class DPTrainer(Trainer):
             self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
             raise
 
+    # ------------------------------------------------------------------ an example's loss is its own (DESIGN inv. 12)
+    def _training_collator(self, loader: Any = None) -> Any:
+        """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
+        wrapper; ``None`` without a DP loader."""
+        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
+        wrapper = getattr(loader, "collate_fn", None)
+        return wrapper.collator if isinstance(wrapper, _EmptySafeCollator) else None
+
+    def _alone_collator(self, loader: Any = None) -> Any:
+        """How an example sampled alone is collated: the training collator (``DPSFTTrainer`` with packing: trl's
+        unpacked collator)."""
+        return self._training_collator(loader)
+
+    def _raw_features(self, indices: Any, loader: Any = None) -> list | None:
+        """The training set's raw rows ``indices`` (what the collator receives), or ``None`` without them."""
+        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
+        dataset = getattr(loader, "dataset", None)
+        if not isinstance(dataset, _TaggedDataset) or indices is None:
+            return None
+        return [dataset.dataset[int(i)] for i in indices]
+
+    def _collated_on_device(self, raw: dict) -> tuple[dict, torch.Tensor]:
+        batch = self._prepare_inputs(raw)
+        batch.pop(_UNIT, None)
+        batch.pop(_INDEX, None)
+        return batch, batch.pop("labels")
+
+    def _example_losses(self, net: torch.nn.Module, batch: dict, labels: torch.Tensor,
+                        segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-example losses of a batch exactly as the DP step computes them (loss context, model inputs,
+        ``per_example_loss``; per packed example with ``segments``)."""
+        with self.compute_loss_context_manager():
+            outputs = net(**self._model_inputs(net, batch, labels))
+            return self.per_example_loss(outputs, labels, **({} if segments is None else {"segments": segments}))
+
+    def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
+        """Rows of very different lengths from the training set (the shortest, the longest and one between,
+        ``counterfactual.hard_batch_indices``), collated together by the training collator, on the device:
+        ``(raw features, batch, labels)``; ``None`` with fewer than two rows or no DP loader."""
+        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
+        dataset, collate = getattr(loader, "dataset", None), self._training_collator(loader)
+        if not isinstance(dataset, _TaggedDataset) or collate is None or len(dataset) < 2:
+            return None
+        size = min(3, max(2, self.args.per_device_train_batch_size))
+        features = self._raw_features(hard_batch_indices(dataset.dataset, size=size), loader)
+        if len(features) < 2:
+            return None
+        with torch.random.fork_rng(devices=[]), collator_state_kept(collate):  # the run's own draws are not shifted
+            batch, labels = self._collated_on_device(collate(list(features)))
+        return features, batch, labels
+
+    def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in
+        its batch, equal those of the example collated alone (``hf_dp/counterfactual.py``), on the first micro-batch
+        and on the hard batch (:meth:`_hard_batch`). Once is enough: the collator and the model are the same
+        functions at every step, and the hard batch makes the rows' lengths as different as the training set allows
+        (the argument and its limits: the module's docstring and the README)."""
+        collate, alone = self._training_collator(), self._alone_collator()
+        if collate is None or alone is None:
+            logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
+            return
+        rtol = self._alone_rtol(net)
+        common = dict(collate=collate, collate_alone=alone, prepare=self._collated_on_device,
+                      run=lambda b, lab, seg: self._example_losses(net, b, lab, seg),
+                      segment_ids=self._segment_ids, rtol=rtol)
+        segments = self._segment_ids(micro)
+        num = labels.shape[0] if segments is None else int(segments.max()) + 1
+        indices = getattr(self, "_chunk_indices", None)
+        features = None if indices is None or len(indices) < num else self._raw_features(indices[:num])
+        if features is not None:
+            check_examples_alone(self.clipping_engine, net, features, micro, labels, **common,
+                                 what=" (the first micro-batch)")
+        else:
+            logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
+                           "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "
+                           "training set's shortest and longest rows is.")
+        hard = self._hard_batch()
+        if hard is not None:
+            check_examples_alone(self.clipping_engine, net, hard[0], hard[1], hard[2], **common,
+                                 what=" (a batch of the training set's shortest and longest rows)")
+        logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
+                    " and ".join(w for w, done in (("first micro-batch", features is not None),
+                                                   ("shortest and longest rows", hard is not None)) if done))
+
+    def _alone_rtol(self, net: torch.nn.Module) -> float:
+        """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
+        (other shapes, other kernels), by far less than this in each precision."""
+        if self.args.bf16 or self.args.fp16:
+            return 5e-2
+        dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+        return 1e-5 if dtype == torch.float64 else 1e-3
+
+    def _check_known_dependences(self, loader: Any = None) -> None:
+        """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
+        computed from the batch; left padding with positions from the padded layout), with the way out
+        (``counterfactual.check_known_dependences``)."""
+        net = self._unwrapped_model()
+        hard = self._hard_batch(loader)
+        if hard is None:
+            return check_known_dependences(net)
+        dataset = (loader if loader is not None else self.callback_handler.train_dataloader).dataset
+        longest = lambda: longest_position(dataset.dataset, hard[0], hard[1])  # noqa: E731 - only read for rope
+        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
+            return check_known_dependences(net, longest=longest)
+        with self.compute_loss_context_manager():
+            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**self._model_inputs(net, b, lab)),
+                                           rtol=self._alone_rtol(net), longest=longest)
+
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
         check_train_loader(train_dataloader, self._dp_sampler)  # a subclass's loader must not bypass Poisson sampling
+        self._check_known_dependences(train_dataloader)  # refused before training: see hf_dp/counterfactual.py
         if getattr(self, "_trial", None) is not None and self._fsdp is None:
             # hyperparameter_search set this trial's arguments after call_model_init built the engine.
             self._build_clipping()

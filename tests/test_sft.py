@@ -18,7 +18,14 @@ pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
 
-from hf_dp import DPSFTConfig, DPSFTTrainer, DPTrainer, DPTrainingArguments, PoissonBatchSampler  # noqa: E402
+from hf_dp import (  # noqa: E402
+    DPSFTConfig,
+    DPSFTTrainer,
+    DPTrainer,
+    DPTrainingArguments,
+    PoissonBatchSampler,
+    UnsupportedLayerError,
+)
 
 WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"] + (
     "hello hi how are you fine thanks what is your name my bot good day the cat sat on mat a dog ran").split()
@@ -313,6 +320,32 @@ def test_isolation_rechecked_at_train_start(tmp_path):
     base.model.forward = leaky_forward
     with pytest.raises(ValueError, match="Packing refused"):
         trainer.train()
+
+
+def test_packed_rows_compared_with_each_example_alone_at_the_lengths_used(tmp_path):
+    """A model that keeps packed examples apart only in rows of up to 16 tokens (beyond, it drops position_ids:
+    one causal sequence over the whole row, as an attention path for long rows might) passes the isolation probe
+    (rows of 12 tokens) and a lucky first micro-batch of short rows; the batch of the shortest and the longest rows,
+    packed as training packs them and compared with each example collated alone by trl's unpacked collator, exposes
+    it before anything is released."""
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    original = model.model.forward
+
+    def long_rows_leak(input_ids=None, position_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[1] > 16:
+            position_ids = None
+        return original(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    model.model.forward = long_rows_leak
+    rows = Dataset.from_list([{"text": t} for t in ["a dog", "the cat", "hi", "hello how are you fine thanks what is "
+                                                    "your name my bot good day the cat sat"]])
+    trainer = make_trainer(model, rows, sft_args(tmp_path, packing=True))  # the isolation probe passes
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedLayerError, match="shortest and longest rows.*packing=False"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
 def test_prepacked_dataset_refused(tmp_path):

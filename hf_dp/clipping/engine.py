@@ -1046,6 +1046,98 @@ class ClippingEngine:
         finally:
             self._restore_state(saved)
 
+    def check_counterfactual(self, run_batch: Callable[[], torch.Tensor], rows: int, num_examples: int,
+                             alone: dict[int, Callable[[], torch.Tensor]], rtol: float = 1e-3,
+                             segments: torch.Tensor | None = None, what: str = "") -> None:
+        """Each example's loss and gradient in its micro-batch equal those of the example *alone* (DESIGN inv. 12).
+
+        ``run_batch()`` runs the model on a collated micro-batch of ``rows`` rows holding ``num_examples`` examples
+        (``segments``: packed rows, :meth:`record`) and returns their losses ``(num_examples,)``; ``alone[i]()`` runs
+        example ``i`` as it would be had it been sampled alone (collated alone by the training collator: its own
+        length, padding and positions) and returns its loss ``(1,)``. Compared, for every ``i`` in ``alone``:
+
+        1. the loss ``L_i`` in the batch with ``L_i`` alone;
+        2. the norm of ``G_i`` from the hooks in the batch (what the DP step clips) with autograd's ``‖∇L_i‖`` alone;
+        3. the full vector: the hooks' weighted sum ``Σ_i c_i G_i`` (what the DP step releases, with random factors
+           ``c_i ∈ [0.5, 1.5]`` for the checked examples and 0 for the others) with ``Σ_i c_i ∇L_i`` alone, for every
+           parameter. With distinct random factors a mismatch of any one example's vector cannot cancel.
+
+        Autograd's gradients are taken on stand-in parameters (``.grad`` and user hooks are never touched). Raises
+        :class:`UnsupportedLayerError` naming the example, what differs and by how much. ``what`` names the batch.
+        """
+        if not alone:
+            return
+        saved = self._saved_state()
+        try:
+            with self.record(rows, segments=segments):
+                losses = run_batch()
+                if losses.shape != (num_examples,):
+                    raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
+                                     f"{tuple(losses.shape)}.")
+                if losses.requires_grad:
+                    losses.sum().backward()
+            losses = losses.detach().double().cpu()
+            sq = self.per_example_norms_sq()
+            device = next(iter(sq.values())).device if sq else losses.device
+            hook_norms = (torch.stack([v.double() for v in sq.values()]).sum(0).sqrt().cpu() if sq
+                          else torch.zeros(num_examples, dtype=torch.float64))
+            gen = torch.Generator().manual_seed(12345)
+            factors = torch.zeros(num_examples, dtype=torch.float64)
+            checked = sorted(alone)
+            factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
+            self.accumulate_clipped(factors.to(device))
+            hooked, self.summed_grads = self.summed_grads, {}
+            self.clear()
+            names = list(self.params)
+            ref: dict[str, torch.Tensor] = {}
+            problems = []
+            for i in checked:
+                with self._stand_ins() as stand_ins:
+                    single = alone[i]()
+                    grads = [None] * len(names)
+                    if single.requires_grad:
+                        # .backward(), not autograd.grad: reentrant activation checkpointing (transformers'
+                        # default under peft.prepare_model_for_kbit_training) supports only .backward()
+                        single.sum().backward()
+                        grads = [stand_ins[n].grad for n in names]
+                single = float(single.detach().double().reshape(-1)[0])
+                norm_sq = 0.0
+                for n, g in zip(names, grads):
+                    if g is None or not torch.isfinite(g).all():
+                        continue
+                    norm_sq += float(g.double().pow(2).sum())
+                    ref[n] = ref.get(n, 0) + float(factors[i]) * g.double()
+                mine, theirs = float(losses[i]), single
+                if not (math.isfinite(mine) and math.isfinite(theirs)):
+                    continue  # a non-finite example gets clipping factor 0 in training
+                if abs(mine - theirs) > rtol * max(abs(theirs), 1e-8) + 1e-10:
+                    problems.append(f"example {i}'s loss is {mine:.8g} in the batch but {theirs:.8g} alone")
+                    continue
+                norm = math.sqrt(norm_sq)
+                if abs(float(hook_norms[i]) - norm) > rtol * max(norm, 1e-12) + 1e-12:
+                    problems.append(f"example {i}'s gradient norm is {float(hook_norms[i]):.8g} in the batch (what "
+                                    f"is clipped) but {norm:.8g} alone")
+            if not problems:
+                scale = max((float(g.abs().max()) for g in ref.values() if g.numel()), default=0.0)
+                for n in names:
+                    r, m = ref.get(n), hooked.get(n)
+                    if r is None and m is None:
+                        continue
+                    r = torch.zeros_like(self.params[n], dtype=torch.float64) if r is None else r
+                    m = torch.zeros_like(r) if m is None else m.to(r.device, torch.float64)
+                    floor = 100 * torch.finfo(self.params[n].dtype).eps * scale \
+                        if self.params[n].is_floating_point() else 0.0
+                    tol = rtol * max(float(r.abs().max()) if r.numel() else 0.0, floor / rtol, 1e-12)
+                    if not torch.allclose(m, r, rtol=rtol, atol=tol):
+                        problems.append(f"the clipped sum of {n} differs from the sum of the examples' gradients "
+                                        f"alone (max difference {float((m - r).abs().max()):.3g})")
+                        break
+            if problems:
+                raise UnsupportedLayerError(
+                    f"An example's loss depends on the other rows of its batch{what}: " + "; ".join(problems) + ".")
+        finally:
+            self._restore_state(saved)
+
     def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
                    rtol: float = 1e-3) -> None:
         """:meth:`first_step_check` then :meth:`check_single_examples` (both checks, on the model as it is)."""

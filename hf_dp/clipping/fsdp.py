@@ -46,7 +46,7 @@ from ..noise import add_noise_to_shards
 from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .layers import Rule
 from .modes import flat_clip_factors
-from .step import DPStep, StepPieces, slice_batch
+from .step import INDEX_KEY, DPStep, StepPieces, slice_batch
 
 __all__ = ["FSDPClippingEngine", "FSDPFlatClipping", "check_fsdp_supported", "fsdp_requested"]
 
@@ -281,6 +281,7 @@ class FSDPFlatClipping(DPStep):
             if src is None:
                 raise RuntimeError("FSDPFlatClipping.dummy_source is not set (DPTrainer.get_train_dataloader sets it).")
             batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0]]))
+            batch.pop(INDEX_KEY, None)
             labels = batch.pop("labels")
             self._dummy = (batch, labels)
         batch, labels = self._dummy
@@ -385,6 +386,7 @@ class FSDPFlatClipping(DPStep):
         if labels.shape[0] < 2 and self.dummy_source is not None and len(self.dummy_source.dataset) >= 2:
             src = self.dummy_source
             batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
+            batch.pop(INDEX_KEY, None)
             labels = batch.pop("labels")
         return batch, labels
 

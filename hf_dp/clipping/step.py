@@ -32,12 +32,16 @@ from ..noise import NoiseGenerator
 from .engine import ClippingEngine
 from .modes import GroupClipper
 
-__all__ = ["DPStep", "RealisedLoss", "StepPieces", "UNIT_KEY", "slice_batch"]
+__all__ = ["DPStep", "INDEX_KEY", "RealisedLoss", "StepPieces", "UNIT_KEY", "slice_batch"]
 
 logger = logging.getLogger(__name__)
 
 UNIT_KEY = "_hf_dp_unit"
 """The batch key under which the trainer's loader carries each row's privacy-unit (user) id (user-level DP)."""
+INDEX_KEY = "_hf_dp_index"
+"""The batch key under which the trainer's loader carries each row's index in the training set (popped by the trainer
+before the DP step; the first-step counterfactual check re-reads those rows' raw features: ``hf_dp/counterfactual.py``).
+"""
 
 
 def slice_batch(inputs: dict, sl: Any, batch: int) -> dict:
