@@ -125,6 +125,12 @@ def _key(t: torch.Tensor) -> tuple[int, int]:
     return t._version, (t.data_ptr() if t.layout == torch.strided else id(t))
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` holds exactly what ``a`` holds (read only when a tracked tensor was replaced: rare, small)."""
+    return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and a.layout == b.layout
+            and bool(torch.equal(a.detach(), b.detach())))
+
+
 class ReleasedStateGuard:
     """DESIGN invariant 10: between two DP steps nothing that is saved, pushed or used by the next step changes,
     except by the optimizer applying the gradients the DP step wrote.
@@ -156,6 +162,7 @@ class ReleasedStateGuard:
         self._tensors: list[torch.Tensor] = []  # every tracked tensor, in walk order (identity)
         self._unique: list[torch.Tensor] = []  # each once (tied weights, the optimizer's model parameters)
         self._keys: list[tuple[int, int]] = []  # of _unique
+        self._buffer_values: dict[int, torch.Tensor] = {}  # a copy of every buffer at the snapshot
         self._held: set[int] = set()
         self._handles: list[Any] = []
         self._switched: list[tuple[Any, str]] = []
@@ -187,6 +194,7 @@ class ReleasedStateGuard:
         self.active = self.in_step = False
         _ACTIVE_GUARDS.discard(self)
         self._tensors, self._unique, self._keys, self._held = [], [], [], set()
+        self._buffer_values = {}
 
     # ------------------------------------------------------------------ snapshot and comparison
     def _collect(self) -> list[torch.Tensor]:
@@ -201,6 +209,11 @@ class ReleasedStateGuard:
         self._unique = list({id(t): t for t in self._tensors}.values())
         self._keys = [_key(t) for t in self._unique]
         self._held = {id(t) for t in optimizer_tensors(self.optimizer)}
+        # Buffers are small and change only by writes we refuse: a copy tells an in-place write of the same values
+        # (transformers' longrope rotary embedding copies the short-range frequencies into inv_freq in every forward
+        # below its length limit) from a change. Taken at train start and after post_processing(), not every step.
+        self._buffer_values = {id(b): b.detach().clone() for m in self.model.modules() for b in m._buffers.values()
+                               if b is not None}
 
     def changed(self, skip_held: bool = False, walk: bool = True) -> list[str]:
         """Names of the tracked tensors changed since the last snapshot (``skip_held``: except the optimizer's).
@@ -210,18 +223,33 @@ class ReleasedStateGuard:
         next walk, at the next step's first chunk or before a save, still sees a replacement made there)."""
         if not self.active:
             return []
+        current = None
         if walk:
             current = self._collect()
-            if len(current) != len(self._tensors) or any(a is not b for a, b in zip(current, self._tensors)):
-                return self._replaced(current)
+            if len(current) == len(self._tensors) and all(a is b for a, b in zip(current, self._tensors)):
+                current = None  # the same tensors
+            else:
+                replaced = self._replaced(current)
+                if replaced:
+                    return replaced
         bad = [t for t, k in zip(self._unique, self._keys) if _key(t) != k and not (skip_held and id(t) in self._held)]
-        if not bad:
-            return []
-        names = self._names()
-        return list(dict.fromkeys(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in bad))
+        if bad:
+            bad = [t for t in bad if not (id(t) in self._buffer_values and _same_values(self._buffer_values[id(t)], t))]
+        if bad:
+            names = self._names()
+            return list(dict.fromkeys(names.get(id(t), f"a tensor of shape {tuple(t.shape)}") for t in bad))
+        if current is not None:  # only replacements by equal values (a cache re-registered as it was): adopted
+            self.snapshot()
+        return []
 
     def _replaced(self, current: list[torch.Tensor]) -> list[str]:
-        """Names of the tensors added, removed or replaced since the snapshot."""
+        """Names of the tensors added, removed or replaced since the snapshot; a tensor replaced by one of the same
+        dtype, shape, device and values is no change (transformers' ``longrope`` rotary embedding re-registers
+        ``inv_freq`` from ``original_inv_freq`` in every forward below its length limit)."""
+        if len(current) == len(self._tensors):
+            pairs = [(a, b) for a, b in zip(self._tensors, current) if a is not b]
+            if all(_same_values(a, b) for a, b in pairs):
+                return []
         before = {id(t) for t in self._tensors}
         now = {id(t) for t in current}
         names = self._names()
