@@ -431,9 +431,10 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         """Refuse packing unless the model keeps the examples of a packed row apart.
 
         Runs the model (train mode with dropout off, no autocast, exactly the inputs training passes) on synthetic
-        token ids: the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are replaced by other
-        tokens (no attention across examples: with it, B's clipped gradient would carry A's data), and the same
-        logits as B alone (positions restart per example, so the packed run trains what the unpacked run trains).
+        token ids: the middle example B of a packed row ``[A, B, C]`` must get the same logits when A and C are
+        replaced by other tokens (no attention across examples: with it, B's clipped gradient would carry A's data),
+        and the same logits as B alone (positions restart per example, so the packed run trains what the unpacked run
+        trains).
         """
         net = self.accelerator.unwrap_model(self.model)
         collator = self._packing_collator
