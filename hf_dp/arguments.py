@@ -401,3 +401,31 @@ class DPTrainingArguments(TrainingArguments):
                 "secure_mode=True seeds every step's noise from fresh OS entropy; it cannot be combined with "
                 f"dp_seed={self.dp_seed}. Drop dp_seed (or secure_mode, for a reproducible, non-secure run)."
             )
+
+
+_DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
+
+
+@dataclass
+class TrlOverridesUnderDP:
+    """The defaults of trl's configs (``trl/trainer/base_config.py``) that DP training changes, written once for every
+    trl config pair (``DPSFTConfig``, ``DPDPOConfig``, ``DPRewardConfig``). Listed first among a config's bases, its
+    fields win over trl's: ``gradient_checkpointing`` off (trl: on; refused under DP), ``bf16`` on only with an
+    accelerator and without ``fp16`` (trl: on unless fp16), ``max_grad_norm`` as ``DPTrainingArguments`` has it
+    (without this field the trl side of the hierarchy, which re-lists TrainingArguments' fields, restores 1.0)."""
+
+    gradient_checkpointing: bool | None = field(
+        default=None,  # resolved to False by TrainingArguments (None: no deprecation warning for the old name)
+        metadata={"help": "Activation checkpointing; refused under DP (the per-example hooks would miss recomputed "
+                          "forwards). trl's default is True, hf_dp's is False."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={"help": "bf16 mixed precision. Default: True if fp16 is not set and an accelerator is present."},
+    )
+    max_grad_norm: float = field(default=_DP_MAX_GRAD_NORM.default, metadata=_DP_MAX_GRAD_NORM.metadata)
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = not self.fp16 and _has_accelerator()
+        super().__post_init__()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.utils import use_adapter
 
-from .arguments import DPTrainingArguments, _has_accelerator
+from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .losses import IGNORE_INDEX
 from .peft_support import is_peft_model
 from .preference import PreferencePairsDP, dp_config
@@ -55,7 +55,6 @@ __all__ = ["DPDPOConfig", "DPDPOTrainer", "ROW_WISE_LOSS_TYPES", "completion_log
 
 logger = logging.getLogger(__name__)
 
-_DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
 ROW_WISE_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
                        "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 """trl ``loss_type`` values whose loss on a row is a function of that row alone (exact per row under DP)."""
@@ -65,7 +64,7 @@ _REF = "_hf_dp_ref_logps"  # per-sequence reference log-probs of a micro-batch (
 
 
 @dataclass
-class DPDPOConfig(DPOConfig, DPTrainingArguments):
+class DPDPOConfig(TrlOverridesUnderDP, DPOConfig, DPTrainingArguments):
     r"""Configuration of [`DPDPOTrainer`]: trl's `DPOConfig` plus every field of [`DPTrainingArguments`].
 
     Both sets of fields come from their own classes; both `__post_init__` validations run. trl's defaults are kept
@@ -82,20 +81,7 @@ class DPDPOConfig(DPOConfig, DPTrainingArguments):
     two sequences).
     """
 
-    gradient_checkpointing: bool | None = field(
-        default=None,  # resolved to False by TrainingArguments
-        metadata={"help": "Activation checkpointing; refused under DP (the per-example hooks would miss recomputed "
-                          "forwards). trl's default is True, hf_dp's is False."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. Default: True if fp16 is not set and an accelerator is present."},
-    )
-    max_grad_norm: float = field(default=_DP_MAX_GRAD_NORM.default, metadata=_DP_MAX_GRAD_NORM.metadata)
-
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = not self.fp16 and _has_accelerator()
         super().__post_init__()
         for loss_type in self.loss_type:
             if loss_type in _BATCH_WISE_LOSS_TYPES:

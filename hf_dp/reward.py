@@ -12,23 +12,21 @@ rows of a batch; DP-SGD sums the clipped per-row gradients and divides by the ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from trl import RewardConfig, RewardTrainer
 
-from .arguments import DPTrainingArguments, _has_accelerator
+from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .preference import PreferencePairsDP, dp_config
 
 __all__ = ["DPRewardConfig", "DPRewardTrainer"]
 
-_DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
-
 
 @dataclass
-class DPRewardConfig(RewardConfig, DPTrainingArguments):
+class DPRewardConfig(TrlOverridesUnderDP, RewardConfig, DPTrainingArguments):
     r"""Configuration of [`DPRewardTrainer`]: trl's `RewardConfig` plus every field of [`DPTrainingArguments`].
 
     trl's defaults are kept (`max_length=1024`, `disable_dropout=True`, `learning_rate=1e-4`, ...), except
@@ -37,20 +35,7 @@ class DPRewardConfig(RewardConfig, DPTrainingArguments):
     `per_device_train_batch_size` and the expected batch count preference rows (each is two sequences).
     """
 
-    gradient_checkpointing: bool | None = field(
-        default=None,
-        metadata={"help": "Activation checkpointing; refused under DP (the per-example hooks would miss recomputed "
-                          "forwards). trl's default is True, hf_dp's is False."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. Default: True if fp16 is not set and an accelerator is present."},
-    )
-    max_grad_norm: float = field(default=_DP_MAX_GRAD_NORM.default, metadata=_DP_MAX_GRAD_NORM.metadata)
-
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = not self.fp16 and _has_accelerator()
         super().__post_init__()
         if self.activation_offloading:
             raise ValueError("activation_offloading is not supported under DP (untested with the per-example hooks).")

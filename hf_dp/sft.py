@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
-from .arguments import DPTrainingArguments, _has_accelerator
+from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .clipping.engine import train_without_dropout
 from .clipping.layers import UnsupportedLayerError
 from .losses import IGNORE_INDEX, causal_lm_loss
@@ -48,11 +48,8 @@ __all__ = ["DPSFTConfig", "DPSFTTrainer", "causal_lm_segment_loss", "segment_ids
 logger = logging.getLogger(__name__)
 
 
-_DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
-
-
 @dataclass
-class DPSFTConfig(SFTConfig, DPTrainingArguments):
+class DPSFTConfig(TrlOverridesUnderDP, SFTConfig, DPTrainingArguments):
     r"""Configuration of [`DPSFTTrainer`]: trl's `SFTConfig` plus every field of [`DPTrainingArguments`].
 
     Both sets of fields come from their own classes (nothing is copied); both `__post_init__` validations run
@@ -70,22 +67,7 @@ class DPSFTConfig(SFTConfig, DPTrainingArguments):
     each row) and `sample_rate` counts rows.
     """
 
-    gradient_checkpointing: bool | None = field(
-        default=None,  # resolved to False by TrainingArguments (None: no deprecation warning for the old name)
-        metadata={"help": "Activation checkpointing; refused under DP (the per-example hooks would miss recomputed "
-                          "forwards). trl's default is True, hf_dp's is False."},
-    )
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. Default: True if fp16 is not set and an accelerator is present."},
-    )
-    # The one TrainingArguments default that DPTrainingArguments overrides; without this line the SFTConfig side of
-    # the hierarchy (which re-lists TrainingArguments' fields) would restore transformers' 1.0.
-    max_grad_norm: float = field(default=_DP_MAX_GRAD_NORM.default, metadata=_DP_MAX_GRAD_NORM.metadata)
-
     def __post_init__(self):
-        if self.bf16 is None:
-            self.bf16 = not self.fp16 and _has_accelerator()
         super().__post_init__()
         if (self.packing or self.padding_free) and self.packing_strategy != "bfd":
             raise ValueError(
