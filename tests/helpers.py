@@ -234,3 +234,22 @@ def quick_dp_args(out, **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)
         return DPTrainingArguments(**base)
+
+
+def load_example(filename: str, name: str | None = None):
+    """``examples/<filename>`` imported as a module (registered in ``sys.modules`` first: dataclasses resolve the
+    module's annotations through it). The same module object on later calls."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = name or "hf_dp_example_" + filename.removesuffix(".py")
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "examples" / filename
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

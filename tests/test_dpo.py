@@ -450,15 +450,9 @@ def test_card_checkpoint_and_resume(tmp_path):
 def test_example_script_smoke(tmp_path):
     """``examples/dp_dpo.py`` end to end with tiny settings (1-layer public GPT-2 pre-trained for 2 steps, 8
     preference rows, one DP step of DPO and of the reward model at ε = 8, plus the non-private runs)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from helpers import load_example
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "dp_dpo.py"
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_dpo", path)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(script)
+    script = load_example("dp_dpo.py")
     try:
         script.clm_module().tokenizer_module().load_gpt2_tokenizer(8192)
         script.clm_module().data_module().load_fine_foods()

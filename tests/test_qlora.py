@@ -92,15 +92,9 @@ def test_dp_sft_example_with_load_in_4bit(tmp_path):
     quantised layers have biases, packed rows). Also the regression test for hf_dp's checks running the model in train
     mode: an eval-mode forward makes bitsandbytes (CPU) repack the 4-bit weights, after which a quantised layer with a
     bias cannot be trained."""
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from helpers import load_example
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "dp_sft.py"
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_sft_qlora", path)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    spec.loader.exec_module(script)
+    script = load_example("dp_sft.py")
     try:
         script.clm_module().tokenizer_module().load_gpt2_tokenizer(8192)
         script.clm_module().data_module().load_chatterbot(["greetings"])

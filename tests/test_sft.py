@@ -441,16 +441,11 @@ def test_segment_loss_never_predicts_across_examples():
 def test_example_script_smoke(tmp_path):
     """``examples/dp_sft.py`` end to end with tiny settings (1-layer public GPT-2 pre-trained for 2 steps, 16 chats,
     one DP LoRA step, packed, plus the baselines)."""
-    import importlib.util
     import math
-    import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "dp_sft.py"
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_sft", path)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # dataclasses resolve the module's annotations through sys.modules
-    spec.loader.exec_module(script)
+    from helpers import load_example
+
+    script = load_example("dp_sft.py")
     try:
         script.clm_module().tokenizer_module().load_gpt2_tokenizer(8192)
         script.clm_module().data_module().load_chatterbot(["greetings"])
