@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .arguments import DPTrainingArguments
+from .clipping.step import micro_batch_bounds
 from .guarantee import check_batch_rows
 from .trainer import DPTrainer
 
@@ -171,19 +172,12 @@ class PreferencePairsDP(DPTrainer):
         rows = seqs // 2
         size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
         if units is None:
-            bounds = list(range(0, rows, size)) + [rows]
             row_units = torch.arange(rows, device=labels.device)
         else:
             if units.shape[0] != rows:
                 raise ValueError(f"{units.shape[0]} unit ids for {rows} preference rows.")
             row_units = units.to(labels.device)
-            changes = (units[1:] != units[:-1]).nonzero().flatten() + 1
-            edges = [0, *changes.tolist(), rows]
-            bounds = [0]
-            for start, end in zip(edges[:-1], edges[1:]):
-                if end - bounds[-1] > size and start > bounds[-1]:
-                    bounds.append(start)  # close the micro-batch before this user
-            bounds.append(rows)
+        bounds = micro_batch_bounds(rows, size, units)  # a user's rows are never split
         out = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             seq_index = torch.cat([torch.arange(a, b), torch.arange(rows + a, rows + b)]).to(labels.device)

@@ -41,7 +41,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep
 from .clipping.modes import GroupClipper, build_groups
-from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, slice_batch
+from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
     check_examples_alone,
     check_known_dependences,
@@ -743,17 +743,8 @@ class DPTrainer(Trainer):
         users, and a user with more examples than the bound gets a micro-batch of their own.
         """
         batch = labels.shape[0]
-        size = max(1, self._train_batch_size or self.args.per_device_train_batch_size)
-        if units is None:
-            bounds = list(range(0, batch, size)) + [batch]
-        else:
-            changes = (units[1:] != units[:-1]).nonzero().flatten() + 1
-            edges = [0, *changes.tolist(), batch]
-            bounds = [0]
-            for block_start, block_end in zip(edges[:-1], edges[1:]):
-                if block_end - bounds[-1] > size and block_start > bounds[-1]:
-                    bounds.append(block_start)  # close the micro-batch before this user
-            bounds.append(batch)
+        bounds = micro_batch_bounds(batch, max(1, self._train_batch_size or self.args.per_device_train_batch_size),
+                                    units)
         out = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             sl = slice(a, b)

@@ -32,7 +32,7 @@ from ..noise import NoiseGenerator
 from .engine import ClippingEngine
 from .modes import GroupClipper
 
-__all__ = ["DPStep", "INDEX_KEY", "RealisedLoss", "StepPieces", "UNIT_KEY", "slice_batch"]
+__all__ = ["DPStep", "INDEX_KEY", "RealisedLoss", "StepPieces", "UNIT_KEY", "micro_batch_bounds", "slice_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,22 @@ INDEX_KEY = "_hf_dp_index"
 """The batch key under which the trainer's loader carries each row's index in the training set (popped by the trainer
 before the DP step; the first-step counterfactual check re-reads those rows' raw features: ``hf_dp/counterfactual.py``).
 """
+
+
+def micro_batch_bounds(n: int, size: int, units: torch.Tensor | None = None) -> list[int]:
+    """Bounds ``[0, ..., n]`` splitting ``n`` examples into micro-batches of at most ``size`` (memory only). With
+    ``units`` (each example's privacy unit, a unit's examples contiguous) a unit is never split: a micro-batch holds
+    whole units, and a unit larger than ``size`` gets a micro-batch of its own."""
+    if units is None:
+        return list(range(0, n, size)) + [n]
+    changes = (units[1:] != units[:-1]).nonzero().flatten() + 1
+    edges = [0, *changes.tolist(), n]
+    bounds = [0]
+    for start, end in zip(edges[:-1], edges[1:]):
+        if end - bounds[-1] > size and start > bounds[-1]:
+            bounds.append(start)  # close the micro-batch before this unit
+    bounds.append(n)
+    return bounds
 
 
 def slice_batch(inputs: dict, sl: Any, batch: int) -> dict:
