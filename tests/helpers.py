@@ -253,3 +253,16 @@ def load_example(filename: str, name: str | None = None):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def close_distributed() -> None:
+    """End a launched worker cleanly: every rank waits for the others, then the process group is destroyed.
+
+    A gloo process group left alive at interpreter exit can abort one rank ("terminate called without an active
+    exception", SIGABRT) after all the work is done; CI saw this once in the two-process SFT test.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

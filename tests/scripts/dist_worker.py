@@ -11,7 +11,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import lm_dataset, tiny_gpt2  # noqa: E402
+from helpers import close_distributed, lm_dataset, tiny_gpt2  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
@@ -46,3 +46,4 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
 
 if __name__ == "__main__":
     main(sys.argv[1], float(sys.argv[2]), *(sys.argv[3:4]), *(int(a) for a in sys.argv[4:5]))
+    close_distributed()

@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from cpu_fsdp_shim import CPUFSDPTrainerMixin  # noqa: E402
-from helpers import lm_dataset, tiny_gpt2  # noqa: E402
+from helpers import close_distributed, lm_dataset, tiny_gpt2  # noqa: E402
 
 from hf_dp import DPTrainer, DPTrainingArguments  # noqa: E402
 
@@ -157,3 +157,4 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    close_distributed()

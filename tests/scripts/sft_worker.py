@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import tiny_llama  # noqa: E402
+from helpers import close_distributed, tiny_llama  # noqa: E402
 from test_sft import make_trainer, sft_args, sft_distributed_dataset  # noqa: E402
 
 # N = 8 rows = per_device 2 × GA 2 × 2 processes: q = 1.
@@ -41,3 +41,4 @@ def main(out_dir: str, clip: float, sigmas: list[float]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], float(sys.argv[2]), [float(s) for s in sys.argv[3:]])
+    close_distributed()
