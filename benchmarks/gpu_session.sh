@@ -40,7 +40,8 @@ if torch.cuda.is_available():
     print("device:", torch.cuda.get_device_name(0), "|", p.multi_processor_count, "SMs |",
           f"{p.total_memory / 2**30:.1f} GiB | capability {p.major}.{p.minor}")
 for name in ("transformers", "accelerate", "peft", "datasets", "prv_accountant", "dp_accounting", "opacus",
-             "bitsandbytes", "huggingface_hub", "tokenizers", "numpy", "scipy", "dill", "attr", "hf_dp"):
+             "bitsandbytes", "huggingface_hub", "tokenizers", "numpy", "scipy", "dill", "multiprocess", "fsspec",
+             "pyarrow", "attr", "hf_dp"):
     try:
         m = importlib.import_module(name)
         print(f"  {name} {getattr(m, '__version__', '?')} ({m.__file__})")
