@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease: the GPU benchmark presets of benchmarks/README.md ("GPU session"), results under $OUT.
 #
-#   bash .gpu/session.sh full     # ~6 min on one H200: run.py --preset gpu, then gpu_llm.py at T = 2048 and 4096
+#   bash .gpu/session.sh full     # ~6 min on one H200 (at most 8 min: the parts' timeouts, 450 s, + ~25 s setup)
 #   bash .gpu/session.sh smoke    # ~2 min: installs, versions, card, a tiny CUDA run of each part + 2 real cells
 #   DEVICE=cpu bash benchmarks/gpu_session.sh smoke          # CPU dry run of the smoke (tiny shapes only)
 #   DEVICE=cpu TINY=1 bash benchmarks/gpu_session.sh full    # CPU dry run of the full call's commands, --tiny added
@@ -65,17 +65,26 @@ EOF
       timeout 45 $LLM --shapes 2048:8 --variants full --checkpointing-options off
     fi
   else
-    # Part 1, ~2.5 min on an H200: the 5 shapes of --preset gpu (GPT-2 small T = 128 B = 16 and T = 512 B = 8, tied
-    # and untied; BERT-base classification T = 128 B = 32), 5 methods, 2 interleaved repeats × 3 timed steps (+ 1
-    # warm-up step in the first repeat); fp32 (the harness's setting), peak torch.cuda.max_memory_allocated.
-    stamp "part 1: run.py --preset gpu"
-    timeout 200 $RUN $TINYFLAG $DPM --repeats 2 --steps 3 --warmup 1 --out "$OUT/run_gpu.json" --markdown "$OUT/run_gpu.md"
-    echo "part 1 exit $?"
-    # Part 2, ~2.5 min: a 1.2 B Llama-style model (16 × 2048, vocab 32 k), bf16 mixed precision, full / LoRA /
-    # QLoRA (nf4) × checkpointing off / on × non-private / flat, T = 2048 B = 8 first, then T = 4096 B = 4.
-    stamp "part 2: gpu_llm.py (16 x 2048 Llama, T=2048 B=8 then T=4096 B=4)"
-    timeout 210 $LLM $TINYFLAG --shapes 2048:8 4096:4 --json "$OUT/llm.json" --markdown "$OUT/llm.md"
-    echo "part 2 exit $?"
+    # Part 1 (~2.5 min on an H200): the 5 shapes of --preset gpu, 5 methods, fp32 (the harness's setting), 1 repeat
+    # of 1 warm-up + 3 timed steps per method, peak torch.cuda.max_memory_allocated; in two invocations (T = 128
+    # shapes, then T = 512) so that a timeout keeps the first one's files.
+    stamp "part 1a: run.py --preset gpu, T=128 shapes (GPT-2 small B=16 tied/untied, BERT-base cls B=32)"
+    timeout 120 $RUN $TINYFLAG $DPM --repeats 1 --steps 3 --warmup 1 --shapes gpt2-small-T128 \
+      gpt2-small-T128-untied bert-base-cls-T128 --out "$OUT/run_T128.json" --markdown "$OUT/run_T128.md"
+    echo "part 1a exit $?"
+    stamp "part 1b: run.py --preset gpu, T=512 shapes (GPT-2 small B=8 tied/untied)"
+    timeout 90 $RUN $TINYFLAG $DPM --repeats 1 --steps 3 --warmup 1 --shapes gpt2-small-T512 gpt2-small-T512-untied \
+      --out "$OUT/run_T512.json" --markdown "$OUT/run_T512.md"
+    echo "part 1b exit $?"
+    # Part 2 (~3 min): a 1.2 B Llama-style model (16 × 2048, MLP 8192, vocab 32 k), bf16 mixed precision, 1 warm-up +
+    # 2 timed steps: T = 2048 B = 8, full / LoRA / QLoRA (nf4) × checkpointing off / on × non-private / flat; then
+    # T = 4096 B = 4 with checkpointing on only.
+    stamp "part 2a: gpu_llm.py, 16 x 2048 Llama, T=2048 B=8"
+    timeout 150 $LLM $TINYFLAG --shapes 2048:8 --json "$OUT/llm_T2048.json" --markdown "$OUT/llm_T2048.md"
+    echo "part 2a exit $?"
+    stamp "part 2b: gpu_llm.py, 16 x 2048 Llama, T=4096 B=4, checkpointing on"
+    timeout 90 $LLM $TINYFLAG --shapes 4096:4 --checkpointing-options on --json "$OUT/llm_T4096.json"
+    echo "part 2b exit $?"
   fi
   stamp "done"
 }
