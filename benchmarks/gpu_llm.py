@@ -154,13 +154,16 @@ def step_clock(device: torch.device):
 def warm_device(device: torch.device) -> int:
     """Run a few fp32 and bf16 matmuls (forward and backward) before the first cell: cuBLAS keeps the workspace its
     first matmuls allocate (64 MiB on an H200, counted by ``torch.cuda.memory_allocated``), which would otherwise land
-    in the first cell's measured peak and in every later cell's model bytes. Returns the bytes then allocated."""
+    in the first cell's measured peak and in every later cell's model bytes. Returns the bytes then allocated (CUDA;
+    0 elsewhere, where it only exercises the code)."""
     a = torch.randn(512, 512, device=device, requires_grad=True)
     for bf16 in (False, True):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             (a @ a).float().sum().backward()
     del a
     gc.collect()
+    if device.type != "cuda":
+        return 0
     torch.cuda.synchronize(device)
     return torch.cuda.memory_allocated(device)
 
@@ -318,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     print("environment:", json.dumps(env), flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    if args.device.startswith("cuda"):
-        env["allocated_before_cells_MiB"] = _mib(warm_device(torch.device(args.device)))
-        print(f"allocated after the device warm-up: {env['allocated_before_cells_MiB']} MiB", flush=True)
+    env["allocated_before_cells_MiB"] = _mib(warm_device(torch.device(args.device)))
+    print(f"allocated after the device warm-up: {env['allocated_before_cells_MiB']} MiB", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         base_path = os.path.join(tmp, "base")
         if "qlora" in args.variants:
