@@ -38,7 +38,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .clipping.engine import train_without_dropout
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError
 from .losses import IGNORE_INDEX, causal_lm_loss
 from .peft_support import is_peft_model
 from .trainer import DPTrainer
@@ -362,7 +362,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         padded, padded_labels = self._unpack(micro, labels, segments)
         self._dp_step.self_check(net, padded, padded_labels)
         engine = self.clipping_engine
-        saved = engine._groups, engine._handler
+        saved = engine.fused_groups
         engine.set_fused_groups(None, None)
         try:
             with train_without_dropout(net):  # as training runs the model (eval mode may change it: bitsandbytes)
@@ -398,8 +398,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         try:
             norms = engine.per_example_norms_sq()
         finally:
-            engine.clear()
-            engine._instantiated = {}
+            engine.clear()  # (and the instantiations kept for a clipped sum)
         return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
 
     # ------------------------------------------------------------------ isolation of packed examples
