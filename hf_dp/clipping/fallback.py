@@ -27,7 +27,7 @@ refused on every call (its mask cannot be replayed; the first-step checks run wi
 A ruled layer's parameters that its rule does not cover get a *side* fallback (``ruled`` names the rule): the layer
 re-run per example for those parameters only, next to its rule's hook for the others.
 
-The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
+The same fallback run at an *enclosing* module (``ClippingEngine.replan``: the enclosing-module fallback) covers
 parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
 (``conv1d.weight``, ``conv.parametrizations.weight.original0``), which ``functional_call`` replaces in the re-run, so
 every use of the parameter inside the enclosing module's forward is differentiated; the owner's rule no longer records

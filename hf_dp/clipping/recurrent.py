@@ -256,7 +256,7 @@ class RecurrentFallback(Fallback):
         proof = known[idx] if known is not None and len(known) == len(leaves) else None
         if proof is not None and not isinstance(proof, set):
             raise RuntimeError("hf_dp internal: the engine's first-step probe must call RecurrentFallback.probe_layout "
-                               f"for {self.name} (ClippingEngine._probe_layout).")
+                               f"for {self.name} (FirstStepChecks.probe_layout).")
         if n == batch_size and (proof is None or axis in proof):  # None: not probed (first micro-batch of one)
             return _Layout(axis, 1)
         if axis == 0 and proof is not None and "flat" in proof and n % batch_size == 0:
