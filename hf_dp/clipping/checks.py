@@ -470,9 +470,3 @@ class FirstStepChecks:
                     f"An example's loss depends on the other rows of its batch{what}: " + "; ".join(problems) + ".")
         finally:
             self._restore_state(saved)
-
-    def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
-                   rtol: float = 1e-3) -> None:
-        """:meth:`first_step_check` then :meth:`check_single_examples` (both checks, on the model as it is)."""
-        self.first_step_check(run_losses, batch_size, rtol)
-        self.check_single_examples(run_losses, batch_size, num_single, rtol)
