@@ -389,17 +389,10 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         return super()._alone_collator(loader)
 
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-        engine = self.clipping_engine
         extra = {} if segments is None else {"segments": segments}
-        with self.compute_loss_context_manager(), engine.record(labels.shape[0], **extra):
-            losses = self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **extra)
-            if losses.requires_grad:
-                losses.sum().backward()
-        try:
-            norms = engine.per_example_norms_sq()
-        finally:
-            engine.clear()  # (and the instantiations kept for a clipped sum)
-        return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
+        return self.clipping_engine.recorded_norms(
+            lambda: self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **extra),
+            labels.shape[0], segments, context=self.compute_loss_context_manager)
 
     # ------------------------------------------------------------------ isolation of packed examples
     def _dp_on_train_begin(self, *args: Any, **kwargs: Any) -> None:

@@ -131,10 +131,24 @@ class FirstStepChecks:
     def __init__(self, engine):
         self.engine = engine
 
+    def recorded_norms(self, run: Callable[[], torch.Tensor], rows: int, segments: torch.Tensor | None = None,
+                       context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                       ) -> torch.Tensor:
+        """The flat per-example gradient norms (float64) of one recorded run: ``run()`` runs the model on a micro-batch
+        of ``rows`` rows (``segments``: packed, :meth:`ClippingEngine.record`) and returns the per-example losses;
+        the forward and backward run inside ``context()`` (the trainer's autocast, as in a DP step)."""
+        with context(), self.engine.record(rows, segments=segments):
+            losses = run()
+            if losses.requires_grad:
+                losses.sum().backward()
+        return self._total_norms(rows)
+
     @torch.no_grad()
     def _total_norms(self, batch_size: int) -> torch.Tensor:
-        norms = self.engine.per_example_norms_sq()
-        self.engine.clear()
+        try:
+            norms = self.engine.per_example_norms_sq()
+        finally:
+            self.engine.clear()
         if not norms:
             return torch.zeros(batch_size, dtype=torch.float64)
         return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
@@ -355,19 +369,12 @@ class FirstStepChecks:
         (they get clipping factor 0 in training)."""
         saved = self._saved_state()
         try:
-            with self.engine.record(batch_size):
-                losses = run_losses(slice(0, batch_size))
-                if losses.requires_grad:
-                    losses.sum().backward()
-            batched = self._total_norms(batch_size)
+            batched = self.recorded_norms(lambda: run_losses(slice(0, batch_size)), batch_size)
             for p in self.engine.params.values():
                 p.grad = None
             for i in range(min(num_single, batch_size)):
-                with self.engine.record(1):  # per example: unit regrouping is exact tensor algebra, tested separately
-                    single = run_losses(slice(i, i + 1))
-                    if single.requires_grad:
-                        single.sum().backward()
-                alone = float(self._total_norms(1)[0])
+                # per example: unit regrouping is exact tensor algebra, tested separately
+                alone = float(self.recorded_norms(lambda i=i: run_losses(slice(i, i + 1)), 1)[0])
                 problem = norm_alone_problem(i, float(batched[i]), alone, batch_size, rtol, mode)
                 if problem is not None:
                     raise UnsupportedLayerError(

@@ -295,6 +295,13 @@ class ClippingEngine:
         :meth:`FirstStepChecks.check_counterfactual`)."""
         self._checks.check_counterfactual(run_batch, rows, num_examples, alone, rtol, segments, what)
 
+    def recorded_norms(self, run: Callable[[], torch.Tensor], rows: int, segments: torch.Tensor | None = None,
+                       context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                       ) -> torch.Tensor:
+        """Flat per-example gradient norms (float64) of one recorded run of ``run()`` (the per-example losses of a
+        micro-batch of ``rows`` rows; :meth:`FirstStepChecks.recorded_norms`)."""
+        return self._checks.recorded_norms(run, rows, segments, context)
+
     def self_check(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int, num_single: int = 2,
                    rtol: float = 1e-3) -> None:
         """:meth:`first_step_check` then :meth:`check_single_examples` (both checks, on the model as it is)."""
