@@ -2,7 +2,7 @@
 """A/B of engine variants in one process (issue 17): the same DPTrainer loop with an engine setting switched, run
 interleaved with the non-private HF Trainer, process CPU time per step (one thread). Not part of the test suite.
 
-Variants (module attributes of ``hf_dp.clipping.engine`` set only while that variant's steps run):
+Variants (module attributes of ``hf_dp.clipping.norms`` set only while that variant's steps run):
   ``per_layer``, ``flat``: as committed; ``per_layer_no_buffer``: per-layer without the reused instantiation buffer
   (``_scratch_for`` off, as before commit bffd450); ``per_layer_t25``: per-layer with ``_GHOST_TIME_RATIO = 25``
   (instantiates BERT's FFN at T = 128: faster, but +32 MiB peak memory; not committed).
@@ -27,7 +27,7 @@ sys.path.insert(0, _BENCH)
 import run  # noqa: E402
 import torch  # noqa: E402
 
-from hf_dp.clipping import engine as engine_mod  # noqa: E402
+from hf_dp.clipping import norms as engine_mod  # noqa: E402  (the norm maths the variants switch)
 
 VARIANTS = {
     "nonprivate": ("nonprivate", {}),

@@ -99,7 +99,7 @@ def capture(model, batch, b: int) -> tuple[dict[str, list[UseSig]], dict[str, di
     with engine.record(b):
         model(**batch).loss.backward()
     sigs = {}
-    for name, uses in engine._uses.items():
+    for name, uses in engine.recorded_uses().items():
         sigs[name] = [UseSig(u.kind, u.right.shape[0], u.seq_len, u.left_dim, u.right.shape[-1], _key(u.left)
                              if u.kind == "dense" else None, _key(u.right)) for u in uses]
     engine.clear()

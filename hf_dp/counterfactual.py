@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .clipping.engine import ClippingEngine, train_without_dropout
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError
 from .peft_support import adapter_advice
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError
 
 __all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "check_adapter_objective",
            "adapter_summary", "adapter_advice", "explain_adapter_refusal"]

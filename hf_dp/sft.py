@@ -38,7 +38,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .clipping.engine import train_without_dropout
-from .clipping.layers import UnsupportedLayerError
+from .clipping.rules import UnsupportedLayerError
 from .losses import IGNORE_INDEX, causal_lm_loss
 from .peft_support import is_peft_model
 from .trainer import DPTrainer
@@ -362,7 +362,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         padded, padded_labels = self._unpack(micro, labels, segments)
         self._dp_step.self_check(net, padded, padded_labels)
         engine = self.clipping_engine
-        saved = engine._groups, engine._handler
+        saved = engine.fused_groups
         engine.set_fused_groups(None, None)
         try:
             with train_without_dropout(net):  # as training runs the model (eval mode may change it: bitsandbytes)
@@ -389,18 +389,10 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         return super()._alone_collator(loader)
 
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
-        engine = self.clipping_engine
         extra = {} if segments is None else {"segments": segments}
-        with self.compute_loss_context_manager(), engine.record(labels.shape[0], **extra):
-            losses = self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **extra)
-            if losses.requires_grad:
-                losses.sum().backward()
-        try:
-            norms = engine.per_example_norms_sq()
-        finally:
-            engine.clear()
-            engine._instantiated = {}
-        return torch.stack([v.double() for v in norms.values()]).sum(0).sqrt()
+        return self.clipping_engine.recorded_norms(
+            lambda: self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **extra),
+            labels.shape[0], segments, context=self.compute_loss_context_manager)
 
     # ------------------------------------------------------------------ isolation of packed examples
     def _dp_on_train_begin(self, *args: Any, **kwargs: Any) -> None:

@@ -459,8 +459,8 @@ def test_batchless_module_output_in_repeated_blocks_is_exact_by_the_enclosing_bl
     """The table's own fallback is refused (no per-example axis) at the first block; the re-plan moves every block's
     table to its block's fallback at once (one extra round of first-step checks, not one per block); exact."""
     rounds = []
-    replan = ClippingEngine._replan
-    monkeypatch.setattr(ClippingEngine, "_replan", lambda self, names: rounds.append(names) or replan(self, names))
+    replan = ClippingEngine.replan
+    monkeypatch.setattr(ClippingEngine, "replan", lambda self, names: rounds.append(names) or replan(self, names))
     trainer = check_exact(LossToy(nn.Sequential(TableBlock(), TableBlock())), toy_rows(4), tmp_path,
                           per_example_loss=toy_loss, dp_self_check=False)
     assert sorted(trainer.clipping_engine._enclosure.values()) == ["body.0", "body.1"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from helpers import tiny_gpt2
 
-import hf_dp.clipping.engine as engine_mod
+import hf_dp.clipping.norms as engine_mod  # the norm maths (clipping/norms.py)
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.modes import build_groups
 

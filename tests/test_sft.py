@@ -401,20 +401,20 @@ def test_card_checkpoint_and_resume(tmp_path):
 def test_packed_self_check_catches_a_wrong_split(tmp_path, monkeypatch):
     """The first packed micro-batch's per-example norms are compared with the same examples unpacked: a split of
     the packed row that gives an example another's tokens is refused before any update."""
-    from hf_dp.clipping.engine import ClippingEngine
     from hf_dp.clipping.layers import UnsupportedLayerError
+    from hf_dp.clipping.regroup import Segments
 
-    correct = ClippingEngine._to_segments
+    correct = Segments.to_blocks
 
     def shifted(self, x):  # a wrong split: the last token of each example moved to the next one
-        (rows, length), tokens, example, slot, num, longest = self._segments
-        self._segments = ((rows, length), tokens, example.roll(1), slot.roll(1), num, longest)
+        (rows, length), tokens, example, slot, num, longest = self.layout
+        self.layout = ((rows, length), tokens, example.roll(1), slot.roll(1), num, longest)
         try:
             return correct(self, x)
         finally:
-            self._segments = ((rows, length), tokens, example, slot, num, longest)
+            self.layout = ((rows, length), tokens, example, slot, num, longest)
 
-    monkeypatch.setattr(ClippingEngine, "_to_segments", shifted)
+    monkeypatch.setattr(Segments, "to_blocks", shifted)
     trainer = make_trainer(tiny_llama().double(), dataset("text"), sft_args(tmp_path, packing=True))
     with pytest.raises(UnsupportedLayerError, match="packed row"):
         trainer.train()

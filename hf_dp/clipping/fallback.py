@@ -27,7 +27,7 @@ refused on every call (its mask cannot be replayed; the first-step checks run wi
 A ruled layer's parameters that its rule does not cover get a *side* fallback (``ruled`` names the rule): the layer
 re-run per example for those parameters only, next to its rule's hook for the others.
 
-The same fallback run at an *enclosing* module (``ClippingEngine._replan``: the enclosing-module fallback) covers
+The same fallback run at an *enclosing* module (``ClippingEngine.replan``: the enclosing-module fallback) covers
 parameters of its submodules that their own rules cannot see whole: ``param_names`` then holds dotted paths
 (``conv1d.weight``, ``conv.parametrizations.weight.original0``), which ``functional_call`` replaces in the re-run, so
 every use of the parameter inside the enclosing module's forward is differentiated; the owner's rule no longer records
@@ -42,12 +42,12 @@ from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .layers import UnsupportedLayerError
+from .rules import UnsupportedLayerError
 
-__all__ = ["Fallback", "float_outputs"]
+__all__ = ["Fallback", "float_outputs", "is_drop_rate"]
 
 
-def _is_drop_rate(key: str) -> bool:
+def is_drop_rate(key: str) -> bool:
     """A module attribute holding a random-drop probability: dropout (``attention_dropout``, ``dropout_prob``),
     LayerDrop (``layerdrop``: whole layers skipped at random in training) and stochastic depth (``drop_prob``,
     ``drop_path_rate``)."""
@@ -215,11 +215,11 @@ class Fallback:
         call (the first-step checks run with dropout off, training does not): ``nn.Dropout`` modules in train mode
         with ``p > 0``, and float attributes named as drop probabilities (``attention_dropout``, passed to
         ``F.dropout`` or sdpa when ``self.training``; LayerDrop's ``layerdrop``, which skips whole layers at random;
-        stochastic depth's ``drop_prob``: :func:`_is_drop_rate`) on modules in train mode. Dropout read elsewhere (e.g.
+        stochastic depth's ``drop_prob``: :func:`is_drop_rate`) on modules in train mode. Dropout read elsewhere (e.g.
         from the config at forward time) is caught by :meth:`verify`'s comparison."""
         if self._dropout_sites is None:  # the modules and attributes to look at, found once
             self._dropout_sites = [(f"{self.name}.{n}" if n else self.name, m,
-                                    [k for k, v in vars(m).items() if _is_drop_rate(k) and isinstance(v, float)])
+                                    [k for k, v in vars(m).items() if is_drop_rate(k) and isinstance(v, float)])
                                    for n, m in self.module.named_modules()]
         active = []
         for where, m, keys in self._dropout_sites:

@@ -33,7 +33,6 @@ Only flat clipping, example-level, with FSDP2 is supported; the trainer refuses 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -43,9 +42,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..noise import add_noise_to_shards
+from .checks import norm_alone_problem
 from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
-from .layers import Rule
 from .modes import flat_clip_factors
+from .recorder import Recorder
+from .rules import Rule
 from .step import INDEX_KEY, DPStep, StepPieces, slice_batch
 
 __all__ = ["FSDPClippingEngine", "FSDPFlatClipping", "check_fsdp_supported", "fsdp_requested"]
@@ -90,76 +91,44 @@ def check_fsdp_supported(plugin: Any, args: Any) -> None:
         )
 
 
-class FSDPClippingEngine(ClippingEngine):
-    """The per-example norm engine for FSDP2-wrapped models: hooks keyed by (module, attribute), norms only.
+class FSDPRecorder(Recorder):
+    """The recorder under FSDP2 (``Recorder.layer_hook`` overridden): each ruled layer's uses are keyed by its
+    attributes (FSDP replaces the parameter objects by unsharded ones during the forward, so identities change), the
+    parameters are not frozen, and each hooked output is kept for pass 1's ``autograd.grad``."""
 
-    Build it on the model *before* ``accelerator.prepare`` wraps it (as :class:`DPTrainer` does in ``__init__``):
-    coverage is checked, and every ruled layer's parameters get their canonical names, from the unwrapped model. No
-    reference to the parameters is kept (FSDP replaces them by shards; keeping them would keep a full copy of the
-    model alive on every rank): :attr:`params` holds ``meta`` tensors of the same shapes.
-    """
-
-    def __init__(self, model: nn.Module):
-        super().__init__(model)
-        special = [f"{n} ({type(m).__name__})" for n, m, r in self._modules if r.capture is not None or r.all_inputs]
-        if special:  # their hooks are not keyed by attribute here (layers.Rule.capture / all_inputs)
-            raise UnsupportedLayerError(
-                "Under FSDP, hf_dp has no per-example rule yet for these layers (embedding subclasses, MoE experts "
-                "and routers): " + ", ".join(special) + ". Freeze them (requires_grad_(False)), train through LoRA, "
-                "or train without FSDP."
-            )
-        if self._fallbacks:
-            raise UnsupportedLayerError(
-                "Under FSDP, hf_dp has no generic fallback for layers without a per-layer rule: "
-                + "; ".join(fb.describe() for fb in self._fallbacks.values())
-                + ". Freeze them (requires_grad_(False)), use a PEFT adapter (LoRA), or train with DDP."
-            )
-        self._attr_names: dict[int, dict[str, str]] = {}
-        for _, module, rule in self._modules:
-            self._attr_names[id(module)] = {
-                a: self._names[id(getattr(module, a))] for a in rule.params
-                if getattr(module, a, None) is not None and id(getattr(module, a)) in self._names
-            }
-        self.params = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in self.params.items()}
-        self._names = {}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: module id -> {attribute: canonical parameter name}, set by FSDPClippingEngine from the unwrapped model
+        self.attr_names: dict[int, dict[str, str]] = {}
         self._outputs: list[torch.Tensor] = []
         self._capturing = False
 
     @contextlib.contextmanager
-    def capture(self, batch_size: int) -> Iterator[None]:
-        """Record one micro-batch's layer inputs and output gradients (run the forward and :meth:`norms_backward`
-        inside). Parameters are not frozen: pass 1 asks autograd for layer-output gradients only."""
+    def capturing(self) -> Iterator[None]:
+        """Keep the hooked outputs and record output gradients inside it (pass 1)."""
         self._outputs = []
         self._capturing = True
         try:
-            with self.record(batch_size, freeze=False):
-                yield
+            yield
         finally:
             self._capturing = False
             self._outputs = []
 
-    def norms_backward(self, losses: torch.Tensor, retain_graph: bool = False) -> None:
-        """Pass 1: ``autograd.grad(Σ_i L_i, <hooked outputs>)`` — output gradients only, no parameter gradient."""
+    def take_outputs(self) -> list[torch.Tensor]:
+        """The hooked outputs that need a gradient; recording stops (the retained graph's tensor hooks must not record
+        again in pass 2)."""
         outs = [o for o in self._outputs if o.requires_grad]
         self._outputs = []
-        if outs and losses.requires_grad:
-            torch.autograd.grad(losses.sum(), outs, allow_unused=True, retain_graph=retain_graph)
-        self._capturing = False  # the retained graph's tensor hooks must not record again in pass 2
+        return outs
 
-    @torch.no_grad()
-    def per_example_norms(self, batch_size: int) -> torch.Tensor:
-        """``(B,)`` flat per-example gradient norms (float64) of the captured micro-batch."""
-        norms_sq = self.per_example_norms_sq()
-        self._instantiated = {}
-        if not norms_sq:
-            return torch.zeros(batch_size, dtype=torch.float64)
-        return torch.stack([v.double() for v in norms_sq.values()]).sum(0).sqrt()
+    def stop(self) -> None:
+        self._capturing = False
 
-    def _forward_hook(self, name: str, module: nn.Module, rule: Rule):
-        attrs = self._attr_names.get(id(module), {})
+    def layer_hook(self, name: str, module: nn.Module, rule: Rule):
+        attrs = self.attr_names.get(id(module), {})
 
         def hook(mod, args, kwargs, output):
-            if self._probe is not None:  # first-step layout probe (ClippingEngine._probe_layout)
+            if self._probe is not None:  # first-step layout probe (FirstStepChecks.probe_layout)
                 self._probe[self._next_call(mod)] = (args[0] if args else next(iter(kwargs.values()))).detach().clone()
                 return None
             if not self._capturing or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
@@ -170,7 +139,7 @@ class FSDPClippingEngine(ClippingEngine):
                 self._verified.add(id(module))
             if not output.requires_grad:
                 output = output.detach().requires_grad_(True)
-            out_data = output.detach()  # the hook must not refer to `output` (see ClippingEngine._forward_hook)
+            out_data = output.detach()  # the hook must not refer to `output` (see Recorder.layer_hook)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if not self._capturing:
@@ -187,13 +156,75 @@ class FSDPClippingEngine(ClippingEngine):
                             "an input is broadcast across the batch, so per-example gradients would merge examples. "
                             "Materialise the input per example."
                         )
-                    self._uses.setdefault(n, []).append(u)
+                    self._sums.store(n, u)
 
             output.register_hook(grad_hook)
             self._outputs.append(output)
             return output
 
         return hook
+
+
+class FSDPClippingEngine(ClippingEngine):
+    """The per-example norm engine for FSDP2-wrapped models: hooks keyed by (module, attribute), norms only.
+
+    Build it on the model *before* ``accelerator.prepare`` wraps it (as :class:`DPTrainer` does in ``__init__``):
+    coverage is checked, and every ruled layer's parameters get their canonical names, from the unwrapped model. No
+    reference to the parameters is kept (FSDP replaces them by shards; keeping them would keep a full copy of the
+    model alive on every rank): :attr:`params` holds ``meta`` tensors of the same shapes.
+    """
+
+    recorder_class = FSDPRecorder
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        plan = self.plan
+        special = [f"{n} ({type(m).__name__})" for n, m, r in plan.layers if r.capture is not None or r.all_inputs]
+        if special:  # their hooks are not keyed by attribute here (layers.Rule.capture / all_inputs)
+            raise UnsupportedLayerError(
+                "Under FSDP, hf_dp has no per-example rule yet for these layers (embedding subclasses, MoE experts "
+                "and routers): " + ", ".join(special) + ". Freeze them (requires_grad_(False)), train through LoRA, "
+                "or train without FSDP."
+            )
+        if plan.fallbacks:
+            raise UnsupportedLayerError(
+                "Under FSDP, hf_dp has no generic fallback for layers without a per-layer rule: "
+                + "; ".join(fb.describe() for fb in plan.fallbacks.values())
+                + ". Freeze them (requires_grad_(False)), use a PEFT adapter (LoRA), or train with DDP."
+            )
+        names = plan.names
+        for _, module, rule in plan.layers:
+            self.recorder.attr_names[id(module)] = {
+                a: names[id(getattr(module, a))] for a in rule.params
+                if getattr(module, a, None) is not None and id(getattr(module, a)) in names
+            }
+        # In place: the plan, the recorder and the sums hold these same two dicts.
+        for n, p in list(self.params.items()):
+            self.params[n] = torch.empty(p.shape, dtype=p.dtype, device="meta")
+        names.clear()
+
+    @contextlib.contextmanager
+    def capture(self, batch_size: int) -> Iterator[None]:
+        """Record one micro-batch's layer inputs and output gradients (run the forward and :meth:`norms_backward`
+        inside). Parameters are not frozen: pass 1 asks autograd for layer-output gradients only."""
+        with self.recorder.capturing(), self.record(batch_size, freeze=False):
+            yield
+
+    def norms_backward(self, losses: torch.Tensor, retain_graph: bool = False) -> None:
+        """Pass 1: ``autograd.grad(Σ_i L_i, <hooked outputs>)`` — output gradients only, no parameter gradient."""
+        outs = self.recorder.take_outputs()
+        if outs and losses.requires_grad:
+            torch.autograd.grad(losses.sum(), outs, allow_unused=True, retain_graph=retain_graph)
+        self.recorder.stop()  # the retained graph's tensor hooks must not record again in pass 2
+
+    @torch.no_grad()
+    def per_example_norms(self, batch_size: int) -> torch.Tensor:
+        """``(B,)`` flat per-example gradient norms (float64) of the captured micro-batch."""
+        norms_sq = self.per_example_norms_sq()
+        self.clear()  # (drops the instantiations kept for a clipped sum)
+        if not norms_sq:
+            return torch.zeros(batch_size, dtype=torch.float64)
+        return torch.stack([v.double() for v in norms_sq.values()]).sum(0).sqrt()
 
 
 def _all_max(value: float, device: torch.device) -> float:
@@ -313,7 +344,6 @@ class FSDPFlatClipping(DPStep):
         factors = torch.where(bad, 0.0, factors)
         if self._checking:
             engine.accumulate_clipped(factors)  # the hooks' Σ c_i G_i, compared with autograd's at the step's end
-        engine._instantiated = {}
         engine.clear()
         # A non-finite example (NaN/inf loss or norm: factor 0, modes.clip_factors_from_norms) would still put
         # 0·NaN = NaN into pass 2's batch backward. Then pass 2 runs on a fresh forward of the finite examples only
@@ -398,13 +428,12 @@ class FSDPFlatClipping(DPStep):
         try:
             if b >= 2:
                 with train_without_dropout(model):
-                    self.engine._probe_layout(lambda sl: self._forward_losses(
+                    self.engine.probe_layout(lambda sl: self._forward_losses(
                         model, slice_batch(batch, sl, b), labels[sl]), b)
         finally:
-            self.engine._probe = None
             self.engine.clear()
         self._layout_checked = True
-        if self.engine._layout:
+        if self.engine.proven_layouts:
             raise UnsupportedLayerError(
                 "Under FSDP, layers whose input holds the examples' tokens flattened into rows (B·T, d) are not "
                 "supported; freeze them, use a PEFT adapter (LoRA), or train with DDP.")
@@ -433,11 +462,8 @@ class FSDPFlatClipping(DPStep):
                         j = min(i, b - 1)
                         alone = float(self._norms_only(model, slice_batch(batch, slice(j, j + 1), b),
                                                        labels[j:j + 1])[0])
-                        finite = math.isfinite(alone) and math.isfinite(float(batched[j]))
-                        off = abs(alone - float(batched[j])) > rtol * max(alone, 1e-12) + 1e-12
-                        if problem is None and finite and off:
-                            problem = (f"Example {j}'s gradient norm is {float(batched[j]):.6g} in its micro-batch "
-                                       f"of {b} but {alone:.6g} alone ({mode})")
+                        if problem is None:
+                            problem = norm_alone_problem(j, float(batched[j]), alone, b, rtol, f" ({mode})")
         finally:
             model.train(was_training)
         self._singles_checked = True

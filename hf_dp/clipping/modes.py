@@ -94,9 +94,7 @@ def _union_find_groups(engine: ClippingEngine) -> list[ClipGroup]:
         return x
 
     layer_params: list[tuple[str, list[str]]] = []
-    for mname, module, rule in engine._modules:
-        names = [engine._names[id(getattr(module, n))] for n in rule.params
-                 if getattr(module, n, None) is not None and id(getattr(module, n)) in engine._names]
+    for mname, names in engine.layer_parameters():
         if names:
             layer_params.append((mname, names))
             for n in names[1:]:

@@ -47,7 +47,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from torch.utils._pytree import tree_flatten
 
 from .fallback import Fallback, float_outputs
-from .layers import UnsupportedLayerError, Use
+from .rules import UnsupportedLayerError, Use
 
 __all__ = ["RecurrentFallback", "fallback_for"]
 
@@ -224,7 +224,7 @@ class RecurrentFallback(Fallback):
         (``known``: :meth:`probe_layout`'s result for this call)."""
         mod, cls = self.module, type(self.module).__name__
         x, _ = self._inputs(args, kwargs)
-        if self.engine is not None and getattr(self.engine, "_segments", None) is not None:
+        if self.engine is not None and getattr(self.engine, "packed", False):
             raise UnsupportedLayerError(
                 f"{self.name} ({cls}) runs over padding-free packed rows (several examples in one row): its recurrence "
                 "carries one example's state into the next, so no example's gradient is its own. Train without "
@@ -256,7 +256,7 @@ class RecurrentFallback(Fallback):
         proof = known[idx] if known is not None and len(known) == len(leaves) else None
         if proof is not None and not isinstance(proof, set):
             raise RuntimeError("hf_dp internal: the engine's first-step probe must call RecurrentFallback.probe_layout "
-                               f"for {self.name} (ClippingEngine._probe_layout).")
+                               f"for {self.name} (FirstStepChecks.probe_layout).")
         if n == batch_size and (proof is None or axis in proof):  # None: not probed (first micro-batch of one)
             return _Layout(axis, 1)
         if axis == 0 and proof is not None and "flat" in proof and n % batch_size == 0:

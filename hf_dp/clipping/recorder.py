@@ -1,0 +1,425 @@
+"""The per-micro-batch recorder: forward hooks on the plan's layers keep each call's input, tensor hooks on its output
+receive the output gradient, and the layer's rule turns the pair into uses (``G_i = L_iᵀ R_i``, ``rules/``), handed to
+:class:`~hf_dp.clipping.sums.ClippedSums`. Modules without a rule get the fallback's hook (``fallback.py``: re-run per
+example). Installed for one micro-batch by :meth:`Recorder.record`, removed after it.
+
+Extension point: :meth:`Recorder.layer_hook` returns the forward hook of one ruled layer; a subclass overrides it to
+record differently (``clipping/fsdp.py``: hooks keyed by attribute, outputs kept for a second backward pass). A
+subclass keeps the contract: the hook returns ``None`` or the tensor the forward continues with; inside
+:meth:`Recorder.probing` it only stores the call's input under the key ``Recorder._next_call`` gives; it hands its
+uses to :class:`~hf_dp.clipping.sums.ClippedSums`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from .broadcast import BroadcastPoints
+from .coverage import CoveragePlan, with_enclosable
+from .fallback import Fallback
+from .regroup import Segments
+from .rules import Rule, UnsupportedLayerError, Use
+from .sums import ClippedSums
+
+__all__ = ["Recorder"]
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint saves (``state_dict``), by qualified name."""
+    out = {}
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and bname not in module._non_persistent_buffers_set:
+                out[f"{mname}.{bname}" if mname else bname] = buf
+    return out
+
+
+def _detached(inp):
+    """A hooked call's input (a tensor, or every input with ``Rule.all_inputs``), detached."""
+    if isinstance(inp, tuple):
+        return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inp)
+    return inp.detach()
+
+
+def _hook_target(output: torch.Tensor) -> torch.Tensor | None:
+    """The tensor on which a hook receives the gradient of ``output`` as the layer returned it, even if the model
+    then modifies ``output`` in place; ``None`` when there is no such tensor (the caller then hooks a copy).
+
+    A hook registered on a tensor that is not a view survives a later in-place operation on it (it stays on the
+    tensor's old autograd node and receives the gradient of the value before the operation). A hook registered on a
+    *view* does not: an in-place operation on a view rebases the view onto ``CopySlices`` of its base, and its old
+    node (with the hook) leaves the graph, so the hook never fires. ``F.linear`` on a 3-D input returns such a view
+    (a 2-D ``addmm`` reshaped), and Longformer's global attention divides the query projection's output in place
+    (``global_query_vectors_only_global /= ...``): its hook was lost. A view that is the whole of a base computed by
+    the layer itself (its autograd node feeds the view's) is hooked on that base, whose gradient is the output's.
+    """
+    base = output._base
+    if base is None:
+        return output
+    node = output.grad_fn
+    if (node is not None and base.grad_fn is not None and base.numel() == output.numel() and output.is_contiguous()
+            and base.is_contiguous() and any(n is base.grad_fn for n, _ in node.next_functions)):
+        return base
+    return None
+
+
+class Recorder(BroadcastPoints):
+    """Records the uses of one micro-batch at a time (see the module docstring) for the plan's parameters.
+
+    Args:
+        model: the model the hooks go on; ``params``: its trainable parameters by name, frozen while recording;
+        names: parameter id → name; plan: the :class:`~hf_dp.clipping.coverage.CoveragePlan` (replaced by
+        :meth:`use_plan`); sums: where the uses go.
+
+    State proven at the first step (kept across micro-batches, reset by :meth:`use_plan`): which calls hold the
+    examples' tokens flattened or on a later axis (:meth:`set_layouts`), which fallback inputs carry the batch axis,
+    which layers' forms were verified.
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], names: dict[int, str], plan: CoveragePlan,
+                 sums: ClippedSums):
+        self.model = model
+        self.params = params
+        self._names = names
+        self._plan = plan
+        self._sums = sums
+        self._segments: Segments | None = None
+        self._verified: set[int] = set()
+        self._captures: list[tuple[int, contextlib.AbstractContextManager]] = []  # open Rule.capture contexts
+        self._batch_size: int | None = None
+        self._calls: dict = {}
+        self._replaying = False
+        #: per (module, call index in the forward): "flat" when the input is (B·T, ...) example-major, or the index
+        #: of a later batch axis (sequence-first inputs), as proven by the first-step checks; per fallback call: which
+        #: input leaves carry the batch axis
+        self._layout: dict[tuple[int, int], object] = {}
+        self._mapped: dict[tuple[int, int], list] = {}
+        self._probe: dict[tuple, object] | None = None
+        self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
+        self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
+        self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
+
+    def use_plan(self, plan: CoveragePlan) -> None:
+        """Record for a new plan from now on; what the first step proved is proven again."""
+        self._plan = plan
+        self._verified = set()
+        self._layout, self._mapped = {}, {}
+
+    @property
+    def packed(self) -> bool:
+        """Whether the micro-batch being recorded is padding-free packed rows (several examples per row)."""
+        return self._segments is not None
+
+    @property
+    def layouts(self) -> dict[tuple[int, int], object]:
+        """The proven layouts of the ruled calls whose input is not plain batch-first (a copy)."""
+        return dict(self._layout)
+
+    @property
+    def fallback_layouts(self) -> dict[tuple[int, int], list]:
+        """Which input leaves of each fallback call carry the batch axis, as proven (a copy)."""
+        return dict(self._mapped)
+
+    def set_layouts(self, layouts: dict[tuple[int, int], object], fallback_layouts: dict[tuple[int, int], list]
+                    ) -> None:
+        """What the first-step probe proved (``checks.py``): used by every later micro-batch."""
+        self._layout, self._mapped = dict(layouts), dict(fallback_layouts)
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[dict]:
+        """Inside it, :meth:`record` only stores each hooked call's input (the first-step layout probe): yields
+        ``{call key: input}`` (a fallback call's key: its input leaves; a mixing point's: ``(id, call, method)``)."""
+        self._probe = seen = {}
+        try:
+            yield seen
+        finally:
+            self._probe = None
+
+    @contextlib.contextmanager
+    def record(self, batch_size: int, freeze: bool = True, segments: torch.Tensor | None = None) -> Iterator[None]:
+        """Record the uses of one micro-batch of ``batch_size`` rows (see :meth:`ClippingEngine.record`): the
+        stored uses of the previous one are dropped; ``segments`` (packed rows) splits every use into per-example
+        blocks (:class:`~hf_dp.clipping.regroup.Segments`). The model's persistent buffers must not change inside it.
+        """
+        self._sums.clear()
+        self._batch_size = batch_size
+        self._calls = {}
+        self._segments = None if segments is None else Segments(segments)
+        plan = self._plan
+        handles = []
+        for n, m, r in plan.layers:
+            if r.name == "fallback":  # a module without a rule, an enclosing module, or a ruled module's side fallback
+                fb = plan.side_of.get(id(m)) or plan.fallbacks.get(id(m))
+                if fb is not None:  # (none: every parameter it owns is computed by an enclosing module's fallback)
+                    handles.append(m.register_forward_hook(self._fallback_hook(n, m, fb), with_kwargs=True))
+                continue
+            if id(m) in plan.dormant:  # every parameter its rule covers is computed by an enclosing module's fallback
+                continue
+            if r.capture is not None:  # rules that factor functional calls inside the forward (layers.Rule.capture)
+                handles += [m.register_forward_pre_hook(self._capture_pre_hook(n, m, r)),
+                            m.register_forward_hook(self._capture_post_hook)]
+            else:
+                handles.append(m.register_forward_hook(self.layer_hook(n, m, r), with_kwargs=True))
+        handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
+                    for _, m, r in plan.layers if r.name == "embedding"]
+        self._shared_live = []
+        handles += self._install_points()
+        buffers = {n: b._version for n, b in _persistent_buffers(self.model).items()}
+        if freeze:
+            for p in self.params.values():
+                p.requires_grad_(False)
+        try:
+            yield
+        finally:
+            while self._captures:  # a forward that raised never reached its post hook
+                self._captures.pop()[1].__exit__(None, None, None)
+            for p in self.params.values():
+                p.requires_grad_(True)
+            for h in handles:
+                h.remove()
+            self._shared_live = []
+        changed = [n for n, b in _persistent_buffers(self.model).items() if buffers.get(n, b._version) != b._version]
+        if changed:
+            self._sums.clear()
+            raise UnsupportedLayerError(
+                "These buffers changed during a DP step: " + ", ".join(changed) + ". A buffer updated in training "
+                "(running statistics, counters) is computed from the private data without noise and is saved in "
+                "the checkpoint next to a DP guarantee. Make the module stop updating it in train mode (a "
+                "non-persistent buffer written in a step is refused too: it is used by the next step)."
+            )
+
+    @contextlib.contextmanager
+    def _replay(self) -> Iterator[None]:
+        """The fallback's per-example re-run: every hook of this recorder stays silent inside it."""
+        before, self._replaying = self._replaying, True
+        try:
+            yield
+        finally:
+            self._replaying = before
+
+    def _next_call(self, module: nn.Module) -> tuple[int, int]:
+        k = self._calls.get(id(module), 0)
+        self._calls[id(module)] = k + 1
+        return id(module), k
+    def _expand_broadcast_ids(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Materialise per-example ids for an embedding fed ids broadcast over the batch.
+
+        HF models look up position (and sometimes token-type) embeddings with ids of shape ``(1, T)`` and rely on
+        broadcasting; the gradient of that lookup would then be summed over examples. Expanding the ids to
+        ``(B, T)`` gives the same outputs, repeated per example, and per-example gradients (DESIGN invariant 2).
+        """
+        b = self._batch_size
+        ids = args[0] if args else None
+        if self._replaying or self._bcast is not None or b is None or b == 1 or not isinstance(ids, torch.Tensor) \
+                or ids.dim() < 2 or ids.shape[0] != 1:
+            return None
+        return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
+
+    def _add_uses(self, name: str, uses: list[Use]) -> None:
+        """Check and store one hooked call's uses (called from the gradient hooks; :meth:`ClippedSums.add_uses`)."""
+        b = self._batch_size
+        for u in uses:
+            if u.batch_size != b:
+                if u.batch_size == 1:
+                    cause = ("its input is broadcast across the batch (first axis 1), e.g. position_ids of shape "
+                             "(1, T) or a prompt computed once: materialise the input per example")
+                elif u.batch_size % b == 0:
+                    cause = (f"its input looks like the examples' tokens flattened into {u.batch_size} rows (B·T); "
+                             "hf_dp reshapes such inputs once ClippingEngine.first_step_check has proven them "
+                             "example-major (DPTrainer runs it at the first step)")
+                else:
+                    cause = ("its input has no batch axis (computed once and shared by all examples): freeze its "
+                             "parameters or use LoRA on the other layers")
+                raise with_enclosable(UnsupportedLayerError(
+                    f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}."),
+                    [self._names[id(v.param)] for v in uses if id(v.param) in self._names])
+        if self._segments is not None:  # padding-free packed rows: one block per example
+            uses = [self._segments.split_use(u) for u in uses]
+        self._sums.add_uses(uses)
+
+    def layer_hook(self, name: str, module: nn.Module, rule: Rule):
+        """The forward hook (``register_forward_hook(..., with_kwargs=True)``) that records the uses of the ruled
+        layer ``module`` (qualified name ``name``) by its ``rule``. The extension point for other ways of recording
+        (``clipping/fsdp.py``); see the module docstring for the contract."""
+        attach = self._attach(name, module, rule)
+
+        def hook(mod, args, kwargs, output):
+            if self._replaying:
+                return None
+            inp = (*args, *kwargs.values()) if rule.all_inputs else (args[0] if args else next(iter(kwargs.values())))
+            return attach(inp, output)
+
+        return hook
+
+    def _capture_pre_hook(self, name: str, module: nn.Module, rule: Rule):
+        attach = self._attach(name, module, rule)
+
+        def pre_hook(mod, args):
+            if torch.is_grad_enabled() and not self._replaying and self._probe is None:
+                ctx = rule.capture(module, name, self._batch_size, attach)
+                ctx.__enter__()
+                self._captures.append((id(module), ctx))
+
+        return pre_hook
+
+    def _capture_post_hook(self, mod, args, output):
+        if self._captures and self._captures[-1][0] == id(mod):
+            self._captures.pop()[1].__exit__(None, None, None)
+
+    def _attach(self, name: str, module: nn.Module, rule: Rule):
+        """``attach(inp, output) -> output``: hook the gradient of ``output`` (a call of ``module``, or with
+        ``Rule.capture`` a functional call inside its forward, on ``inp``) so that it adds the rule's uses; returns the
+        tensor the forward continues with."""
+        owned = self._plan.owned(module, rule)
+
+        def hook(inp, output):
+            if self._replaying:
+                return output
+            key = self._next_call(module)
+            if self._probe is None and torch.is_grad_enabled() and not isinstance(output, torch.Tensor):
+                # never skip a ruled call silently (also inside a broadcast point)
+                raise with_enclosable(UnsupportedLayerError(
+                    f"{name} ({type(module).__name__}) returned a {type(output).__name__}, not a tensor, while its "
+                    f"{rule.name!r} rule factors a layer whose call returns one tensor (e.g. nn.Linear's "
+                    "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
+                    "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
+            if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
+                if self._probe is not None or not torch.is_grad_enabled():
+                    return output
+                if not output.requires_grad:
+                    output = output.detach().requires_grad_(True)
+                self._bcast.append((name, module, rule, _detached(inp), output))
+                self._sums.expect(owned)
+                # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
+                # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
+                return output.clone()
+            if self._probe is not None:
+                self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
+                return output
+            if not torch.is_grad_enabled():
+                return output
+            inp = _detached(inp)
+            b = self._batch_size
+            layout = self._layout.get(key)
+            flat = layout == "flat"
+            axis = layout if isinstance(layout, int) else 0
+            if flat:
+                if inp.shape[0] % b:
+                    raise UnsupportedLayerError(
+                        f"{name}: its input has {inp.shape[0]} rows, not a multiple of the micro-batch size {b}, "
+                        "although the first step proved it holds the examples' tokens flattened (B·T rows).")
+                inp = inp.reshape(b, -1, *inp.shape[1:])
+            elif axis:
+                inp = inp.movedim(axis, 0)  # the batch axis proven at the first step comes first for the rule
+            if rule.verify is not None and id(module) not in self._verified:
+                seen = output.reshape(b, -1, *output.shape[1:]) if flat else output.movedim(axis, 0)
+                try:
+                    rule.verify(module, name, inp, seen)
+                except UnsupportedLayerError as err:  # not the form its rule assumes: its parent may be re-run
+                    raise with_enclosable(err, owned) from None
+                self._verified.add(id(module))
+            target = None
+            if not output.requires_grad:
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook; the
+                # forward goes on with a copy (not the leaf itself, which the model may modify in place).
+                target = output.detach().requires_grad_(True)
+                output = target.clone()
+
+            # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
+            # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
+            # every micro-batch's graph. The input goes to the hook through a one-shot box: autograd keeps the hook
+            # (and its closure) until the whole graph dies, and a captured `inp` would pin every layer's activation
+            # to the end of the step; popped, it lives only as long as the Uses that need it (no rule reads the
+            # output, so none is passed).
+            box = [inp]
+            del inp
+            target = target if target is not None else _hook_target(output)
+            if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
+                output = target = output.clone()
+            shape = output.shape
+
+            def grad_hook(grad: torch.Tensor) -> None:
+                if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
+                    return
+                if not box:
+                    raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
+                                       "(a second backward through the same graph is not supported while recording).")
+                grad = grad.detach().reshape(shape)
+                if flat:
+                    grad = grad.reshape(b, -1, *grad.shape[1:])
+                elif axis:
+                    grad = grad.movedim(axis, 0)
+                uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
+                        if self._plan.keeps(u.param)]
+                self._add_uses(name, uses)
+
+            self._sums.expect(owned)
+            target.register_hook(grad_hook)
+            return output
+
+        return hook
+
+    def _fallback_hook(self, name: str, module: nn.Module, fb: Fallback):
+        """Forward hook of a module without a rule (or of the parameters its rule does not cover): per-example
+        gradients by re-running it (``fallback.py``)."""
+        owned = [self._names[id(fb.param(n))] for n in fb.param_names]
+        counter = fb if fb.ruled else module  # a side fallback's calls are numbered apart from its module's rule's
+
+        def hook(mod, args, kwargs, output):
+            if self._replaying:
+                return None
+            key = self._next_call(counter)
+            if self._probe is not None:
+                leaves, _ = tree_flatten((args, kwargs))
+                self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else
+                                    (x if isinstance(x, int) and not isinstance(x, bool) else None) for x in leaves]
+                return None
+            if not torch.is_grad_enabled():
+                return None
+            leaves, spec = tree_flatten(output)
+            if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+                return None
+            b = self._batch_size
+            if type(fb) is Fallback:  # every call: the first-step checks run with dropout off, training does not
+                fb.check_dropout()  # (recurrent.py refuses recurrent dropout itself)
+            saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+            mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
+            if id(module) not in self._verified:
+                with self._replay():
+                    fb.verify(*saved_args, output, b, mapped)
+                self._verified.add(id(module))
+            # Each float output is returned as a fresh copy (a leaf if nothing upstream is trainable), so that its
+            # gradient holds only the uses *after* the module: an output that is also an intermediate of another
+            # output (eager attention returns its weights, from which it computes its output) would otherwise pass
+            # the other output's gradient twice through the vector-Jacobian product. A copy, not a view: an in-place
+            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook (_hook_target).
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    leaves[i] = t.clone() if t.requires_grad else t.detach().requires_grad_(True)
+            outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            likes = [t.detach() for t in outs]
+            box = [saved_args]
+            del saved_args
+
+            def grads_hook(grads) -> None:
+                if self._in_vjp:
+                    return
+                if not box:
+                    raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass.")
+                a, k = box.pop()
+                with self._replay():
+                    per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
+                uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
+                    Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
+                self._add_uses(name, [u for u in uses if id(u.param) in self._names])
+
+            self._sums.expect(owned)
+            torch.autograd.graph.register_multi_grad_hook(outs, grads_hook, mode="all")
+            return tree_unflatten(leaves, spec)
+
+        return hook
