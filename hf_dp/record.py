@@ -31,7 +31,7 @@ from typing import Any
 from .accounting import PrivacyAccountant
 
 __all__ = ["LOCAL_BASE_MODEL_PREFIX", "PrivacyRecord", "describe_optimizer", "describe_trained_parameters",
-           "is_hub_model_id", "name_base_models"]
+           "is_hub_model_id", "name_base_models", "plain"]
 
 _PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt", "P_TUNING": "p-tuning"}
 
@@ -69,6 +69,9 @@ def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
     return str(x)
+
+
+plain = _plain  # the public name (``release.py``, the trainer); ``_plain`` stays for the modules that read it
 
 
 def _old_dp_seed(state: Mapping[str, Any]) -> str:

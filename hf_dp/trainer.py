@@ -26,20 +26,18 @@ import shutil
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, split_noise_for_quantiles
+from .accounting import PrivacyAccountant
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
-from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
-from .clipping.local import LocalDPStep
+from .clipping.local import LocalDPStep, first_step_check
 from .clipping.modes import GroupClipper, build_groups
 from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
@@ -52,9 +50,7 @@ from .counterfactual import (
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
-    budget_allows,
     check_batch_rows,
-    check_budget_left,
     check_delta,
     check_noise_std,
     check_not_compiled,
@@ -66,10 +62,9 @@ from .guarantee import (
     discard_stale_gradients,
     nonfinite_message,
     overriding_class,
-    steps_within_budget,
     trainable_set_difference,
 )
-from .history import ModelHistory, describe_earlier
+from .history import ModelHistory, earlier_runs_message
 from .losses import (
     PerExampleLoss,
     decoder_attention_mask_from_labels,
@@ -77,37 +72,29 @@ from .losses import (
     default_per_example_loss,
     is_seq2seq_lm,
 )
-from .noise import NoiseGenerator, group_noise_stds
+from .mechanism import Mechanism
+from .noise import NoiseGenerator
 from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
-from .plan import (
-    NOISE_TO_SIGNAL_WARNING,
-    calibrate_noise,
-    default_delta,
-    expected_batch_size,
-    learning_advice,
-    noise_to_signal,
-    plan_privacy,
-    sample_rate,
-    steps_per_epoch,
+from .plan import NOISE_TO_SIGNAL_WARNING, plan_privacy  # noqa: F401 - NOISE_TO_SIGNAL_WARNING: old imports
+from .record import PrivacyRecord, describe_optimizer, describe_trained_parameters, model_base_model, plain
+from .release import (
+    DP_STATE_NAME,
+    STAGING_DIR,
+    card_hyperparameters,
+    card_inputs,
+    checkpoint_push,
+    redact_output_dir,
+    release_notes,
+    write_model_card,
 )
-from .record import (
-    PrivacyRecord,
-    _plain,
-    describe_optimizer,
-    describe_trained_parameters,
-    latest_eval_metrics,
-    model_base_model,
-)
-from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
-from .units import grouped_rows_detail, looks_grouped
+from .units import check_grouped_rows
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
 logger = logging.getLogger(__name__)
 
-DP_STATE_NAME = "dp_state.json"
 _EMPTY = "_hf_dp_empty_batch"
 _UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
 _INDEX = INDEX_KEY  # each row's index in the training set, popped by training_step (counterfactual check)
@@ -257,6 +244,51 @@ class _DPHistoryCallback(TrainerCallback):
         self.trainer._record_model_history(tag=True)
 
 
+class _StepHooks:
+    """The trainer's side of the DP step (``clipping.step.StepHooks``): each method looks the trainer's own up when
+    called, so a subclass's override or an instance attribute set later (``DPSFTTrainer._segment_ids``, a
+    benchmark's ``_self_check``) takes effect."""
+
+    def __init__(self, trainer: DPTrainer):
+        self._trainer = trainer
+
+    def prepare_inputs(self, inputs: dict) -> dict:
+        return self._trainer._prepare_inputs(inputs)
+
+    def loss_context(self) -> Any:
+        return self._trainer.compute_loss_context_manager()
+
+    def per_example_loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._trainer.per_example_loss(*args, **kwargs)
+
+    def model_inputs(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
+        return self._trainer._model_inputs(model, inputs, labels)
+
+    def micro_batches(self, *args: Any) -> list:
+        return self._trainer._micro_batches(*args)
+
+    def segment_ids(self, inputs: dict) -> torch.Tensor | None:
+        return self._trainer._segment_ids(inputs)
+
+    def first_step_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        self._trainer._self_check(net, micro, labels)
+
+    def check_batch(self) -> tuple[dict, torch.Tensor] | None:
+        return self._trainer._check_batch()
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._trainer.accelerator.unwrap_model(model)
+
+    def sync_gradients(self) -> bool:
+        return self._trainer.accelerator.gradient_state.sync_gradients
+
+    def optimizer(self) -> Any:
+        return self._trainer.optimizer
+
+    def check_release(self) -> None:
+        self._trainer._state_guard.before_release()
+
+
 def _check_compute_loss_not_overridden(cls: type) -> None:
     """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
 
@@ -344,9 +376,9 @@ class DPTrainer(Trainer):
         self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
         self.task = "custom"
-        self.noise_multiplier: float | None = self.args.noise_multiplier
-        self.noise_allocation = self.args.noise_allocation or (
-            "equal_budget" if self.args.clipping == "per_device" else "global")
+        # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
+        self.mechanism = Mechanism(self.args, lambda: self.train_dataset)
+        self.mechanism.on_budget_stop = self._stop_for_budget
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
         self._state_guard = ReleasedStateGuard()  # nothing but the optimizer changes what is released (guarantee.py)
         self._realised_loss = RealisedLoss()  # the logged loss (clipping/step.py), kept across rebuilt strategies
@@ -355,14 +387,10 @@ class DPTrainer(Trainer):
         self._dp_step: DPStep | None = None
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
-        self.accountant = self._new_accountant()
         self._start_history(self.model)  # a model already DP-trained: its earlier mechanisms compose (history.py)
         self._unit_detail: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
-        self.budget_exhausted = False
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
-        self._noise: NoiseGenerator | None = None
-        self._allowed_steps: int | None = None
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
         self._hyperparameter_trials = 0
         if not self.label_names:
@@ -395,6 +423,7 @@ class DPTrainer(Trainer):
             # FSDP: built on the unwrapped model (accelerator.prepare wraps it in train()), hooks keyed by attribute.
             self.clipping_engine = FSDPClippingEngine(self.model) if fsdp else ClippingEngine(self.model)
         self.group_clipper: GroupClipper | None = None
+        self.mechanism.set_clipping(None, self.clipping_engine)
         if self.args.clipping != "flat":
             self._setup_group_clipping()
         elif not fsdp:
@@ -412,40 +441,13 @@ class DPTrainer(Trainer):
 
     def _step_pieces(self) -> StepPieces:
         """What the DP step gets from the trainer (``clipping/step.py``): the engine, the group clipper, the
-        arguments, and the trainer's callables, each looking up the method when called (so a subclass or instance
-        override takes effect) and reading σ, q, the accountant and the noise generator live."""
-        return StepPieces(
-            engine=self.clipping_engine,
-            group_clipper=self.group_clipper,
-            args=self.args,
-            grad_guard=self._grad_guard,
-            accountant=lambda: self.accountant,
-            noise=lambda: self._noise,
-            noise_multiplier=lambda: self.noise_multiplier,
-            sample_rate=lambda: self.sample_rate,
-            expected_batch_size=lambda: self.expected_batch_size,
-            noise_stds=lambda: self._noise_stds(),
-            quantile_noise=lambda: self._quantile_noise(),
-            budget_allows=lambda n: self._budget_allows(n),
-            stop_for_budget=lambda: self._stop_for_budget(),
-            prepare_inputs=lambda inputs: self._prepare_inputs(inputs),
-            loss_context=lambda: self.compute_loss_context_manager(),
-            per_example_loss=lambda *a, **kw: self.per_example_loss(*a, **kw),
-            model_inputs=lambda model, inputs, labels: self._model_inputs(model, inputs, labels),
-            micro_batches=lambda *a: self._micro_batches(*a),
-            segment_ids=lambda inputs: self._segment_ids(inputs),
-            self_check=lambda net, micro, labels: self._self_check(net, micro, labels),
-            check_batch=lambda: self._check_batch(),
-            unwrap_model=lambda model: self.accelerator.unwrap_model(model),
-            sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
-            optimizer=lambda: self.optimizer,
-            check_release=lambda: self._state_guard.before_release(),
-            realised_loss=self._realised_loss,
-        )
+        arguments, the run's mechanism (read live) and the trainer's hooks (:class:`_StepHooks`)."""
+        return StepPieces(engine=self.clipping_engine, group_clipper=self.group_clipper, args=self.args,
+                          grad_guard=self._grad_guard, mechanism=self.mechanism, hooks=_StepHooks(self),
+                          realised_loss=self._realised_loss)
 
     def _stop_for_budget(self) -> None:
-        """The DP step released nothing: one more step would exceed the privacy budget."""
-        self.budget_exhausted = True
+        """The DP step released nothing (``Mechanism.stop_for_budget``): the training loop stops."""
         self.control.should_training_stop = True
 
     @property
@@ -471,9 +473,9 @@ class DPTrainer(Trainer):
             self._build_clipping()
             logger.info("hf_dp: model_init built a new model; the clipping engine was rebuilt for it.")
             if not getattr(self, "_resumed", False):  # a fresh model: fresh history, unless it carries one
-                self.accountant = self._new_accountant()
+                self.accountant = self.mechanism.new_accountant()
                 self._start_history(model)
-                self._dp_steps_at_begin = self.accountant.steps
+                self.mechanism.steps_at_run_begin = self.accountant.steps
         return model
 
     def _warn_fsdp_not_enabled(self) -> None:
@@ -519,83 +521,83 @@ class DPTrainer(Trainer):
             function=args.clipping_function, gamma=args.automatic_clipping_gamma,
         )
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
+        self.mechanism.set_clipping(self.group_clipper, self.clipping_engine)
         if adaptive and self.noise_multiplier is not None:
             self._quantile_noise()  # fail now if σ_new is not real
 
     def _quantile_noise(self) -> tuple[float, float]:
-        """``(σ_new, σ_b)`` for adaptive clipping (Prop. 3.1); ``(σ, 0)`` otherwise."""
-        if self.group_clipper is None or not self.group_clipper.adaptive:
-            return float(self.noise_multiplier), 0.0
-        fraction = None if self.args.quantile_noise_multiplier is not None else self.args.quantile_budget_fraction
-        return split_noise_for_quantiles(self.noise_multiplier, self.group_clipper.num_groups, fraction,
-                                         self.args.quantile_noise_multiplier)
+        """``(σ_new, σ_b)`` for adaptive clipping (Prop. 3.1); ``(σ, 0)`` otherwise (``Mechanism.quantile_noise``)."""
+        return self.mechanism.quantile_noise()
 
-    def _noise_stds(self) -> float | dict[str, float]:
-        """Noise std on each parameter's summed clipped gradient: ``σ C`` (flat) or per group (noise.py)."""
-        if self.group_clipper is None:
-            return self.noise_std
-        sigma_grad, _ = self._quantile_noise()
-        groups = self.group_clipper.groups
-        engine = self.clipping_engine
-        dims = [sum(engine.params[n].numel() for n in g.params) for g in groups]
-        stds, _ = group_noise_stds(self.group_clipper.thresholds.tolist(), dims, self.noise_allocation, sigma_grad)
-        return {n: std for g, std in zip(groups, stds) for n in g.params}
+    # ------------------------------------------------------------------ quantities of the mechanism (mechanism.py)
+    @property
+    def accountant(self) -> PrivacyAccountant:
+        """The model's accountant (composes over all its DP runs)."""
+        return self.mechanism.accountant
 
-    # ------------------------------------------------------------------ quantities of the mechanism
+    @accountant.setter
+    def accountant(self, value: PrivacyAccountant) -> None:
+        self.mechanism.accountant = value
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """σ (``None`` until calibrated to ``target_epsilon`` at train start)."""
+        return self.mechanism.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float | None) -> None:
+        self.mechanism.noise_multiplier = value
+
+    @property
+    def budget_exhausted(self) -> bool:
+        """A step was withheld, or the run stopped, because the privacy budget is spent."""
+        return self.mechanism.budget_exhausted
+
+    @budget_exhausted.setter
+    def budget_exhausted(self, value: bool) -> None:
+        self.mechanism.budget_exhausted = bool(value)
+
+    @property
+    def noise_allocation(self) -> str:
+        return self.mechanism.noise_allocation
+
+    @property
+    def _noise(self) -> NoiseGenerator | None:
+        return self.mechanism.noise
+
     @property
     def user_level(self) -> bool:
-        return self.args.privacy_unit == "user"
+        return self.mechanism.user_level
 
     @property
     def num_examples_private(self) -> int:
         """N: the number of privacy units in the training set (examples, or users with ``privacy_unit='user'``)."""
-        if self.train_dataset is None:
-            raise ValueError("DPTrainer needs a train_dataset.")
-        if self.user_level:
-            return int(self._unit_ids().max()) + 1
-        return len(self.train_dataset)
-
-    def _unit_ids(self) -> np.ndarray:
-        """User index (0..U-1) of every training example, from ``user_id_column``."""
-        cached = getattr(self, "_unit_cache", None)
-        if cached is not None and cached[0] is self.train_dataset:
-            return cached[1]
-        column = self.args.user_id_column
-        try:
-            values = self.train_dataset[column]
-        except (KeyError, TypeError, IndexError, ValueError) as err:
-            raise ValueError(f"privacy_unit='user': the training set has no column {column!r}.") from err
-        ids = np.unique(np.asarray(list(values)), return_inverse=True)[1].reshape(-1)
-        self._unit_cache = (self.train_dataset, ids)
-        return ids
+        return self.mechanism.num_units
 
     @property
     def expected_batch_size(self) -> int:
         """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return expected_batch_size(self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                                   self.args.world_size)
+        return self.mechanism.expected_batch_size
 
     @property
     def sample_rate(self) -> float:
         """q = expected batch size / N (N counts privacy units)."""
-        return sample_rate(self.expected_batch_size, self.num_examples_private, self.user_level)
+        return self.mechanism.sample_rate
 
     @property
     def target_delta(self) -> float:
         """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
-        if self.args.target_delta is not None:
-            return self.args.target_delta
-        return default_delta(self.num_examples_private)
+        return self.mechanism.delta
 
     @property
     def steps_per_epoch(self) -> int:
         """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return steps_per_epoch(self.num_examples_private, self.expected_batch_size)
+        return self.mechanism.steps_per_epoch
 
     @property
     def noise_std(self) -> float:
         """Std of the noise on the summed clipped gradient: σ · C (flat clipping's sensitivity is C)."""
-        return float(self.noise_multiplier) * self.args.per_sample_max_grad_norm
+        return self.mechanism.noise_std
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -611,12 +613,11 @@ class DPTrainer(Trainer):
                 collator = self._get_collator_with_removed_columns(collator, description="training")
         except ImportError:  # pragma: no cover
             pass
-        seed = self._run_seed()
-        self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
-        common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
+        noise = self.mechanism.new_noise(self._run_seed())  # secure_mode: noise.py
+        common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=noise.seed,
                       rank=self.args.process_index, world_size=self.args.world_size)
         if self.user_level:
-            units = self._unit_ids()
+            units = self.mechanism.unit_ids()
             sampler = PoissonUserSampler(units, self.sample_rate, self.steps_per_epoch,
                                          max_examples_per_user=self.args.max_examples_per_user, **common)
             dataset = _TaggedDataset(dataset, units)
@@ -752,11 +753,16 @@ class DPTrainer(Trainer):
         return out
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: the first-step checks on the real model and data
-        (:meth:`LocalDPStep.self_check <hf_dp.clipping.local.LocalDPStep.self_check>`). Subclasses extend it
+        """Once per run, before the first update (the DP step's first-step hook): the engine's checks on the real
+        model and data (:meth:`_first_step_checks`) and each example against itself alone. Subclasses extend it
         (``DPSFTTrainer`` checks packed rows)."""
-        self._dp_step.self_check(net, micro, labels)
+        self._first_step_checks(net, micro, labels)
         self._check_examples_alone(net, micro, labels)
+
+    def _first_step_checks(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """The engine's first-step checks (batch axes, hooks vs autograd, ``dp_self_check``) on a micro-batch
+        (:func:`hf_dp.clipping.local.first_step_check`)."""
+        first_step_check(self.clipping_engine, _StepHooks(self), self.args, net, micro, labels)
 
     def _check_batch(self) -> tuple[dict, torch.Tensor] | None:
         """The first two training examples, collated and on the device (for the first-step checks)."""
@@ -947,9 +953,9 @@ class DPTrainer(Trainer):
                 "resume from a checkpoint written by DPTrainer (it holds dp_state.json)."
             )
         if self.noise_multiplier is None:
-            self._check_budget_left()
+            self.mechanism.check_budget_left()
             try:
-                self.noise_multiplier = self._calibrate_noise(remaining, self.accountant.history)
+                self.noise_multiplier = self.mechanism.calibrate(remaining, self.accountant.history)
             except ValueError as err:
                 if not self.accountant.steps:
                     raise
@@ -964,8 +970,7 @@ class DPTrainer(Trainer):
         check_noise_std(self.noise_multiplier, self.args.per_sample_max_grad_norm)
         if self.group_clipper is not None:
             self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
-        self.accountant.planned_steps = self.accountant.steps + remaining
-        self._allowed_steps = self._steps_within_budget(remaining)
+        self.mechanism.begin_run(remaining)  # the accountant's planned steps; the steps the budget allows
         if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
             warnings.warn("EarlyStoppingCallback stops training by evaluation metrics. If the evaluation set is "
                           "private data, that choice is not covered by the DP guarantee.", NotPrivateWarning,
@@ -974,10 +979,6 @@ class DPTrainer(Trainer):
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
         self._log_privacy_plan(remaining)
-
-    def _check_budget_left(self) -> None:
-        """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
-        check_budget_left(self.accountant, self.args.target_epsilon, self.target_delta)
 
     # ------------------------------------------------------------------ the model's privacy history (history.py)
     def _start_history(self, model: torch.nn.Module) -> None:
@@ -990,16 +991,10 @@ class DPTrainer(Trainer):
             unwrapped = model
         self._history = ModelHistory.of_model(unwrapped)
         self.accountant.history = self._history.earlier_mechanisms()
-        if self._history.earlier:
-            unit_notes = self._history.notes(str(self.args.privacy_unit or "example"),
-                                             self.args.user_id_column if self.user_level else None)
-            msg = (f"hf_dp: this model was already trained with DP, {describe_earlier(self._history.earlier)}: "
-                   "privacy accounting continues from them. ε in the logs, privacy_spent(), dp_state.json and the card "
-                   "composes all of them"
-                   + (", and target_epsilon budgets what is left." if self.args.target_epsilon is not None else ".")
-                   + (" Not strict: " + "; ".join(unit_notes) + "." if unit_notes else "")
-                   + " To start at ε = 0, start from a model that was never DP-trained (README, 'A model carries its "
-                   "privacy history').")
+        msg = earlier_runs_message(self._history, str(self.args.privacy_unit or "example"),
+                                   self.args.user_id_column if self.user_level else None,
+                                   budgeted=self.args.target_epsilon is not None)
+        if msg is not None:
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=4)
 
@@ -1030,24 +1025,9 @@ class DPTrainer(Trainer):
             return
         detail = None
         if not self.user_level:
-            tok = self.processing_class
-            config = getattr(self._unwrapped_model(), "config", None)
-            separators = {getattr(o, k, None) for o in (tok, config) for k in ("eos_token_id", "bos_token_id")}
-            pad = getattr(tok, "pad_token_id", None)
-            if pad is None:
-                pad = getattr(config, "pad_token_id", None)
-            length = looks_grouped(dataset, pad if isinstance(pad, int) else None,
-                                   [t for t in separators if isinstance(t, int)])
-            if length is not None:
-                detail = grouped_rows_detail(length)
-                msg = (f"hf_dp: the privacy unit is one row of the training set, and its rows look like fixed-length "
-                       f"blocks of concatenated text (every row {length} tokens, no padding, labels = input_ids: "
-                       "transformers' run_clm.py group_texts). If so, ε protects one block, not one document: a "
-                       "document spread over k blocks is protected only as a group of k. For document-level DP, chunk "
-                       "within documents (hf_dp.units.chunk_documents) and pass privacy_unit='user', "
-                       "user_id_column=<document id> (README, 'Document-level DP for language modelling'); if every "
-                       "row is already one whole document, the same settings say so and silence this warning. The "
-                       "card records the unit as a block.")
+            detail, msg = check_grouped_rows(dataset, self.processing_class,
+                                             getattr(self._unwrapped_model(), "config", None))
+            if msg is not None:
                 logger.warning(msg)
                 warnings.warn(msg, UserWarning, stacklevel=4)
         self._unit_detail = (id(dataset), detail)
@@ -1120,23 +1100,8 @@ class DPTrainer(Trainer):
         logger.warning(nonfinite_message(step, count, self.nonfinite_examples))
         self.log({"nonfinite_examples": count})
 
-    def _steps_within_budget(self, planned: int) -> int | None:
-        """How many more steps the budget allows (None: unlimited, when ε is reported rather than targeted)."""
-
-        def eps_after(n: int) -> float:
-            acc = self.accountant.copy()
-            acc.planned_steps = None  # the same computation as the calibration
-            acc.step(self.noise_multiplier, self.sample_rate, n)
-            return acc.get_epsilon(self.target_delta)
-
-        return steps_within_budget(eps_after, planned, self.args.target_epsilon)
-
     def _budget_allows(self, n: int) -> bool:
-        return budget_allows(self.accountant.steps - self._steps_at_train_begin, n, self._allowed_steps)
-
-    @property
-    def _steps_at_train_begin(self) -> int:
-        return getattr(self, "_dp_steps_at_begin", 0)
+        return self.mechanism.budget_allows(n)
 
     def _group_logs(self) -> dict[str, float]:
         """Thresholds and privatized unclipped fractions per group (only released quantities are logged)."""
@@ -1202,31 +1167,11 @@ class DPTrainer(Trainer):
         :class:`~hf_dp.optim.DPAdamBC` (Tang et al. 2024), reading the noise std of each released gradient live."""
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.args.dp_adam_bias_correction:
-            self.optimizer = optimizer = bias_corrected_adam(optimizer, lambda: self._released_noise_std(),
+            self.optimizer = optimizer = bias_corrected_adam(optimizer, self.mechanism.released_noise_std,
                                                              self.args.dp_adam_bc_epsilon)
         return optimizer
 
-    def _released_noise_std(self) -> float | dict[int, float]:
-        """Std of the DP noise in each coordinate of the released gradient ``p.grad``: the noise std on the summed
-        clipped gradient (σ·C, or the parameter's group's, :meth:`_noise_stds`) over the expected batch size q·N
-        (``noise.privatize``); ``{id(param): std}`` with group-wise noise."""
-        stds = self._noise_stds()
-        batch = self.expected_batch_size
-        if isinstance(stds, dict):
-            params = self.clipping_engine.params
-            return {id(params[n]): s / batch for n, s in stds.items()}
-        return float(stds) / batch
-
     # ------------------------------------------------------------------ the plan (before train()) and its banner
-    def _new_accountant(self) -> PrivacyAccountant:
-        return PrivacyAccountant(accountant=self.args.accountant, eps_error=self.args.accountant_eps_error)
-
-    def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
-        """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
-        ``train()`` (at train start) and :meth:`privacy_plan` use."""
-        return calibrate_noise(self.args.target_epsilon, self.target_delta, self.sample_rate, steps,
-                               self.args.accountant, self.args.accountant_eps_error, history)
-
     def planned_max_steps(self) -> int:
         """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
         applied to the length of the DP loader (``steps_per_epoch × gradient_accumulation_steps`` chunks)."""
@@ -1240,7 +1185,7 @@ class DPTrainer(Trainer):
     def privacy_plan(self, max_steps: int | None = None) -> dict[str, Any]:
         """The privacy plan of a fresh ``train()``, without training: the numbers the run will use and log.
 
-        σ is calibrated exactly as ``train()`` will calibrate it (:meth:`_calibrate_noise` for
+        σ is calibrated exactly as ``train()`` will calibrate it (``Mechanism.calibrate`` for
         :meth:`planned_max_steps` steps), or taken from ``noise_multiplier`` (then ``epsilon`` is what the whole run
         will spend). ``noise_to_signal`` is the expected norm of the noise on one averaged update, ``σ·C·√d / (q·N)``
         for ``d`` trainable parameters, over the largest possible norm of the averaged clipped gradient, ``C`` (all
@@ -1267,38 +1212,15 @@ class DPTrainer(Trainer):
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
-        TensorBoard/W&B), visible without any logging set-up; the advice of :meth:`privacy_plan` as a warning."""
+        TensorBoard/W&B), visible without any logging set-up; the advice of :meth:`privacy_plan` as a warning
+        (``Mechanism.plan_log``: the plan's maths, ``plan.py``)."""
         d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        steps = remaining if self._allowed_steps is None else min(remaining, self._allowed_steps)
-        acc = self.accountant.copy()
-        acc.planned_steps = None
-        acc.step(self.noise_multiplier, self.sample_rate, steps)
-        planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate * self.num_examples_private,
-                                           steps)
-        block = {
-            # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
-            **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
-            "dp_planned_epsilon": round(planned_epsilon, 4),
-            "delta": self.target_delta,
-            "dp_noise_multiplier": round(float(self.noise_multiplier), 6),
-            "dp_sample_rate": self.sample_rate,
-            "dp_expected_batch_size": self.expected_batch_size,
-            "dp_steps": steps,
-            "dp_per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
-            "dp_clipping": self.args.clipping,
-            "dp_privacy_unit": self.args.privacy_unit,
-            **({"dp_earlier_steps": self._history.earlier_steps} if self._history.earlier else {}),
-            "dp_accountant": acc.accountant_used,
-            "dp_trainable_parameters": d,
-            "dp_noise_to_signal": round(ratio, 4),
-            "dp_noise_to_signal_over_run": round(run_ratio, 4),
-        }
+        block, advice = self.mechanism.plan_log(remaining, d, self._history.earlier_steps if self._history.earlier
+                                                else None)
         self.log(block)
-        if run_ratio > NOISE_TO_SIGNAL_WARNING:
-            msg = learning_advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=2)
+        if advice is not None:
+            logger.warning(advice)
+            warnings.warn(advice, UserWarning, stacklevel=2)
 
     def privacy_record(self, accountant: PrivacyAccountant | None = None,
                        noise_multiplier: float | None = None) -> PrivacyRecord:
@@ -1310,61 +1232,24 @@ class DPTrainer(Trainer):
 
         Before ``train()``, σ is the one the run will use (calibrated as ``train()`` will, :meth:`privacy_plan`).
         """
-        args = self.args
         acc = self.accountant if accountant is None else accountant
         sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
         if sigma is None and self.train_dataset is not None:
-            sigma = self._calibrate_noise(self.planned_max_steps(), acc.history)
-        gc = self.group_clipper
-        thresholds = adaptive = group_state = None
-        if gc is not None:
-            thresholds = _plain(gc.thresholds)
-            names = [g.name for g in gc.groups]
-            if isinstance(thresholds, list) and len(names) == len(thresholds):
-                thresholds = dict(zip(names, thresholds))
-            group_state = gc.state_dict()
-            if gc.adaptive:
-                adaptive = {"target_quantile": _plain(gc.target_quantile), "quantile_lr": _plain(gc.quantile_lr)}
-                try:  # (σ of the gradient, σ_b of the clip counts); composed they are the accounted σ (Prop. 3.1)
-                    sigma_grad, sigma_b = self._quantile_noise()
-                    adaptive.update(gradient_noise_multiplier=float(sigma_grad), count_noise_multiplier=float(sigma_b))
-                except Exception:  # noqa: BLE001 - only informative (σ not known yet)
-                    pass
-        user = self.user_level
+            sigma = self.mechanism.calibrate(self.planned_max_steps(), acc.history)
         model = self._unwrapped_model()
         return PrivacyRecord(
             accountant=acc,
-            delta=float(self.target_delta),
-            noise_multiplier=_plain(sigma),
-            sample_rate=float(self.sample_rate),
-            num_examples=int(self.num_examples_private),
-            expected_batch_size=int(self.expected_batch_size),
-            per_sample_max_grad_norm=float(args.per_sample_max_grad_norm),
-            target_epsilon=_plain(args.target_epsilon),
-            clipping=str(_plain(args.clipping)),
-            poisson_sampling=bool(args.poisson_sampling),
-            accountant_name=str(args.accountant),
-            noise_allocation=str(_plain(self.noise_allocation or "global")),
-            group_thresholds=thresholds,
-            adaptive_clipping=adaptive,
-            group_clipping=group_state,
-            privacy_unit=str(args.privacy_unit or "example"),
-            user_id_column=args.user_id_column if user else None,
-            max_examples_per_user=args.max_examples_per_user if user else None,
-            user_contribution=args.user_contribution if user else None,
-            num_rows=len(self.train_dataset) if user else None,
-            secure_mode=bool(args.secure_mode),
-            dp_seed="secret" if args.dp_seed is None else "fixed",
+            **self.mechanism.record_fields(sigma),
             trained_parameters=describe_trained_parameters(model, getattr(self.clipping_engine, "params", None)),
-            optimizer=describe_optimizer(self.optimizer, args.optim),
+            optimizer=describe_optimizer(self.optimizer, self.args.optim),
             base_model=model_base_model(model),
             dp_guarantee=self.dp_guarantee,
-            load_best_model_at_end=bool(args.load_best_model_at_end),
+            load_best_model_at_end=bool(self.args.load_best_model_at_end),
             budget_exhausted=bool(self.budget_exhausted),
-            eval_data_is_public=bool(args.eval_data_is_public),
-            audit=_plain(audit_report(self)) or None,
+            eval_data_is_public=bool(self.args.eval_data_is_public),
+            audit=plain(audit_report(self)) or None,
             run_id=self._history.run_id if accountant is None else None,
-            earlier_runs=_plain(self._history.earlier) or None,
+            earlier_runs=plain(self._history.earlier) or None,
             privacy_unit_detail=self._privacy_unit_detail(),
             prv_accountant_version=acc.state_dict().get("prv_accountant_version"),
         )
@@ -1450,7 +1335,7 @@ class DPTrainer(Trainer):
         if resume_from_checkpoint:
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:
-            self.accountant = self._new_accountant()  # a new model is built in train()
+            self.accountant = self.mechanism.new_accountant()  # a new model is built in train()
             self._secret_seed = None  # ... with a history of its own (_run_seed)
             self.noise_multiplier = self.args.noise_multiplier
         else:
@@ -1464,15 +1349,13 @@ class DPTrainer(Trainer):
                 logger.warning(msg)
                 warnings.warn(msg, UserWarning, stacklevel=2)
             self.noise_multiplier = self.args.noise_multiplier  # None with target_epsilon: calibrated at train start
-        self._dp_steps_at_begin = self.accountant.steps
+        self.mechanism.steps_at_run_begin = self.accountant.steps
         self.budget_exhausted = False
         self._self_checked = False
         if self.train_dataset is not None:
             self._validate_against_dataset()
         if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:
-            acc = self.accountant.copy()
-            acc.step(self.noise_multiplier, self.sample_rate)
-            if acc.get_epsilon(self.target_delta) > self.args.target_epsilon:
+            if self.mechanism.epsilon_after(1) > self.args.target_epsilon:
                 logger.warning(
                     "hf_dp: not resuming training: the privacy budget ε=%s (δ=%.3g) is spent (ε=%.4f after %d steps) "
                     "and one more step would exceed it.",
@@ -1510,57 +1393,21 @@ class DPTrainer(Trainer):
 
     def card_inputs(self, tags: Any = None) -> dict[str, Any]:
         """What a model card needs besides the record, gathered here as plain data (``hf_dp.cards`` never reads a
-        trainer): the tags (``tags`` and the model's own, e.g. trl's), the training hyperparameters, the latest
-        evaluation metrics (published only when the evaluation data is declared public) and the task."""
-        model_tags = getattr(self._unwrapped_model(), "model_tags", None)
-        merged: list[str] = []
-        for group in (tags, model_tags):
-            for t in [group] if isinstance(group, str) else group or []:
-                if t and t not in merged:
-                    merged.append(str(t))
-        return {"tags": merged or None, "hyperparameters": self._card_hyperparameters(),
-                "eval_metrics": latest_eval_metrics(getattr(self.state, "log_history", None)), "task": self.task}
-
-    def _card_hyperparameters(self) -> list[tuple[str, Any]]:
-        """The Trainer's training hyperparameters (public settings; never a metric computed on the data)."""
-        a = self.args
-        hp: list[tuple[str, Any]] = [
-            ("learning_rate", a.learning_rate),
-            ("optimizer", describe_optimizer(self.optimizer, a.optim) + f", args.optim={_plain(a.optim)}"),
-        ]
-        if "adam" in str(_plain(a.optim)).lower():
-            hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
-            hp.append(("adam_epsilon", a.adam_epsilon))
-        hp += [
-            ("weight_decay", a.weight_decay),
-            ("lr_scheduler_type", _plain(a.lr_scheduler_type)),
-            ("warmup_steps", getattr(a, "warmup_steps", 0)),
-            ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
-            ("gradient_accumulation_steps", a.gradient_accumulation_steps),
-            ("num_processes", a.world_size),
-            ("expected_batch_size", self.expected_batch_size),
-            ("training_steps", self.accountant.steps),
-            ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
-            ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
-            ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
-            ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
-        ]
-        if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
-            hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
-            hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
-        if a.dp_adam_bias_correction:
-            hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
-            hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
-        return hp
+        trainer; ``release.card_inputs``): the tags (``tags`` and the model's own, e.g. trl's), the training
+        hyperparameters, the latest evaluation metrics (published only when the evaluation data is declared public)
+        and the task."""
+        hyperparameters = card_hyperparameters(self.args, self.optimizer, self.expected_batch_size,
+                                               self.accountant.steps)
+        return card_inputs(tags, getattr(self._unwrapped_model(), "model_tags", None), hyperparameters,
+                           getattr(self.state, "log_history", None), self.task)
 
     def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:
-        """``hf_dp.cards.create_model_card`` with this run's record and :meth:`card_inputs`, on the processes that
-        save (the card is written next to the weights)."""
+        """``release.write_model_card`` with this run's record and :meth:`card_inputs`, on the processes that save
+        (the card is written next to the weights)."""
         if not self.args.should_save:
             return None
         record = self.privacy_record() if record is None else record
-        inputs = self.card_inputs(kwargs.pop("tags", None))
-        return create_model_card(record, output_dir, **{**inputs, **kwargs})
+        return write_model_card(record, output_dir, self.card_inputs(kwargs.pop("tags", None)), **kwargs)
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
         """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
@@ -1626,25 +1473,10 @@ class DPTrainer(Trainer):
         if not will_push:
             return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
         output_dir = self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
-        if os.path.isfile(state_path):
-            checkpoint_steps = PrivacyRecord.load(state_path).steps
-            card_path = os.path.join(checkpoint_folder, "README.md")
-            target = os.path.join(output_dir, "README.md")
-            if checkpoint_steps == self.accountant.steps and os.path.isfile(target):
-                self._write_model_card(output_dir, model_name=os.path.basename(os.path.normpath(output_dir)))
-            elif os.path.isfile(card_path):
-                shutil.copy(card_path, target)
-            else:
-                raise FileNotFoundError(
-                    f"{checkpoint_folder} holds {DP_STATE_NAME} but no README.md: refusing to push weights to the "
-                    "Hub without their privacy card."
-                )
-            shutil.copy(state_path, os.path.join(output_dir, DP_STATE_NAME))
-        public = self.args.eval_data_is_public
-        redact_output_dir(output_dir, public)
-        staged = stage_checkpoint(checkpoint_folder, output_dir, public, clean=idle)
+        staged = checkpoint_push(
+            checkpoint_folder, output_dir, self.accountant.steps, eval_public=self.args.eval_data_is_public,
+            clean=idle, rewrite_card=lambda: self._write_model_card(
+                output_dir, model_name=os.path.basename(os.path.normpath(output_dir))))
         return super()._push_from_checkpoint(str(staged), *args, **kwargs)
 
     def push_to_hub(self, *args: Any, **kwargs: Any):
