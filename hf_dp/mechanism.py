@@ -13,13 +13,15 @@ built (:meth:`set_clipping`).
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .accounting import MechanismRecord, PrivacyAccountant, split_noise_for_quantiles
-from .guarantee import budget_allows, check_budget_left, steps_within_budget
+from .guarantee import budget_allows, check_budget_left, check_noise_std, steps_within_budget
 from .noise import NoiseGenerator, group_noise_stds
 from .plan import (
     calibrate_noise,
@@ -33,6 +35,8 @@ from .plan import (
 from .record import plain
 
 __all__ = ["Mechanism"]
+
+logger = logging.getLogger(__name__)
 
 
 class Mechanism:
@@ -189,9 +193,49 @@ class Mechanism:
         return epsilon_after(self.accountant, self.noise_multiplier, self.sample_rate, steps, self.delta)[0]
 
     def begin_run(self, remaining: int) -> None:
-        """At train start, σ known: the accountant's planned steps and how many steps the budget allows."""
+        """At train start: σ calibrated to what is left of ``target_epsilon`` for the ``remaining`` steps (unless
+        given), checked (σ·C finite; adaptive clipping's σ_new real), the accountant's planned steps and the steps
+        the budget allows."""
+        args = self.args
+        if self.noise_multiplier is None:
+            self.check_budget_left()
+            try:
+                self.noise_multiplier = self.calibrate(remaining, self.accountant.history)
+            except ValueError as err:
+                if not self.accountant.steps:
+                    raise
+                raise ValueError(
+                    f"No noise multiplier reaches target_epsilon={args.target_epsilon} after the "
+                    f"{self.accountant.steps} steps this model already took: {err} Train fewer steps, or start from "
+                    "a fresh model with a new DPTrainer."
+                ) from err
+            logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
+                        self.noise_multiplier, remaining, self.sample_rate, args.target_epsilon, self.delta)
+        check_noise_std(self.noise_multiplier, args.per_sample_max_grad_norm)
+        if self.group_clipper is not None:
+            self.quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
         self.accountant.planned_steps = self.accountant.steps + remaining
-        self.allowed_steps = steps_within_budget(self.epsilon_after, remaining, self.args.target_epsilon)
+        self.allowed_steps = steps_within_budget(self.epsilon_after, remaining, args.target_epsilon)
+
+    def resume_from(self, record: Any) -> None:
+        """Resuming from a checkpoint's :class:`~hf_dp.record.PrivacyRecord`: its accountant (ε continues from its
+        mechanisms), its σ unless ``noise_multiplier`` is given, its clipping thresholds; a changed q or C is said
+        (the accountant composes both mechanisms)."""
+        self.accountant = record.accountant
+        if self.group_clipper is not None and record.group_clipping:
+            self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
+        if self.args.noise_multiplier is None:
+            self.noise_multiplier = record.noise_multiplier
+        else:
+            self.noise_multiplier = self.args.noise_multiplier
+        if abs(record.sample_rate - self.sample_rate) > 1e-12 or \
+                record.per_sample_max_grad_norm != self.args.per_sample_max_grad_norm:
+            warnings.warn(
+                "Resuming with a different sampling rate or clipping norm than the checkpoint; the accountant "
+                "composes both mechanisms.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def budget_allows(self, n: int) -> bool:
         """Whether ``n`` more steps of this ``train()`` stay within the budget (a step beyond it is never
@@ -204,6 +248,23 @@ class Mechanism:
         self.budget_exhausted = True
         if self.on_budget_stop is not None:
             self.on_budget_stop()
+
+    def group_logs(self) -> dict[str, float]:
+        """Group-wise clipping's thresholds and privatized unclipped fractions per group, for the logs (only released
+        quantities)."""
+        gc = self.group_clipper
+        c = gc.thresholds
+        out = {"clip_threshold_min": float(c.min()), "clip_threshold_median": float(c.median()),
+               "clip_threshold_max": float(c.max())}
+        per_group = gc.num_groups <= 8
+        if per_group:
+            out.update({f"clip_threshold/{g.name}": float(v) for g, v in zip(gc.groups, c)})
+        if gc.released_unclipped_fraction is not None:
+            b = gc.released_unclipped_fraction
+            out["clipped_fraction_mean"] = float(1 - b.mean())
+            if per_group:
+                out.update({f"clipped_fraction/{g.name}": float(1 - v) for g, v in zip(gc.groups, b)})
+        return {k: round(v, 6) for k, v in out.items()}
 
     # ------------------------------------------------------------------ the record
     def record_fields(self, sigma: float | None) -> dict[str, Any]:

@@ -41,18 +41,17 @@ from .clipping.local import LocalDPStep, first_step_check
 from .clipping.modes import GroupClipper, build_groups
 from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
-    check_examples_alone,
-    check_known_dependences,
-    collator_state_kept,
-    hard_batch_indices,
-    longest_position,
+    alone_rtol,
+    check_first_step_alone,
+    check_known_dependences_on,
+    collated_on_device,
+    hard_batch,
 )
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
     check_batch_rows,
     check_delta,
-    check_noise_std,
     check_not_compiled,
     check_something_trainable,
     check_step_gradients,
@@ -62,6 +61,7 @@ from .guarantee import (
     discard_stale_gradients,
     nonfinite_message,
     overriding_class,
+    setting_notes,
     trainable_set_difference,
 )
 from .history import ModelHistory, earlier_runs_message
@@ -769,11 +769,7 @@ class DPTrainer(Trainer):
         loader = getattr(self.callback_handler, "train_dataloader", None)
         if loader is None or len(loader.dataset) < 2:
             return None
-        batch = self._prepare_inputs(loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
-        batch.pop(_UNIT, None)
-        batch.pop(_INDEX, None)
-        labels = batch.pop("labels")
-        return batch, labels
+        return collated_on_device(_StepHooks(self), loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
 
     def _segment_ids(self, inputs: dict) -> torch.Tensor | None:
         """``(rows, T)``: the example each token of a padding-free packed micro-batch belongs to (``DPSFTTrainer``);
@@ -839,100 +835,43 @@ class DPTrainer(Trainer):
         unpacked collator)."""
         return self._training_collator(loader)
 
-    def _raw_features(self, indices: Any, loader: Any = None) -> list | None:
-        """The training set's raw rows ``indices`` (what the collator receives), or ``None`` without them."""
+    def _training_rows(self, loader: Any = None) -> Any:
+        """The training set's raw rows (what the collator receives), or ``None`` without a DP loader."""
         loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
         dataset = getattr(loader, "dataset", None)
-        if not isinstance(dataset, _TaggedDataset) or indices is None:
-            return None
-        return [dataset.dataset[int(i)] for i in indices]
-
-    def _collated_on_device(self, raw: dict) -> tuple[dict, torch.Tensor]:
-        batch = self._prepare_inputs(raw)
-        batch.pop(_UNIT, None)
-        batch.pop(_INDEX, None)
-        return batch, batch.pop("labels")
-
-    def _example_losses(self, net: torch.nn.Module, batch: dict, labels: torch.Tensor,
-                        segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-example losses of a batch exactly as the DP step computes them (loss context, model inputs,
-        ``per_example_loss``; per packed example with ``segments``)."""
-        with self.compute_loss_context_manager():
-            outputs = net(**self._model_inputs(net, batch, labels))
-            return self.per_example_loss(outputs, labels, **({} if segments is None else {"segments": segments}))
+        return dataset.dataset if isinstance(dataset, _TaggedDataset) else None
 
     def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
-        """Rows of very different lengths from the training set (the shortest, the longest and one between,
-        ``counterfactual.hard_batch_indices``), collated together by the training collator, on the device:
-        ``(raw features, batch, labels)``; ``None`` with fewer than two rows or no DP loader."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        dataset, collate = getattr(loader, "dataset", None), self._training_collator(loader)
-        if not isinstance(dataset, _TaggedDataset) or collate is None or len(dataset) < 2:
+        """The training set's shortest and longest rows collated together, on the device
+        (``counterfactual.hard_batch``); ``None`` with fewer than two rows or no DP loader."""
+        rows, collate = self._training_rows(loader), self._training_collator(loader)
+        if rows is None or collate is None:
             return None
-        size = min(3, max(2, self.args.per_device_train_batch_size))
-        features = self._raw_features(hard_batch_indices(dataset.dataset, size=size), loader)
-        if len(features) < 2:
-            return None
-        with torch.random.fork_rng(devices=[]), collator_state_kept(collate):  # the run's own draws are not shifted
-            batch, labels = self._collated_on_device(collate(list(features)))
-        return features, batch, labels
+        return hard_batch(rows, collate, min(3, max(2, self.args.per_device_train_batch_size)), _StepHooks(self))
 
     def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in
-        its batch, equal those of the example collated alone (``hf_dp/counterfactual.py``), on the first micro-batch
-        and on the hard batch (:meth:`_hard_batch`). Once is enough: the collator and the model are the same
-        functions at every step, and the hard batch makes the rows' lengths as different as the training set allows
-        (the argument and its limits: the module's docstring and the README)."""
+        """Once per run, before the first update: each example's loss and gradient in its batch equal the example's
+        alone, on the first micro-batch and on :meth:`_hard_batch` (``counterfactual.check_first_step_alone``)."""
         collate, alone = self._training_collator(), self._alone_collator()
         if collate is None or alone is None:
             logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
             return
-        rtol = self._alone_rtol(net)
-        common = dict(collate=collate, collate_alone=alone, prepare=self._collated_on_device,
-                      run=lambda b, lab, seg: self._example_losses(net, b, lab, seg),
-                      segment_ids=self._segment_ids, rtol=rtol)
         segments = self._segment_ids(micro)
         num = labels.shape[0] if segments is None else int(segments.max()) + 1
-        indices = getattr(self, "_chunk_indices", None)
-        features = None if indices is None or len(indices) < num else self._raw_features(indices[:num])
-        if features is not None:
-            check_examples_alone(self.clipping_engine, net, features, micro, labels, **common,
-                                 what=" (the first micro-batch)")
-        else:
-            logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
-                           "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "
-                           "training set's shortest and longest rows is.")
-        hard = self._hard_batch()
-        if hard is not None:
-            check_examples_alone(self.clipping_engine, net, hard[0], hard[1], hard[2], **common,
-                                 what=" (a batch of the training set's shortest and longest rows)")
-        logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
-                    " and ".join(w for w, done in (("first micro-batch", features is not None),
-                                                   ("shortest and longest rows", hard is not None)) if done))
-
-    def _alone_rtol(self, net: torch.nn.Module) -> float:
-        """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
-        (other shapes, other kernels), by far less than this in each precision."""
-        if self.args.bf16 or self.args.fp16:
-            return 5e-2
-        dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
-        return 1e-5 if dtype == torch.float64 else 1e-3
+        indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
+        features = None if indices is None or len(indices) < num or rows is None else [
+            rows[int(i)] for i in indices[:num]]
+        check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
+                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16))
 
     def _check_known_dependences(self, loader: Any = None) -> None:
         """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
         computed from the batch; left padding with positions from the padded layout), with the way out
         (``counterfactual.check_known_dependences``)."""
         net = self._unwrapped_model()
-        hard = self._hard_batch(loader)
-        if hard is None:
-            return check_known_dependences(net)
-        dataset = (loader if loader is not None else self.callback_handler.train_dataloader).dataset
-        longest = lambda: longest_position(dataset.dataset, hard[0], hard[1])  # noqa: E731 - only read for rope
-        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
-            return check_known_dependences(net, longest=longest)
-        with self.compute_loss_context_manager():
-            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**self._model_inputs(net, b, lab)),
-                                           rtol=self._alone_rtol(net), longest=longest)
+        check_known_dependences_on(net, self._training_rows(loader), self._hard_batch(loader), _StepHooks(self),
+                                   alone_rtol(net, self.args.bf16 or self.args.fp16),
+                                   configuration_only=self._fsdp is not None)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
@@ -952,25 +891,7 @@ class DPTrainer(Trainer):
                 f"The accountant has {self.accountant.steps} steps but the Trainer is at step {state.global_step}: "
                 "resume from a checkpoint written by DPTrainer (it holds dp_state.json)."
             )
-        if self.noise_multiplier is None:
-            self.mechanism.check_budget_left()
-            try:
-                self.noise_multiplier = self.mechanism.calibrate(remaining, self.accountant.history)
-            except ValueError as err:
-                if not self.accountant.steps:
-                    raise
-                raise ValueError(
-                    f"No noise multiplier reaches target_epsilon={self.args.target_epsilon} after the "
-                    f"{self.accountant.steps} steps this model already took: {err} Train fewer steps, or start from "
-                    "a fresh model with a new DPTrainer."
-                ) from err
-            logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
-                        self.noise_multiplier, remaining, self.sample_rate, self.args.target_epsilon,
-                        self.target_delta)
-        check_noise_std(self.noise_multiplier, self.args.per_sample_max_grad_norm)
-        if self.group_clipper is not None:
-            self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
-        self.mechanism.begin_run(remaining)  # the accountant's planned steps; the steps the budget allows
+        self.mechanism.begin_run(remaining)  # σ calibrated (target_epsilon) and checked; the steps the budget allows
         if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
             warnings.warn("EarlyStoppingCallback stops training by evaluation metrics. If the evaluation set is "
                           "private data, that choice is not covered by the DP guarantee.", NotPrivateWarning,
@@ -1103,49 +1024,15 @@ class DPTrainer(Trainer):
     def _budget_allows(self, n: int) -> bool:
         return self.mechanism.budget_allows(n)
 
-    def _group_logs(self) -> dict[str, float]:
-        """Thresholds and privatized unclipped fractions per group (only released quantities are logged)."""
-        gc = self.group_clipper
-        c = gc.thresholds
-        out = {"clip_threshold_min": float(c.min()), "clip_threshold_median": float(c.median()),
-               "clip_threshold_max": float(c.max())}
-        per_group = gc.num_groups <= 8
-        if per_group:
-            out.update({f"clip_threshold/{g.name}": float(v) for g, v in zip(gc.groups, c)})
-        if gc.released_unclipped_fraction is not None:
-            b = gc.released_unclipped_fraction
-            out["clipped_fraction_mean"] = float(1 - b.mean())
-            if per_group:
-                out.update({f"clipped_fraction/{g.name}": float(1 - v) for g, v in zip(gc.groups, b)})
-        return {k: round(v, 6) for k, v in out.items()}
-
     def dp_guarantee_notes(self) -> list[str]:
         """Why the run's guarantee is not the strict (ε, δ)-DP that the accountant reports, if it is not.
 
         Collects the trainer's own reasons and those of every callback that has a ``dp_guarantee_notes()`` method
         (flatness regularisers, audits, ...). An empty list means the guarantee is strict.
         """
-        notes = []
-        if self.noise_multiplier == 0:
-            notes.append("no noise (noise_multiplier=0): not differentially private")
-        if not self.args.poisson_sampling:
-            notes.append("shuffled fixed-size batches: the reported ε assumes Poisson sampling")
-        if self.args.dp_seed is not None:
-            notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
-        if self.args.load_best_model_at_end:
-            notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
-        elif self.args.save_strategy == "best":
-            notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
-                         "among them is not covered if the evaluation data is private")
-        if self.args.lr_scheduler_type == "reduce_lr_on_plateau":
-            notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
-                         "evaluation data is private")
-        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
-            notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
-                         "evaluation data is private")
-        if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
-            notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
-                         "private data and selecting among them is not covered")
+        early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
+        notes = setting_notes(self.args, self.noise_multiplier, early_stopping,  # guarantee.py
+                              bool(self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None))
         notes.extend(self._history.notes(str(self.args.privacy_unit or "example"),
                                          self.args.user_id_column if self.user_level else None))
         notes.extend(release_notes(self))  # uploads that cannot be redacted (release.py)
@@ -1301,7 +1188,7 @@ class DPTrainer(Trainer):
         if self.accountant.steps > 0 and self.train_dataset is not None:
             logs.update(self.privacy_record().log_fields(final="train_runtime" in logs))
             if self.group_clipper is not None:
-                logs.update(self._group_logs())
+                logs.update(self.mechanism.group_logs())
         super().log(logs, *args, **kwargs)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
@@ -1501,21 +1388,8 @@ class DPTrainer(Trainer):
                 "under-count ε. Resume only from checkpoints written by DPTrainer."
             )
         record = PrivacyRecord.load(path)
-        self.accountant = record.accountant  # ε continues from the checkpoint's mechanisms
         # The same run, continued: its id and the earlier runs it continued from (history.py) are the checkpoint's.
-        self._history = ModelHistory(record.earlier_runs or [], run_id=record.run_id)
-        self._history.own_mechanisms(self.accountant.history)  # fails loudly if they do not add up
-        if self.group_clipper is not None and record.group_clipping:
-            self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
-        if self.args.noise_multiplier is None:
-            self.noise_multiplier = record.noise_multiplier
-        else:
-            self.noise_multiplier = self.args.noise_multiplier
-        if abs(record.sample_rate - self.sample_rate) > 1e-12 or \
-                record.per_sample_max_grad_norm != self.args.per_sample_max_grad_norm:
-            warnings.warn(
-                "Resuming with a different sampling rate or clipping norm than the checkpoint; the accountant "
-                "composes both mechanisms.",
-                UserWarning,
-                stacklevel=3,
-            )
+        history = ModelHistory(record.earlier_runs or [], run_id=record.run_id)
+        history.own_mechanisms(record.accountant.history)  # fails loudly if they do not add up
+        self._history = history
+        self.mechanism.resume_from(record)  # the accountant (ε continues), σ, the clipping thresholds
