@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -28,7 +29,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
            "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
-           "setting_notes"]
+           "setting_notes", "check_training_setup"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -688,3 +689,36 @@ def setting_notes(args: Any, noise_multiplier: float | None, early_stopping: boo
         notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
                      "private data and selecting among them is not covered")
     return notes
+
+
+# ---------------------------------------------------------------------- what DPTrainer refuses at construction
+def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
+                         neftune_noise_alpha: Any) -> None:
+    """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
+    records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
+    DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
+    data-dependent noise. ``args``: the run's ``DPTrainingArguments``."""
+    if compute_loss_func is not None:
+        raise ValueError(
+            "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
+            "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
+        )
+    if isinstance(train_dataset, torch.utils.data.IterableDataset):
+        raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+    if deepspeed:
+        raise ValueError(
+            "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "
+            "rank. Use multi-process DDP (`accelerate launch --multi_gpu`), FSDP2 with clipping='flat', and for "
+            "models placed across devices, clipping='per_device'."
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        raise ValueError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer runs them as "
+            f"{args.world_size} independent process(es) (parallel_mode={args.parallel_mode.value}): each "
+            "would train on all the data with its own noise, and every extra model released spends the privacy "
+            "budget again. On CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` "
+            "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
+        )
+    if neftune_noise_alpha is not None:
+        raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")

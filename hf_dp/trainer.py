@@ -19,7 +19,6 @@ of the guarantee are in ``guarantee.py``. The trainer keeps the ``Trainer`` over
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import shutil
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
@@ -38,7 +37,7 @@ from .audit import audit_report
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep, first_step_check
-from .clipping.modes import GroupClipper, build_groups
+from .clipping.modes import GroupClipper, build_groups, group_clipper_from_args
 from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
     alone_rtol,
@@ -57,6 +56,7 @@ from .guarantee import (
     check_step_gradients,
     check_train_loader,
     check_trainable_set_change,
+    check_training_setup,
     describe_difference,
     discard_stale_gradients,
     nonfinite_message,
@@ -65,15 +65,8 @@ from .guarantee import (
     trainable_set_difference,
 )
 from .history import ModelHistory, earlier_runs_message
-from .losses import (
-    PerExampleLoss,
-    decoder_attention_mask_from_labels,
-    decoder_input_ids_from_labels,
-    default_per_example_loss,
-    is_seq2seq_lm,
-)
+from .losses import PerExampleLoss, default_per_example_loss, is_seq2seq_lm, seq2seq_model_inputs
 from .mechanism import Mechanism
-from .noise import NoiseGenerator
 from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
 from .plan import NOISE_TO_SIGNAL_WARNING, plan_privacy  # noqa: F401 - NOISE_TO_SIGNAL_WARNING: old imports
@@ -289,6 +282,18 @@ class _StepHooks:
         self._trainer._state_guard.before_release()
 
 
+def _mechanism_attribute(name: str, doc: str, settable: bool = False) -> property:
+    """A ``DPTrainer`` attribute that is the run's :class:`~hf_dp.mechanism.Mechanism`'s ``name``."""
+
+    def get(self: DPTrainer) -> Any:
+        return getattr(self.mechanism, name)
+
+    def set_(self: DPTrainer, value: Any) -> None:
+        setattr(self.mechanism, name, value)
+
+    return property(get, set_ if settable else None, doc=doc)
+
+
 def _check_compute_loss_not_overridden(cls: type) -> None:
     """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
 
@@ -345,34 +350,12 @@ class DPTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (target_epsilon or noise_multiplier, clipping, ...).")
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
-                "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
-            )
-        if isinstance(self.train_dataset, IterableDataset):
-            raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "
-                "rank. Use multi-process DDP (`accelerate launch --multi_gpu`), FSDP2 with clipping='flat', and for "
-                "models placed across devices, clipping='per_device'."
-            )
+        check_training_setup(self.args, compute_loss_func=self.compute_loss_func, train_dataset=self.train_dataset,
+                             deepspeed=self.is_deepspeed_enabled, neftune_noise_alpha=self.neftune_noise_alpha)
         if self.is_fsdp_enabled:
             check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
             self._warn_fsdp_not_enabled()
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1 and self.args.world_size != launched:
-            raise ValueError(
-                f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer runs them as "
-                f"{self.args.world_size} independent process(es) (parallel_mode={self.args.parallel_mode.value}): each "
-                "would train on all the data with its own noise, and every extra model released spends the privacy "
-                "budget again. On CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` "
-                "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
-            )
-        if self.neftune_noise_alpha is not None:
-            raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
         self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
         self.task = "custom"
@@ -502,27 +485,11 @@ class DPTrainer(Trainer):
 
     def _setup_group_clipping(self) -> None:
         """Groups, thresholds and (for per-layer modes) clipping fused into the backward pass (He et al. 2023)."""
-        args = self.args
-        groups = build_groups(self.clipping_engine, args.clipping, args.clipping_groups)
-        k = len(groups)
-        if args.group_max_grad_norms is not None:
-            if len(args.group_max_grad_norms) != k:
-                raise ValueError(
-                    f"group_max_grad_norms has {len(args.group_max_grad_norms)} values but there are {k} clipping "
-                    f"groups: {[g.name for g in groups]}."
-                )
-            thresholds = list(args.group_max_grad_norms)
-        else:
-            thresholds = [args.per_sample_max_grad_norm / math.sqrt(k)] * k  # App. A.1: ‖C‖ = C
-        adaptive = args.clipping == "adaptive_per_layer"
-        self.group_clipper = GroupClipper(
-            groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
-            rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
-            function=args.clipping_function, gamma=args.automatic_clipping_gamma,
-        )
+        self.group_clipper = group_clipper_from_args(self.clipping_engine, self.args)  # clipping/modes.py
+        groups = self.group_clipper.groups
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
         self.mechanism.set_clipping(self.group_clipper, self.clipping_engine)
-        if adaptive and self.noise_multiplier is not None:
+        if self.group_clipper.adaptive and self.noise_multiplier is not None:
             self._quantile_noise()  # fail now if σ_new is not real
 
     def _quantile_noise(self) -> tuple[float, float]:
@@ -530,74 +497,18 @@ class DPTrainer(Trainer):
         return self.mechanism.quantile_noise()
 
     # ------------------------------------------------------------------ quantities of the mechanism (mechanism.py)
-    @property
-    def accountant(self) -> PrivacyAccountant:
-        """The model's accountant (composes over all its DP runs)."""
-        return self.mechanism.accountant
-
-    @accountant.setter
-    def accountant(self, value: PrivacyAccountant) -> None:
-        self.mechanism.accountant = value
-
-    @property
-    def noise_multiplier(self) -> float | None:
-        """σ (``None`` until calibrated to ``target_epsilon`` at train start)."""
-        return self.mechanism.noise_multiplier
-
-    @noise_multiplier.setter
-    def noise_multiplier(self, value: float | None) -> None:
-        self.mechanism.noise_multiplier = value
-
-    @property
-    def budget_exhausted(self) -> bool:
-        """A step was withheld, or the run stopped, because the privacy budget is spent."""
-        return self.mechanism.budget_exhausted
-
-    @budget_exhausted.setter
-    def budget_exhausted(self, value: bool) -> None:
-        self.mechanism.budget_exhausted = bool(value)
-
-    @property
-    def noise_allocation(self) -> str:
-        return self.mechanism.noise_allocation
-
-    @property
-    def _noise(self) -> NoiseGenerator | None:
-        return self.mechanism.noise
-
-    @property
-    def user_level(self) -> bool:
-        return self.mechanism.user_level
-
-    @property
-    def num_examples_private(self) -> int:
-        """N: the number of privacy units in the training set (examples, or users with ``privacy_unit='user'``)."""
-        return self.mechanism.num_units
-
-    @property
-    def expected_batch_size(self) -> int:
-        """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return self.mechanism.expected_batch_size
-
-    @property
-    def sample_rate(self) -> float:
-        """q = expected batch size / N (N counts privacy units)."""
-        return self.mechanism.sample_rate
-
-    @property
-    def target_delta(self) -> float:
-        """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
-        return self.mechanism.delta
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return self.mechanism.steps_per_epoch
-
-    @property
-    def noise_std(self) -> float:
-        """Std of the noise on the summed clipped gradient: σ · C (flat clipping's sensitivity is C)."""
-        return self.mechanism.noise_std
+    accountant = _mechanism_attribute("accountant", "The model's accountant (composes over all its DP runs).", True)
+    noise_multiplier = _mechanism_attribute("noise_multiplier", "σ (None until calibrated at train start).", True)
+    budget_exhausted = _mechanism_attribute("budget_exhausted", "A step was withheld: the budget is spent.", True)
+    noise_allocation = _mechanism_attribute("noise_allocation", "How group-wise clipping splits the noise.")
+    _noise = _mechanism_attribute("noise", "The run's noise generator (made with the train loader).")
+    user_level = _mechanism_attribute("user_level", "``privacy_unit == 'user'``.")
+    num_examples_private = _mechanism_attribute("num_units", "N: the privacy units of the training set.")
+    expected_batch_size = _mechanism_attribute("expected_batch_size", "Per-device batch × accumulation × processes.")
+    sample_rate = _mechanism_attribute("sample_rate", "q = expected batch size / N (N counts privacy units).")
+    target_delta = _mechanism_attribute("delta", "δ: the argument, or ``1 / N^1.1`` (below 1/N).")
+    steps_per_epoch = _mechanism_attribute("steps_per_epoch", "Logical steps per epoch: ``ceil(N / B)``.")
+    noise_std = _mechanism_attribute("noise_std", "Std of the noise on the summed clipped gradient: σ · C (flat).")
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -777,26 +688,12 @@ class DPTrainer(Trainer):
         return None
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
-        """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
-        decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
-        so the model is not asked for its batch loss, with the decoder attention mask the model builds with them
-        (``losses.decoder_attention_mask_from_labels``: EncoderDecoderModel, Pix2Struct); a model with no such function
-        gets ``labels=`` and builds them itself (its batch loss is then computed, unused)."""
-        inputs = dict(inputs)
+        """The model's inputs for a micro-batch: a copy of ``inputs``; for encoder-decoder LMs (default or custom
+        ``per_example_loss``) with the decoder inputs built from ``labels`` (``losses.seq2seq_model_inputs``)."""
         seq2seq = getattr(self, "_seq2seq_lm", None)
         if seq2seq is None:
             seq2seq = self._seq2seq_lm = is_seq2seq_lm(model)
-        if seq2seq and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            decoder_input_ids = decoder_input_ids_from_labels(model, labels)
-            if decoder_input_ids is None:
-                inputs["labels"] = labels
-            else:
-                inputs["decoder_input_ids"] = decoder_input_ids
-                if "decoder_attention_mask" not in inputs:  # the mask the model builds with them (EncoderDecoder)
-                    mask = decoder_attention_mask_from_labels(model, decoder_input_ids)
-                    if mask is not None:
-                        inputs["decoder_attention_mask"] = mask
-        return inputs
+        return seq2seq_model_inputs(model, inputs, labels) if seq2seq else dict(inputs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each
