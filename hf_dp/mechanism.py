@@ -29,10 +29,12 @@ from .plan import (
     epsilon_after,
     expected_batch_size,
     noise_to_signal_report,
+    plan_privacy,
     sample_rate,
     steps_per_epoch,
 )
 from .record import plain
+from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
 __all__ = ["Mechanism"]
 
@@ -123,6 +125,20 @@ class Mechanism:
     def steps_per_epoch(self) -> int:
         """``ceil(N / B)``."""
         return steps_per_epoch(self.num_units, self.expected_batch_size)
+
+    def batch_sampler(self, seed: int) -> PoissonBatchSampler | PoissonUserSampler | ShuffledBatchSampler:
+        """The sampling the accountant models: Poisson sampling of rate q of the N users (``privacy_unit='user'``,
+        at most ``max_examples_per_user`` examples each) or examples, or, opt-in and labelled heuristic, shuffled
+        fixed-size batches; a step's draw is a function of ``(seed, step)`` (``sampling.py``, DESIGN invariant 4)."""
+        a = self.args
+        common = dict(num_chunks=a.gradient_accumulation_steps, seed=seed, rank=a.process_index,
+                      world_size=a.world_size)
+        if self.user_level:
+            return PoissonUserSampler(self.unit_ids(), self.sample_rate, self.steps_per_epoch,
+                                      max_examples_per_user=a.max_examples_per_user, **common)
+        if a.poisson_sampling:
+            return PoissonBatchSampler(self.num_units, self.sample_rate, self.steps_per_epoch, **common)
+        return ShuffledBatchSampler(self.num_units, self.expected_batch_size, **common)
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:
@@ -313,6 +329,20 @@ class Mechanism:
         )
 
     # ------------------------------------------------------------------ the plan's banner
+    def plan(self, steps: int, trainable_parameters: int, history: Sequence[MechanismRecord] = ()) -> dict[str, Any]:
+        """The privacy plan of a fresh run of ``steps`` steps after the model's earlier ``history``
+        (:func:`~hf_dp.plan.plan_privacy`, the same function as ``hf-dp plan``): σ from ``noise_multiplier`` or
+        calibrated as train start will calibrate it."""
+        a = self.args
+        return plan_privacy(
+            num_examples=self.num_units, per_device_train_batch_size=a.per_device_train_batch_size,
+            gradient_accumulation_steps=a.gradient_accumulation_steps, world_size=a.world_size, steps=steps,
+            target_epsilon=a.target_epsilon, noise_multiplier=a.noise_multiplier, target_delta=self.delta,
+            trainable_parameters=trainable_parameters, per_sample_max_grad_norm=a.per_sample_max_grad_norm,
+            accountant=a.accountant, accountant_eps_error=a.accountant_eps_error, clipping=a.clipping,
+            privacy_unit=a.privacy_unit or "example", poisson_sampling=a.poisson_sampling, history=history,
+        )
+
     def plan_log(self, remaining: int, trainable_parameters: int, earlier_steps: int | None = None
                  ) -> tuple[dict[str, Any], str | None]:
         """At train start: the budget as one log block, and the advice when learning is unlikely (``plan.py``:

@@ -265,12 +265,26 @@ def write_model_card(record: PrivacyRecord, output_dir: str, inputs: dict[str, A
 
 def checkpoint_push(checkpoint_folder: str, output_dir: str, steps: int, rewrite_card: Callable[[], Any],
                     eval_public: bool, clean: bool) -> Path:
-    """What a checkpoint push uploads (``DPTrainer._push_from_checkpoint``): the checkpoint's card and
-    ``dp_state.json`` put into ``output_dir`` (which the Trainer uploads with the weights it copies there), so the
-    Hub never shows weights without, or with a stale, privacy guarantee — the card re-rendered there
-    (``rewrite_card()``) when the accountant is at the checkpoint's step (``steps``) and ``output_dir`` has one,
-    otherwise the checkpoint's own card copied; then ``output_dir``'s records redacted (:func:`redact_output_dir`)
-    and the redacted copy of the checkpoint staged for upload (:func:`stage_checkpoint`), returned."""
+    """What a checkpoint push uploads (``DPTrainer._push_from_checkpoint``); returns the folder to hand the Trainer.
+
+    With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the Trainer
+    copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into ``output_dir``,
+    re-saves the tokenizer and training arguments there, and uploads ``output_dir``; with
+    ``"checkpoint"``/``"all_checkpoints"`` it also uploads the checkpoint folder (``trainer_state.json`` included).
+    Here:
+
+    * the card (``README.md``) and ``dp_state.json`` of the checkpoint go into ``output_dir`` too, so the Hub never
+      shows weights without (or with a stale) privacy guarantee: the card is re-rendered there (``rewrite_card()``,
+      keeping metadata set on an existing README, merging into one hf_dp did not write) when the accountant is at
+      the checkpoint's step (``steps``), as it is when ``_save_checkpoint`` pushes; otherwise the checkpoint's own
+      card is copied;
+    * the Trainer is handed a copy of the checkpoint (``output_dir/_hf_dp_push/checkpoint-N``, hard links,
+      :func:`stage_checkpoint`; ``clean``: earlier staged copies removed) whose ``trainer_state.json`` carries no
+      training loss, ``grad_norm``, ``total_flos``, ``num_input_tokens_seen`` nor (unless ``eval_public``)
+      evaluation metrics; the local checkpoint, which ``resume_from_checkpoint`` reads, keeps everything.
+      ``trainer_state.json``/``*results.json`` in ``output_dir`` are redacted the same way
+      (:func:`redact_output_dir`; originals kept in ``output_dir/_hf_dp_private/``).
+    """
     os.makedirs(output_dir, exist_ok=True)
     state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
     if os.path.isfile(state_path):

@@ -69,7 +69,7 @@ from .losses import PerExampleLoss, default_per_example_loss, is_seq2seq_lm, seq
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
-from .plan import NOISE_TO_SIGNAL_WARNING, plan_privacy  # noqa: F401 - NOISE_TO_SIGNAL_WARNING: old imports
+from .plan import NOISE_TO_SIGNAL_WARNING  # noqa: F401 - imported from here by callers
 from .record import PrivacyRecord, describe_optimizer, describe_trained_parameters, model_base_model, plain
 from .release import (
     DP_STATE_NAME,
@@ -81,7 +81,7 @@ from .release import (
     release_notes,
     write_model_card,
 )
-from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
+from .sampling import PoissonBatchSampler, ShuffledBatchSampler, check_draw_is_current
 from .units import check_grouped_rows
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
@@ -294,6 +294,19 @@ def _mechanism_attribute(name: str, doc: str, settable: bool = False) -> propert
     return property(get, set_ if settable else None, doc=doc)
 
 
+def _fsdp_not_enabled_message(distributed_type: Any, world_size: int) -> str:
+    """FSDP was asked for but accelerate did not enable it: what runs instead, and why."""
+    return (
+        "hf_dp: FSDP was requested (TrainingArguments fsdp=... or `accelerate launch --use_fsdp`) but accelerate "
+        f"did not enable it (distributed_type={distributed_type}): this run is "
+        + ("multi-process DDP, every rank holding the whole model" if world_size > 1 else "a single process")
+        + ". accelerate switches to FSDP only for processes on accelerators "
+        "(accelerate/state.py, AcceleratorState.__init__: DistributedType.FSDP is set only when the type is "
+        "MULTI_GPU/MULTI_XPU/MULTI_NPU/...; a CPU-only job is MULTI_CPU), so on CPU the FSDP plugin is dropped "
+        "silently. The DP guarantee is unaffected (DDP is exact for every clipping mode); memory is not sharded."
+    )
+
+
 def _check_compute_loss_not_overridden(cls: type) -> None:
     """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
 
@@ -355,7 +368,9 @@ class DPTrainer(Trainer):
         if self.is_fsdp_enabled:
             check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
-            self._warn_fsdp_not_enabled()
+            msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
         self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
         self.task = "custom"
@@ -461,20 +476,6 @@ class DPTrainer(Trainer):
                 self.mechanism.steps_at_run_begin = self.accountant.steps
         return model
 
-    def _warn_fsdp_not_enabled(self) -> None:
-        """FSDP was asked for but accelerate did not enable it: say loudly that DDP (or one process) runs instead."""
-        msg = (
-            "hf_dp: FSDP was requested (TrainingArguments fsdp=... or `accelerate launch --use_fsdp`) but accelerate "
-            f"did not enable it (distributed_type={self.accelerator.distributed_type}): this run is "
-            + ("multi-process DDP, every rank holding the whole model" if self.args.world_size > 1
-               else "a single process") + ". accelerate switches to FSDP only for processes on accelerators "
-            "(accelerate/state.py, AcceleratorState.__init__: DistributedType.FSDP is set only when the type is "
-            "MULTI_GPU/MULTI_XPU/MULTI_NPU/...; a CPU-only job is MULTI_CPU), so on CPU the FSDP plugin is dropped "
-            "silently. The DP guarantee is unaffected (DDP is exact for every clipping mode); memory is not sharded."
-        )
-        logger.warning(msg)
-        warnings.warn(msg, UserWarning, stacklevel=3)
-
     def _validate_against_dataset(self) -> None:
         """Checks that need N: a non-empty training set, q <= 1 and δ < 1/N (each raises)."""
         if len(self.train_dataset) == 0:
@@ -525,19 +526,8 @@ class DPTrainer(Trainer):
         except ImportError:  # pragma: no cover
             pass
         noise = self.mechanism.new_noise(self._run_seed())  # secure_mode: noise.py
-        common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=noise.seed,
-                      rank=self.args.process_index, world_size=self.args.world_size)
-        if self.user_level:
-            units = self.mechanism.unit_ids()
-            sampler = PoissonUserSampler(units, self.sample_rate, self.steps_per_epoch,
-                                         max_examples_per_user=self.args.max_examples_per_user, **common)
-            dataset = _TaggedDataset(dataset, units)
-        elif self.args.poisson_sampling:
-            sampler = PoissonBatchSampler(self.num_examples_private, self.sample_rate, self.steps_per_epoch, **common)
-        else:
-            sampler = ShuffledBatchSampler(self.num_examples_private, self.expected_batch_size, **common)
-        if not isinstance(dataset, _TaggedDataset):
-            dataset = _TaggedDataset(dataset)
+        sampler = self.mechanism.batch_sampler(noise.seed)  # Poisson sampling of rate q (users, examples)
+        dataset = _TaggedDataset(dataset, self.mechanism.unit_ids() if self.user_level else None)
         self._dp_sampler = sampler
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
@@ -610,24 +600,8 @@ class DPTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._check_draw_is_current()
+        check_draw_is_current(self._dp_sampler, self.accountant.steps, self.args.dataloader_num_workers)  # sampling.py
         return batches, None
-
-    def _check_draw_is_current(self) -> None:
-        sampler = self._dp_sampler
-        drawn = getattr(sampler, "last_step", None)
-        if drawn is None:
-            return
-        step = self.accountant.steps
-        if drawn == step or (self.args.dataloader_num_workers > 0 and drawn > step):
-            return
-        raise RuntimeError(
-            f"hf_dp: this step's batch is the Poisson draw of DP step {drawn}, but the model is at DP step {step}: "
-            "training it would repeat (or skip) a draw, which the accountant does not model. Nothing of this step "
-            "was trained. This is a misalignment between hf_dp's sampler and the Trainer's loop (a Trainer loop "
-            "changed by a subclass, or a transformers version whose resume logic differs); please report it. To "
-            "continue now, resume from the last checkpoint with ignore_data_skip=True or start a new train()."
-        )
 
     def floating_point_ops(self, inputs: dict) -> int:
         return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
@@ -982,17 +956,9 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        args = self.args
-        return plan_privacy(  # hf_dp/plan.py: the same function as `hf-dp plan`
-            num_examples=self.num_examples_private, per_device_train_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size, steps=steps,
-            target_epsilon=args.target_epsilon, noise_multiplier=args.noise_multiplier, target_delta=self.target_delta,
-            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            per_sample_max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant,
-            accountant_eps_error=args.accountant_eps_error, clipping=args.clipping,
-            privacy_unit=args.privacy_unit or "example", poisson_sampling=args.poisson_sampling,
-            history=self._history.earlier_mechanisms(),  # a model already DP-trained continues from its history
-        )
+        return self.mechanism.plan(  # hf_dp/plan.py: the same function as `hf-dp plan`
+            steps, sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            history=self._history.earlier_mechanisms())  # a model already DP-trained continues from its history
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
@@ -1226,26 +1192,10 @@ class DPTrainer(Trainer):
                                       **kwargs)
 
     def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer._push_from_checkpoint``, uploading the checkpoint's privacy card and redacted training records.
-
-        With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the
-        Trainer copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into
-        ``output_dir``, re-saves the tokenizer and training arguments there, and uploads ``output_dir``; with
-        ``"checkpoint"``/``"all_checkpoints"`` it also uploads the checkpoint folder (``trainer_state.json``
-        included). Here:
-
-        * the card (``README.md``) and ``dp_state.json`` of the checkpoint go into ``output_dir`` too, so the Hub
-          never shows weights without (or with a stale) privacy guarantee: the card is re-rendered there (keeping
-          metadata set on an existing README, merging into one hf_dp did not write) when the accountant is at the
-          checkpoint's step, as it is when ``_save_checkpoint`` calls this; otherwise the checkpoint's own card is
-          copied. The conditions under which the Trainer skips the push are mirrored, so ``output_dir`` never gets
-          a card newer than its weights;
-        * the Trainer is handed a copy of the checkpoint (``output_dir/_hf_dp_push/checkpoint-N``, hard links) whose
-          ``trainer_state.json`` carries no training loss, ``grad_norm``, ``total_flos``, ``num_input_tokens_seen``
-          nor (unless ``eval_data_is_public``) evaluation metrics (``hf_dp/release.py``); the local checkpoint, which
-          ``resume_from_checkpoint`` reads, keeps everything. ``trainer_state.json``/``*results.json`` in
-          ``output_dir`` are redacted the same way (originals kept in ``output_dir/_hf_dp_private/``).
-        """
+        """``Trainer._push_from_checkpoint`` (``push_to_hub`` with ``hub_strategy`` ``"every_save"``,
+        ``"checkpoint"``, ``"all_checkpoints"``), uploading the checkpoint's privacy card and ``dp_state.json`` with its
+        weights, and redacted training records (``release.checkpoint_push``). The conditions under which the Trainer
+        skips the push are mirrored, so ``output_dir`` never gets a card newer than its weights."""
         from transformers.trainer_utils import HubStrategy
 
         checkpoint_folder = str(args[0] if args else kwargs.pop("checkpoint_folder"))
