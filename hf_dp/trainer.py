@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
+import secrets  # noqa: F401 - the secret DP seed's source (loader.shared_seed); patched as hf_dp.trainer.secrets
 import shutil
 import warnings
 from typing import Any
@@ -38,7 +38,7 @@ from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep, first_step_check
 from .clipping.modes import GroupClipper, build_groups, group_clipper_from_args
-from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
+from .clipping.step import INDEX_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
     alone_rtol,
     check_first_step_alone,
@@ -65,6 +65,7 @@ from .guarantee import (
     trainable_set_difference,
 )
 from .history import ModelHistory, earlier_runs_message
+from .loader import dp_train_loader, is_empty, shared_seed, training_collator, training_rows
 from .losses import PerExampleLoss, default_per_example_loss, is_seq2seq_lm, seq2seq_model_inputs
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
@@ -87,62 +88,6 @@ from .units import check_grouped_rows
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
 logger = logging.getLogger(__name__)
-
-_EMPTY = "_hf_dp_empty_batch"
-_UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
-_INDEX = INDEX_KEY  # each row's index in the training set, popped by training_step (counterfactual check)
-
-
-class _EmptySafeCollator:
-    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, the
-    row indices and privacy-unit ids that :class:`_TaggedDataset` attaches are collated into one tensor each (the user's
-    collator never sees them), and every collated batch is checked to hold one row per sampled example
-    (``check_rows``: ``DPTrainer._check_batch_rows``)."""
-
-    def __init__(self, collator, check_rows=None):
-        self.collator = collator
-        self.check_rows = check_rows
-
-    def __call__(self, features: list) -> dict:
-        if len(features) == 0:
-            return {_EMPTY: True}
-        tags = {}
-        if isinstance(features[0], dict):
-            tags = {key: torch.tensor([f[key] for f in features], dtype=torch.long) for key in (_UNIT, _INDEX)
-                    if key in features[0]}
-            if tags:
-                features = [{k: v for k, v in f.items() if k not in tags} for f in features]
-        batch = self.collator(features)
-        if self.check_rows is not None:
-            self.check_rows(len(features), batch)
-        batch.update(tags)
-        return batch
-
-
-class _TaggedDataset(torch.utils.data.Dataset):
-    """The training set, each row tagged with its index (read back by the first-step counterfactual check) and, for
-    user-level clipping, its privacy unit (user) id. ``dataset`` is the untagged set."""
-
-    def __init__(self, dataset, unit_of_example=None):
-        self.dataset = dataset
-        self.unit_of_example = unit_of_example
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict:
-        row = self.dataset[i]
-        if not isinstance(row, dict):
-            return row
-        tags = {_INDEX: int(i)}
-        if self.unit_of_example is not None:
-            tags[_UNIT] = int(self.unit_of_example[i])
-        return {**row, **tags}
-
-
-def _is_empty(inputs: dict) -> bool:
-    return bool(inputs.get(_EMPTY, False))
-
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -526,24 +471,11 @@ class DPTrainer(Trainer):
         except ImportError:  # pragma: no cover
             pass
         noise = self.mechanism.new_noise(self._run_seed())  # secure_mode: noise.py
-        sampler = self.mechanism.batch_sampler(noise.seed)  # Poisson sampling of rate q (users, examples)
-        dataset = _TaggedDataset(dataset, self.mechanism.unit_ids() if self.user_level else None)
-        self._dp_sampler = sampler
+        self._dp_sampler = self.mechanism.batch_sampler(noise.seed)  # Poisson sampling of rate q (users, examples)
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
-        collate = _EmptySafeCollator(collator, self._check_batch_rows)
-        # Probe the collator on two rows now, so that one that packs, drops or merges rows fails before training
-        # (the same check runs on every batch). The RNG is forked: a masking collator's draws are not shifted.
-        with torch.random.fork_rng(devices=[]):
-            collate([dataset[i] for i in range(min(2, len(dataset)))])
-        loader = DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collate,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
-        )
+        loader = dp_train_loader(dataset, collator, self._dp_sampler, self._check_batch_rows, self.args,
+                                 self.mechanism.unit_ids() if self.user_level else None)
         if self._fsdp is not None:
             self._fsdp.dummy_source = loader  # FSDP: padding micro-batches (weight 0) are collated from it
         return loader
@@ -554,15 +486,6 @@ class DPTrainer(Trainer):
         override this."""
         check_batch_rows(num_examples, batch)
 
-    def _shared_seed(self) -> int:
-        """The run's DP seed (``dp_seed`` or a secret one), identical on every rank."""
-        seed = self.args.dp_seed if self.args.dp_seed is not None else secrets.randbits(63)
-        if _distributed():
-            box = [seed]
-            dist.broadcast_object_list(box, src=0)
-            seed = box[0]
-        return seed
-
     def _run_seed(self) -> int:
         """The seed of the Poisson draws and the noise: ``dp_seed``, or the model's secret seed, drawn once (shared by
         the ranks) and kept until a new model starts a new accountant (``model_init``). Together with the model's DP
@@ -571,9 +494,9 @@ class DPTrainer(Trainer):
         again instead of choosing a new draw. It is never written to disk (a process restarted from a checkpoint
         draws a new one)."""
         if self.args.dp_seed is not None:
-            return self._shared_seed()
+            return shared_seed(self.args.dp_seed)
         if self._secret_seed is None:
-            self._secret_seed = self._shared_seed()
+            self._secret_seed = shared_seed(None)
         return self._secret_seed
 
     def _first_draw_of_epoch(self, state) -> int:
@@ -604,13 +527,13 @@ class DPTrainer(Trainer):
         return batches, None
 
     def floating_point_ops(self, inputs: dict) -> int:
-        return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
+        return 0 if is_empty(inputs) else super().floating_point_ops(inputs)
 
     def _track_num_input_tokens(self, inputs: dict, *args: Any, **kwargs: Any) -> None:
         """``include_num_input_tokens_seen``: an empty Poisson chunk holds no tokens. It still takes part in the
         Trainer's gather of the count (a rank that skipped it would leave the others waiting in the collective) and
         does not reach the Trainer's warning about a model without ``main_input_name``."""
-        if not _is_empty(inputs):
+        if not is_empty(inputs):
             return super()._track_num_input_tokens(inputs, *args, **kwargs)
         if self.args.include_num_input_tokens_seen in ("no", False, None):
             return None
@@ -676,7 +599,7 @@ class DPTrainer(Trainer):
         Without FSDP, first the trainable set is checked (at a step boundary the engine is rebuilt for a changed
         set, which also rebuilds the strategy) and, at a step's first chunk, gradients computed outside the DP step
         are discarded (``guarantee.py``)."""
-        self._chunk_indices = inputs.pop(_INDEX, None)  # the rows' dataset indices (counterfactual check)
+        self._chunk_indices = inputs.pop(INDEX_KEY, None)  # the rows' dataset indices (counterfactual check)
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
             try:
@@ -688,7 +611,7 @@ class DPTrainer(Trainer):
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         try:
-            return self._dp_step.run_chunk(model, None if _is_empty(inputs) else inputs)
+            return self._dp_step.run_chunk(model, None if is_empty(inputs) else inputs)
         except Exception as err:
             self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
             raise
@@ -697,9 +620,7 @@ class DPTrainer(Trainer):
     def _training_collator(self, loader: Any = None) -> Any:
         """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
         wrapper; ``None`` without a DP loader."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        wrapper = getattr(loader, "collate_fn", None)
-        return wrapper.collator if isinstance(wrapper, _EmptySafeCollator) else None
+        return training_collator(self._dp_loader(loader))
 
     def _alone_collator(self, loader: Any = None) -> Any:
         """How an example sampled alone is collated: the training collator (``DPSFTTrainer`` with packing: trl's
@@ -708,9 +629,11 @@ class DPTrainer(Trainer):
 
     def _training_rows(self, loader: Any = None) -> Any:
         """The training set's raw rows (what the collator receives), or ``None`` without a DP loader."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        dataset = getattr(loader, "dataset", None)
-        return dataset.dataset if isinstance(dataset, _TaggedDataset) else None
+        return training_rows(self._dp_loader(loader))
+
+    def _dp_loader(self, loader: Any = None) -> Any:
+        """``loader``, or the train loader of the running ``train()`` (None outside one)."""
+        return loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
 
     def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
         """The training set's shortest and longest rows collated together, on the device
