@@ -83,7 +83,7 @@ from .release import (
     write_model_card,
 )
 from .sampling import PoissonBatchSampler, ShuffledBatchSampler, check_draw_is_current
-from .units import check_grouped_rows
+from .units import UnitDetail
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
@@ -331,7 +331,7 @@ class DPTrainer(Trainer):
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
         self._start_history(self.model)  # a model already DP-trained: its earlier mechanisms compose (history.py)
-        self._unit_detail: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
+        self._unit_detail = UnitDetail()  # what one privacy unit of the training set is (units.py)
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
@@ -735,23 +735,15 @@ class DPTrainer(Trainer):
         ``group_texts``): the unit protected is a block, not a document. Said once per training set, as a warning;
         the record and the card say what one unit is. Not checked with ``privacy_unit="user"`` (the unit is
         declared by the id column)."""
-        dataset = self.train_dataset
-        if dataset is None or (self._unit_detail is not None and self._unit_detail[0] == id(dataset)):
-            return
-        detail = None
-        if not self.user_level:
-            detail, msg = check_grouped_rows(dataset, self.processing_class,
-                                             getattr(self._unwrapped_model(), "config", None))
-            if msg is not None:
-                logger.warning(msg)
-                warnings.warn(msg, UserWarning, stacklevel=4)
-        self._unit_detail = (id(dataset), detail)
+        msg = self._unit_detail.check(self.train_dataset, self.processing_class,
+                                      getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
+        if msg is not None:
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=4)
 
     def _privacy_unit_detail(self) -> str | None:
-        detail = getattr(self, "_unit_detail", None)
-        if detail is None or self.train_dataset is None or detail[0] != id(self.train_dataset):
-            return None
-        return detail[1]
+        units = getattr(self, "_unit_detail", None)  # (None while Trainer.__init__ runs)
+        return None if units is None else units.detail(self.train_dataset)
 
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:

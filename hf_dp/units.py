@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAMPLE_ROWS", "check_grouped_rows", "chunk_documents", "grouped_rows_detail", "looks_grouped"]
+__all__ = ["SAMPLE_ROWS", "UnitDetail", "check_grouped_rows", "chunk_documents", "grouped_rows_detail",
+           "looks_grouped"]
 
 SAMPLE_ROWS = 256
 """Rows :func:`looks_grouped` reads (evenly spaced; all rows of a smaller data set)."""
@@ -127,6 +128,29 @@ def check_grouped_rows(dataset: Any, tokenizer: Any = None, config: Any = None) 
            "row is already one whole document, the same settings say so and silence this warning. The "
            "card records the unit as a block.")
     return grouped_rows_detail(length), msg
+
+
+class UnitDetail:
+    """What one privacy unit of a training set is, checked once per training set (:func:`check_grouped_rows`) and
+    kept for the record and the card (``privacy_unit_detail``) while that set is the one trained on."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
+
+    def check(self, dataset: Any, tokenizer: Any = None, config: Any = None, declared: bool = False) -> str | None:
+        """The warning to say (once per training set), or None; ``declared``: the unit is declared by a user id
+        column (``privacy_unit='user'``), nothing is checked."""
+        if dataset is None or (self._seen is not None and self._seen[0] == id(dataset)):
+            return None
+        detail, msg = (None, None) if declared else check_grouped_rows(dataset, tokenizer, config)
+        self._seen = (id(dataset), detail)
+        return msg
+
+    def detail(self, dataset: Any) -> str | None:
+        """``privacy_unit_detail`` of ``dataset`` if it is the set last checked, else None."""
+        if self._seen is None or dataset is None or self._seen[0] != id(dataset):
+            return None
+        return self._seen[1]
 
 
 def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "document_id",
