@@ -48,10 +48,10 @@ from huggingface_hub.repocard import RepoCard
 from .record import (
     LOCAL_BASE_MODEL_PREFIX,
     PrivacyRecord,
-    _plain,
-    _version,
     is_hub_model_id,
     name_base_models,
+    package_version,
+    plain,
     split_base_model,
 )
 
@@ -266,15 +266,15 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
         "epsilon_prv": _round(eps_prv),
         "epsilon_rdp": _round(eps_rdp),
         "delta": float(delta),
-        "target_epsilon": _plain(record.target_epsilon),
+        "target_epsilon": plain(record.target_epsilon),
         "accountant": str(record.accountant_name),
         "accountant_used": accountant_used,
         "accountant_library": "prv-accountant",
         "prv_accountant_version": str(record.prv_accountant_version or acc.state_dict().get("prv_accountant_version")
-                                      or _version("prv-accountant")),
+                                      or package_version("prv-accountant")),
         "eps_error": float(acc.eps_error),
         "delta_error": float(acc.delta_error) if acc.delta_error is not None else float(delta) / 1000,
-        "noise_multiplier": _plain(record.noise_multiplier),
+        "noise_multiplier": plain(record.noise_multiplier),
         "sampling_rate": float(record.sample_rate),
         "sampling": "poisson" if record.poisson_sampling else "shuffled",
         "steps": steps,
@@ -286,9 +286,9 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
         "clipping": str(record.clipping),
     }
     if group_thresholds is not None:
-        rec["group_thresholds"] = _plain(group_thresholds)
+        rec["group_thresholds"] = plain(group_thresholds)
     if record.adaptive_clipping is not None:
-        rec["adaptive_clipping"] = _plain(record.adaptive_clipping)
+        rec["adaptive_clipping"] = plain(record.adaptive_clipping)
     rec["noise_allocation"] = str(record.noise_allocation or "global")
     rec["privacy_unit"] = unit
     if record.privacy_unit_detail:  # e.g. rows that look like fixed-length blocks of concatenated text (units.py)
@@ -298,13 +298,13 @@ def privacy_metadata(record: PrivacyRecord) -> dict[str, Any]:
         for key in ("max_examples_per_user", "user_contribution"):
             value = getattr(record, key)
             if value is not None:
-                rec[key] = _plain(value)
+                rec[key] = plain(value)
         if record.num_rows is not None:  # rows (examples) of all users; dataset_size counts users
             rec["num_examples"] = int(record.num_rows)
     if record.example_description:  # what one example (row) is, e.g. a preference row of two sequences
         rec["example_description"] = str(record.example_description)
     # An old dp_state.json (before the record) does not say which parameters were trained, nor the optimizer.
-    rec["trained_parameters"] = _plain(record.trained_parameters or {"method": UNKNOWN})
+    rec["trained_parameters"] = plain(record.trained_parameters or {"method": UNKNOWN})
     if record.base_model:  # what the guarantee does not cover: the base model's (non-private) pre-training
         rec["base_model"] = str(record.base_model)
     rec["mechanisms"] = mechanisms
@@ -381,7 +381,7 @@ def _guarantee_notes(dp: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
+def common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
     """The data both card templates read besides the card metadata: the record ``dp`` and what their words
     (``templates/dp_card_phrases.md``) need that Jinja does not compute: number formatting, e^ε, the guarantee's
     notes as a list and the installed ``dp-accounting`` version (named when the PLD accountant produced ε)."""
@@ -396,7 +396,7 @@ def _common_template_kwargs(dp: Mapping[str, Any]) -> dict[str, Any]:
         "fmt": _fmt,
         "exp_eps_text": exp_eps,
         "guarantee_notes": _guarantee_notes(dp),
-        "dp_accounting_version": _version("dp-accounting") or "",
+        "dp_accounting_version": package_version("dp-accounting") or "",
     }
 
 
@@ -404,7 +404,7 @@ def _versions(is_peft: bool) -> list[tuple[str, str]]:
     names = ["hf_dp", "prv-accountant", "transformers", "torch", "huggingface_hub", "datasets"]
     if is_peft:
         names.insert(2, "peft")
-    return [(n, v) for n in names if (v := _version(n)) is not None]
+    return [(n, v) for n in names if (v := package_version(n)) is not None]
 
 
 def _hub_base_models(value: Any, check_local: bool = True) -> Any:
@@ -417,7 +417,7 @@ def _hub_base_models(value: Any, check_local: bool = True) -> Any:
     return None
 
 
-def _merge_tags(*groups: Sequence[str] | str | None) -> list[str]:
+def merge_tags(*groups: Sequence[str] | str | None) -> list[str]:
     out: list[str] = []
     for g in groups:
         if g is None:
@@ -522,7 +522,7 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
     given_results = extra.pop("eval_results", None)
     eval_names = {k: extra.pop(k, None) for k in ("eval_dataset_name", "eval_dataset_type", "eval_dataset_split")}
     is_peft = "peft" in dp["trained_parameters"]
-    all_tags = _merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags)
+    all_tags = merge_tags(list(CARD_TAGS[:1]) + [opt_tag] + list(CARD_TAGS[1:]), tags)
     if model_name is None:
         model_name = "model"
     dataset_label = ", ".join(datasets) if datasets else None
@@ -539,7 +539,7 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
     elif given_results:
         logger.warning("hf_dp: eval_results are left out of the card: the evaluation data is not declared public "
                        "(DPTrainingArguments(eval_data_is_public=True)); results on private data are not covered.")
-    audit = _plain(record.audit) if record.audit else {}
+    audit = plain(record.audit) if record.audit else {}
     if audit:  # empirical audits (issue 8): membership inference is computed on private members, not covered
         extra["audit"] = audit
     card_data = ModelCardData(
@@ -552,7 +552,7 @@ def render_model_card(record: PrivacyRecord, model_name: str | None = None, data
         differential_privacy=dp,
         **extra,
     )
-    template_kwargs = _common_template_kwargs(dp)
+    template_kwargs = common_template_kwargs(dp)
     template_kwargs.update(
         model_name=model_name,
         base_model=base_model,
@@ -600,7 +600,7 @@ def _merge_into(existing: RepoCard, ours: RepoCard, explicit_keys: Sequence[str]
         data.pop(key, None)
         if key in new:
             data[key] = new[key]
-    data["tags"] = _merge_tags(data.get("tags"), new.get("tags"))
+    data["tags"] = merge_tags(data.get("tags"), new.get("tags"))
     for key in ("base_model", "datasets", "license", "language", "pipeline_tag", *explicit_keys):
         if new.get(key) not in (None, "", []) and (key in explicit_keys or data.get(key) in (None, "", [])):
             data[key] = new[key]
@@ -621,7 +621,7 @@ def _carry_over(existing: RepoCard, ours: RepoCard) -> RepoCard:
                 value not in (None, "", []):
             data[key] = value
             changed = True
-    tags = _merge_tags(data.get("tags"), old.get("tags"))
+    tags = merge_tags(data.get("tags"), old.get("tags"))
     if tags != data.get("tags"):
         data["tags"], changed = tags, True
     if not changed:
@@ -633,7 +633,7 @@ def _is_full_hf_dp_card(card: RepoCard) -> bool:
     return CARD_MARKER in card.text and card.data.get("library_name") != "peft"
 
 
-def _write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> RepoCard:
+def write_card(path: Path, card: RepoCard, explicit_keys: Sequence[str]) -> RepoCard:
     """Writes ``card`` to ``path``, merging with an existing README that hf_dp did not write in full."""
     if path.is_file():
         existing = type(card).load(path)
@@ -715,7 +715,7 @@ def create_model_card(record: PrivacyRecord, output_dir: str | os.PathLike, mode
         explicit.append("base_model")
     if dataset_name or kwargs.get("dataset") or kwargs.get("datasets"):
         explicit.append("datasets")
-    return _write_card(out / "README.md", card, explicit)
+    return write_card(out / "README.md", card, explicit)
 
 
 def card_from_dp_state(path: str | os.PathLike, output_dir: str | os.PathLike | None = None,
@@ -784,7 +784,7 @@ def _check_type(kind: str, x: Any) -> bool:
     raise AssertionError(kind)  # pragma: no cover
 
 
-def _record_problems(dp: Any) -> list[str]:
+def record_problems(dp: Any) -> list[str]:
     if not isinstance(dp, Mapping):
         return [f"`differential_privacy` must be a mapping, got {type(dp).__name__}"]
     problems = []
@@ -884,7 +884,7 @@ def _privacy_problems(data: Mapping[str, Any]) -> list[str]:
     if "differential_privacy" not in data:
         problems.append("no `differential_privacy` metadata")
     else:
-        problems += _record_problems(data["differential_privacy"])
+        problems += record_problems(data["differential_privacy"])
     tags = data.get("tags") or []
     if not isinstance(tags, list) or "differential-privacy" not in tags:
         problems.append(f"tags must include 'differential-privacy', got {tags!r}")

@@ -55,17 +55,24 @@ from torch import nn
 
 from .clipping.engine import ClippingEngine, train_without_dropout
 from .clipping.rules import UnsupportedLayerError
+from .clipping.step import INDEX_KEY, UNIT_KEY, StepHooks
 from .peft_support import adapter_advice
 
 __all__ = [
     "SCAN",
+    "alone_rtol",
     "batch_dependent_rope",
     "check_collator_keeps_rows_apart",
     "check_examples_alone",
+    "check_first_step_alone",
     "check_known_dependences",
+    "check_known_dependences_on",
+    "collated_on_device",
     "collator_randomness",
     "collator_state_kept",
+    "example_losses",
     "feature_length",
+    "hard_batch",
     "hard_batch_indices",
     "is_left_padded",
     "longest_position",
@@ -546,3 +553,87 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
         random_note = (" The collator is random: each example was compared with its own row of the batch, padding "
                        "removed (the same random draw).") if randomness != "none" else ""
         raise UnsupportedLayerError(f"{err}{layout}{random_note} {WAYS_OUT}") from err
+
+
+# ------------------------------------------------------------------ the trainer's first-step wiring
+# What DPTrainer runs (``_check_examples_alone`` at the first step, ``_check_known_dependences`` at train start),
+# through the DP step's hooks (``clipping.step.StepHooks``): the batch on the device, the loss context, the model's
+# inputs and the per-example loss exactly as the DP step uses them.
+def alone_rtol(net: nn.Module, low_precision: bool) -> float:
+    """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
+    (other shapes, other kernels), by far less than this in each precision (``low_precision``: bf16 / fp16)."""
+    if low_precision:
+        return 5e-2
+    dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
+    return 1e-5 if dtype == torch.float64 else 1e-3
+
+
+def collated_on_device(hooks: StepHooks, raw: dict) -> tuple[dict, torch.Tensor]:
+    """A collated batch on the device without hf_dp's row tags: ``(inputs, labels)``."""
+    batch = hooks.prepare_inputs(raw)
+    batch.pop(UNIT_KEY, None)
+    batch.pop(INDEX_KEY, None)
+    return batch, batch.pop("labels")
+
+
+def example_losses(hooks: StepHooks, net: nn.Module, batch: dict, labels: torch.Tensor,
+                   segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example losses of a batch exactly as the DP step computes them (loss context, model inputs,
+    ``per_example_loss``; per packed example with ``segments``)."""
+    with hooks.loss_context():
+        outputs = net(**hooks.model_inputs(net, batch, labels))
+        return hooks.per_example_loss(outputs, labels, **({} if segments is None else {"segments": segments}))
+
+
+def hard_batch(rows: Any, collate: Callable, size: int, hooks: StepHooks) -> tuple[list, dict, torch.Tensor] | None:
+    """Rows of very different lengths from the training set ``rows`` (the shortest, the longest and one between,
+    :func:`hard_batch_indices`), collated together by the training collator, on the device: ``(raw features,
+    batch, labels)``; ``None`` with fewer than two rows. The run's random draws are not shifted."""
+    if len(rows) < 2:
+        return None
+    features = [rows[int(i)] for i in hard_batch_indices(rows, size=size)]
+    if len(features) < 2:
+        return None
+    with torch.random.fork_rng(devices=[]), collator_state_kept(collate):  # the run's own draws are not shifted
+        batch, labels = collated_on_device(hooks, collate(list(features)))
+    return features, batch, labels
+
+
+def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Module, micro: dict,
+                           labels: torch.Tensor, collate: Callable, collate_alone: Callable,
+                           features: list | None, hard: tuple[list, dict, torch.Tensor] | None, rtol: float) -> None:
+    """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in its
+    batch, equal those of the example collated alone (:func:`check_examples_alone`), on the first micro-batch (its
+    raw ``features``; ``None``: they could not travel with the batch) and on the ``hard`` batch
+    (:func:`hard_batch`). Once is enough: the collator and the model are the same functions at every step, and the
+    hard batch makes the rows' lengths as different as the training set allows (the module's docstring)."""
+    common = dict(collate=collate, collate_alone=collate_alone, prepare=lambda raw: collated_on_device(hooks, raw),
+                  run=lambda b, lab, seg: example_losses(hooks, net, b, lab, seg), segment_ids=hooks.segment_ids,
+                  rtol=rtol)
+    if features is not None:
+        check_examples_alone(engine, net, features, micro, labels, **common, what=" (the first micro-batch)")
+    else:
+        logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
+                       "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "
+                       "training set's shortest and longest rows is.")
+    if hard is not None:
+        check_examples_alone(engine, net, hard[0], hard[1], hard[2], **common,
+                             what=" (a batch of the training set's shortest and longest rows)")
+    logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
+                " and ".join(w for w, done in (("first micro-batch", features is not None),
+                                               ("shortest and longest rows", hard is not None)) if done))
+
+
+def check_known_dependences_on(net: nn.Module, rows: Any, hard: tuple[list, dict, torch.Tensor] | None,
+                               hooks: StepHooks, rtol: float, configuration_only: bool = False) -> None:
+    """At train start: :func:`check_known_dependences` on the model and the hard batch of the training set ``rows``
+    (``None``: the configuration only); ``configuration_only``: the model is not ready to run (FSDP before
+    ``accelerator.prepare`` wraps it)."""
+    if hard is None:
+        return check_known_dependences(net)
+    longest = lambda: longest_position(rows, hard[0], hard[1])  # noqa: E731 - only read for rope
+    if configuration_only:
+        return check_known_dependences(net, longest=longest)
+    with hooks.loss_context():
+        return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
+                                       rtol=rtol, longest=longest)

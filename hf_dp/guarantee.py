@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -27,7 +28,8 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "trainable_set_difference", "describe_difference", "check_trainable_set_change",
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
            "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
-           "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable"]
+           "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
+           "setting_notes", "check_training_setup"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -656,3 +658,67 @@ def budget_allows(steps_this_run: int, n: int, allowed: int | None) -> bool:
     """Whether ``n`` more steps after the ``steps_this_run`` already taken stay within the ``allowed`` steps of this
     run (:func:`steps_within_budget`; None: unlimited). A DP step beyond it is never released."""
     return allowed is None or steps_this_run + n <= allowed
+
+
+# ---------------------------------------------------------------------- what the guarantee does not cover
+def setting_notes(args: Any, noise_multiplier: float | None, early_stopping: bool, hyperparameter_search: bool
+                  ) -> list[str]:
+    """The run's settings that make its guarantee not the strict (ε, δ)-DP the accountant reports (``dp_guarantee``
+    notes; DESIGN invariant 7): no noise, shuffled batches, a fixed ``dp_seed``, choices made on evaluation metrics
+    (best checkpoint, ``save_strategy='best'``, ``reduce_lr_on_plateau``, ``early_stopping``), a hyperparameter
+    search. ``args``: the run's ``DPTrainingArguments``."""
+    notes = []
+    if noise_multiplier == 0:
+        notes.append("no noise (noise_multiplier=0): not differentially private")
+    if not args.poisson_sampling:
+        notes.append("shuffled fixed-size batches: the reported ε assumes Poisson sampling")
+    if args.dp_seed is not None:
+        notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
+    if args.load_best_model_at_end:
+        notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
+    elif args.save_strategy == "best":
+        notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
+                     "among them is not covered if the evaluation data is private")
+    if args.lr_scheduler_type == "reduce_lr_on_plateau":
+        notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
+                     "evaluation data is private")
+    if early_stopping:
+        notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
+                     "evaluation data is private")
+    if hyperparameter_search:
+        notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
+                     "private data and selecting among them is not covered")
+    return notes
+
+
+# ---------------------------------------------------------------------- what DPTrainer refuses at construction
+def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
+                         neftune_noise_alpha: Any) -> None:
+    """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
+    records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
+    DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
+    data-dependent noise. ``args``: the run's ``DPTrainingArguments``."""
+    if compute_loss_func is not None:
+        raise ValueError(
+            "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
+            "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
+        )
+    if isinstance(train_dataset, torch.utils.data.IterableDataset):
+        raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+    if deepspeed:
+        raise ValueError(
+            "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "
+            "rank. Use multi-process DDP (`accelerate launch --multi_gpu`), FSDP2 with clipping='flat', and for "
+            "models placed across devices, clipping='per_device'."
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        raise ValueError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer runs them as "
+            f"{args.world_size} independent process(es) (parallel_mode={args.parallel_mode.value}): each "
+            "would train on all the data with its own noise, and every extra model released spends the privacy "
+            "budget again. On CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` "
+            "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
+        )
+    if neftune_noise_alpha is not None:
+        raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")

@@ -40,7 +40,8 @@ from torch import nn
 
 from .accounting import MechanismRecord
 
-__all__ = ["CONFIG_KEY", "PARAM_ATTR", "ModelHistory", "attach_privacy_history", "read_privacy_history"]
+__all__ = ["CONFIG_KEY", "PARAM_ATTR", "ModelHistory", "attach_privacy_history", "describe_earlier",
+           "earlier_runs_message", "read_privacy_history"]
 
 CONFIG_KEY = "hf_dp_privacy_history"
 """The config attribute (saved in ``config.json``) holding the list of run entries."""
@@ -259,6 +260,22 @@ class ModelHistory:
             return None
         return {"runs": len(self.earlier), "steps": self.earlier_steps,
                 "run_ids": [e["run_id"] for e in self.earlier]}
+
+
+def earlier_runs_message(history: ModelHistory, privacy_unit: str, user_id_column: str | None,
+                         budgeted: bool) -> str | None:
+    """What a trainer says (once, as a warning) when its model was already DP-trained: accounting continues from
+    the earlier runs (``budgeted``: ``target_epsilon`` budgets what is left). None for a model never DP-trained."""
+    if not history.earlier:
+        return None
+    unit_notes = history.notes(privacy_unit, user_id_column)
+    return (f"hf_dp: this model was already trained with DP, {describe_earlier(history.earlier)}: "
+            "privacy accounting continues from them. ε in the logs, privacy_spent(), dp_state.json and the card "
+            "composes all of them"
+            + (", and target_epsilon budgets what is left." if budgeted else ".")
+            + (" Not strict: " + "; ".join(unit_notes) + "." if unit_notes else "")
+            + " To start at ε = 0, start from a model that was never DP-trained (README, 'A model carries its "
+            "privacy history').")
 
 
 def describe_earlier(earlier: Sequence[Mapping[str, Any]] | None) -> str | None:

@@ -38,6 +38,7 @@ __all__ = [
     "decoder_input_ids_from_labels",
     "decoder_attention_mask_from_labels",
     "is_seq2seq_lm",
+    "seq2seq_model_inputs",
 ]
 
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -404,3 +405,24 @@ def _parameters(fn: Callable) -> set[str]:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):  # pragma: no cover
         return set()
+
+
+def seq2seq_model_inputs(model: nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
+    """An encoder-decoder LM's inputs for a micro-batch (a copy of ``inputs``): the decoder inputs the model's own
+    forward would build from ``labels`` (:func:`decoder_input_ids_from_labels`), so the model is not asked for its
+    batch loss, with the decoder attention mask the model builds with them (:func:`decoder_attention_mask_from_labels`:
+    EncoderDecoderModel, Pix2Struct); a model with no such function gets ``labels=`` and builds them itself (its batch
+    loss is then computed, unused). Inputs that already hold decoder inputs are kept as they are."""
+    inputs = dict(inputs)
+    if "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs:
+        return inputs
+    decoder_input_ids = decoder_input_ids_from_labels(model, labels)
+    if decoder_input_ids is None:
+        inputs["labels"] = labels
+    else:
+        inputs["decoder_input_ids"] = decoder_input_ids
+        if "decoder_attention_mask" not in inputs:  # the mask the model builds with them (EncoderDecoder)
+            mask = decoder_attention_mask_from_labels(model, decoder_input_ids)
+            if mask is not None:
+                inputs["decoder_attention_mask"] = mask
+    return inputs

@@ -34,9 +34,11 @@ __all__ = [
     "NOISE_TO_SIGNAL_WARNING",
     "calibrate_noise",
     "default_delta",
+    "epsilon_after",
     "expected_batch_size",
     "learning_advice",
     "noise_to_signal",
+    "noise_to_signal_report",
     "plan_privacy",
     "planned_steps",
     "sample_rate",
@@ -93,6 +95,29 @@ def noise_to_signal(noise_multiplier: float, trainable_parameters: int, expected
     updates (noise grows as √T, the signal at most as T). C cancels. ``expected_batch`` is q·N."""
     ratio = float(noise_multiplier) * math.sqrt(trainable_parameters) / expected_batch
     return ratio, ratio / math.sqrt(max(int(steps), 1))
+
+
+def noise_to_signal_report(noise_multiplier: float, trainable_parameters: int, expected_batch: float, steps: int,
+                           batch: int) -> dict[str, Any]:
+    """The noise-to-signal part of a plan (:func:`noise_to_signal`), and the advice when learning is unlikely (the run's
+    ratio above :data:`NOISE_TO_SIGNAL_WARNING`): what :func:`plan_privacy` returns and the train-start banner logs.
+    ``expected_batch`` is q·N, ``batch`` the integer expected batch the advice names."""
+    ratio, run_ratio = noise_to_signal(noise_multiplier, trainable_parameters, expected_batch, steps)
+    unlikely = run_ratio > NOISE_TO_SIGNAL_WARNING
+    return {"noise_to_signal": ratio, "noise_to_signal_over_run": run_ratio, "learning_unlikely": unlikely,
+            "advice": learning_advice(ratio, run_ratio, trainable_parameters, float(noise_multiplier), batch, steps)
+            if unlikely else None}
+
+
+def epsilon_after(accountant: PrivacyAccountant, noise_multiplier: float, rate: float, steps: int, delta: float
+                  ) -> tuple[float, PrivacyAccountant]:
+    """ε at δ after ``steps`` more steps at (σ, q) composed after what ``accountant`` holds, on a copy sized for
+    exactly those steps, as the calibration (:func:`calibrate_noise`) computes it; and that copy (its
+    ``accountant_used`` names the accountant that produced ε). The plan, the banner and the budget all read ε here."""
+    acc = accountant.copy()
+    acc.planned_steps = None  # the same computation as the calibration
+    acc.step(noise_multiplier, rate, steps)
+    return float(acc.get_epsilon(delta)), acc
 
 
 def learning_advice(ratio: float, run_ratio: float, d: int, sigma: float, batch: int, steps: int) -> str:
@@ -187,10 +212,9 @@ def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gra
     sigma = (calibrate_noise(target_epsilon, delta, q, steps, accountant, accountant_eps_error, history) if calibrated
              else float(noise_multiplier))
     check_noise_std(sigma, per_sample_max_grad_norm)
-    acc = PrivacyAccountant(accountant=accountant, eps_error=accountant_eps_error)
-    acc.history = history
-    acc.step(sigma, q, steps)
-    epsilon = float(acc.get_epsilon(delta))  # a fresh accountant: sized for exactly these steps, as calibration
+    fresh = PrivacyAccountant(accountant=accountant, eps_error=accountant_eps_error)
+    fresh.history = history
+    epsilon, acc = epsilon_after(fresh, sigma, q, steps, delta)
     plan: dict[str, Any] = {
         "target_epsilon": target_epsilon,
         "epsilon": epsilon,
@@ -217,9 +241,5 @@ def plan_privacy(*, num_examples: int, per_device_train_batch_size: int = 8, gra
         "advice": None,
     }
     if trainable_parameters is not None:
-        ratio, run_ratio = noise_to_signal(sigma, trainable_parameters, q * n, steps)
-        plan.update(noise_to_signal=ratio, noise_to_signal_over_run=run_ratio,
-                    learning_unlikely=run_ratio > NOISE_TO_SIGNAL_WARNING)
-        if plan["learning_unlikely"]:
-            plan["advice"] = learning_advice(ratio, run_ratio, trainable_parameters, sigma, batch, steps)
+        plan.update(noise_to_signal_report(sigma, trainable_parameters, q * n, steps, batch))
     return plan

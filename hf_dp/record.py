@@ -31,13 +31,13 @@ from typing import Any
 from .accounting import PrivacyAccountant
 
 __all__ = ["LOCAL_BASE_MODEL_PREFIX", "PrivacyRecord", "describe_optimizer", "describe_trained_parameters",
-           "is_hub_model_id", "name_base_models"]
+           "is_hub_model_id", "name_base_models", "plain"]
 
 _PEFT_METHODS = {"LORA": "lora", "PREFIX_TUNING": "prefix", "PROMPT_TUNING": "prompt", "P_TUNING": "p-tuning"}
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return _metadata.version(dist)
     except _metadata.PackageNotFoundError:
@@ -45,13 +45,13 @@ def _version(dist: str) -> str | None:
 
 
 def _hf_dp_version() -> str:
-    return _version("hf_dp") or "unknown"
+    return package_version("hf_dp") or "unknown"
 
 
-def _plain(x: Any) -> Any:
+def plain(x: Any) -> Any:
     """Converts tensors, numpy scalars/arrays, enums, sets and tuples into YAML-safe Python values."""
     if isinstance(x, enum.Enum):  # before str: transformers' ExplicitEnum subclasses str
-        return _plain(x.value)
+        return plain(x.value)
     if x is None or isinstance(x, (bool, str)):
         return x
     if isinstance(x, numbers.Integral):
@@ -59,16 +59,18 @@ def _plain(x: Any) -> Any:
     if isinstance(x, numbers.Real):
         return float(x)
     if hasattr(x, "tolist") and callable(x.tolist):  # torch.Tensor, numpy arrays and scalars
-        return _plain(x.tolist())
+        return plain(x.tolist())
     if hasattr(x, "item") and callable(x.item):
-        return _plain(x.item())
+        return plain(x.item())
     if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (set, frozenset)):
-        return sorted((_plain(v) for v in x), key=str)
+        return sorted((plain(v) for v in x), key=str)
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain(v) for v in x]
     return str(x)
+
+
 
 
 def _old_dp_seed(state: Mapping[str, Any]) -> str:
@@ -260,7 +262,7 @@ class PrivacyRecord:
             "earlier_runs": self.earlier_runs or None,
             "privacy_unit_detail": self.privacy_unit_detail,
         })
-        return _plain(state)
+        return plain(state)
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> PrivacyRecord:
@@ -338,7 +340,7 @@ class PrivacyRecord:
 def describe_optimizer(optimizer: Any, optim: Any = None) -> str:
     """``"DP-Adam (AdamW)"`` / ``"DP-SGD (SGD)"``: the torch optimizer (unwrapped from accelerate's), or ``optim``."""
     opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch optimizer
-    name = type(opt).__name__ if opt is not None else str(_plain(optim))
+    name = type(opt).__name__ if opt is not None else str(plain(optim))
     label = "DP-Adam" if "adam" in name.lower() else "DP-SGD"
     return f"{label} ({name})"
 
@@ -366,14 +368,14 @@ def describe_trained_parameters(model: Any, params: Mapping[str, Any] | None = N
         if isinstance(active, (list, tuple)):
             active = active[0] if active else None
         cfg = peft_configs.get(active) if active in peft_configs else next(iter(peft_configs.values()))
-        peft_type = str(_plain(getattr(cfg, "peft_type", "unknown"))).upper()
+        peft_type = str(plain(getattr(cfg, "peft_type", "unknown"))).upper()
         info["method"] = _PEFT_METHODS.get(peft_type, peft_type.lower())
-        peft: dict[str, Any] = {"peft_type": peft_type, "peft_version": _version("peft")}
+        peft: dict[str, Any] = {"peft_type": peft_type, "peft_version": package_version("peft")}
         for key in ("r", "lora_alpha", "lora_dropout", "target_modules", "num_virtual_tokens", "modules_to_save",
                     "use_rslora", "use_dora", "prefix_projection", "task_type"):
             value = getattr(cfg, key, None)
             if value is not None and value is not False:
-                peft[key] = _plain(value)
+                peft[key] = plain(value)
         info["peft"] = peft
     else:
         info["method"] = "full" if count == total else "partial"

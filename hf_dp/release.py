@@ -1,4 +1,11 @@
-"""What leaves the machine with a model: redacted copies of the Trainer's records for ``push_to_hub``.
+"""What leaves the machine with a model: its card next to the weights, and redacted copies of the Trainer's records
+for ``push_to_hub``.
+
+The card (``hf_dp/cards.py``) is rendered from the run's :class:`~hf_dp.record.PrivacyRecord` and the plain data of
+:func:`card_inputs` (tags, :func:`card_hyperparameters`, public evaluation metrics, the task); ``DPTrainer`` calls
+:func:`write_model_card` from ``save_model`` (every checkpoint) and ``create_model_card`` (``push_to_hub``), and
+:func:`checkpoint_push` from ``_push_from_checkpoint``. Nothing here reads the trainer except :func:`release_notes`
+(its callbacks and arguments).
 
 The Hugging Face ``Trainer`` uploads more than weights (transformers 5.23, ``trainer.py``):
 
@@ -35,24 +42,34 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .cards import create_model_card
+from .record import PrivacyRecord, describe_optimizer, latest_eval_metrics, plain
+
 __all__ = [
+    "DP_STATE_NAME",
     "PRIVATE_DIR",
     "PUBLIC_KEYS",
     "PUBLIC_PREFIXES",
     "STAGING_DIR",
+    "card_hyperparameters",
+    "card_inputs",
+    "checkpoint_push",
     "redact_log_record",
     "redact_output_dir",
     "redact_trainer_state",
     "release_notes",
     "stage_checkpoint",
+    "write_model_card",
 ]
 
 logger = logging.getLogger(__name__)
 
+DP_STATE_NAME = "dp_state.json"
+"""The privacy record saved next to the weights (``PrivacyRecord.save``), in every checkpoint."""
 TRAINER_STATE_NAME = "trainer_state.json"
 STAGING_DIR = "_hf_dp_push"
 """Sub-directory of ``output_dir`` holding the redacted copy of the checkpoint being pushed (not uploaded itself)."""
@@ -191,3 +208,98 @@ def release_notes(trainer: Any) -> list[str]:
                      "uploaded by push_to_hub; set TENSORBOARD_LOGGING_DIR outside output_dir or drop 'tensorboard' "
                      "from report_to")
     return notes
+
+
+# ------------------------------------------------------------------------------------------------- the card
+def card_hyperparameters(args: Any, optimizer: Any, expected_batch_size: int, steps: int) -> list[tuple[str, Any]]:
+    """The Trainer's training hyperparameters for the card (public settings; never a metric computed on the data)."""
+    a = args
+    hp: list[tuple[str, Any]] = [
+        ("learning_rate", a.learning_rate),
+        ("optimizer", describe_optimizer(optimizer, a.optim) + f", args.optim={plain(a.optim)}"),
+    ]
+    if "adam" in str(plain(a.optim)).lower():
+        hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
+        hp.append(("adam_epsilon", a.adam_epsilon))
+    hp += [
+        ("weight_decay", a.weight_decay),
+        ("lr_scheduler_type", plain(a.lr_scheduler_type)),
+        ("warmup_steps", getattr(a, "warmup_steps", 0)),
+        ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
+        ("gradient_accumulation_steps", a.gradient_accumulation_steps),
+        ("num_processes", a.world_size),
+        ("expected_batch_size", expected_batch_size),
+        ("training_steps", steps),
+        ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
+        ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
+        ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
+        ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
+    ]
+    if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
+        hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
+        hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
+    if a.dp_adam_bias_correction:
+        hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
+        hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
+    return hp
+
+
+def card_inputs(tags: Any, model_tags: Any, hyperparameters: list[tuple[str, Any]], log_history: Any,
+                task: str) -> dict[str, Any]:
+    """What a model card needs besides the record, as plain data: the tags (``tags`` and the model's own, e.g.
+    trl's), the training hyperparameters, the latest evaluation metrics (published only when the evaluation data is
+    declared public) and the task."""
+    merged: list[str] = []
+    for group in (tags, model_tags):
+        for t in [group] if isinstance(group, str) else group or []:
+            if t and t not in merged:
+                merged.append(str(t))
+    return {"tags": merged or None, "hyperparameters": hyperparameters,
+            "eval_metrics": latest_eval_metrics(log_history), "task": task}
+
+
+def write_model_card(record: PrivacyRecord, output_dir: str, inputs: dict[str, Any], **kwargs: Any) -> Any:
+    """``hf_dp.cards.create_model_card`` with the run's record and :func:`card_inputs` (``kwargs`` win)."""
+    return create_model_card(record, output_dir, **{**inputs, **kwargs})
+
+
+def checkpoint_push(checkpoint_folder: str, output_dir: str, steps: int, rewrite_card: Callable[[], Any],
+                    eval_public: bool, clean: bool) -> Path:
+    """What a checkpoint push uploads (``DPTrainer._push_from_checkpoint``); returns the folder to hand the Trainer.
+
+    With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the Trainer
+    copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into ``output_dir``,
+    re-saves the tokenizer and training arguments there, and uploads ``output_dir``; with
+    ``"checkpoint"``/``"all_checkpoints"`` it also uploads the checkpoint folder (``trainer_state.json`` included).
+    Here:
+
+    * the card (``README.md``) and ``dp_state.json`` of the checkpoint go into ``output_dir`` too, so the Hub never
+      shows weights without (or with a stale) privacy guarantee: the card is re-rendered there (``rewrite_card()``,
+      keeping metadata set on an existing README, merging into one hf_dp did not write) when the accountant is at
+      the checkpoint's step (``steps``), as it is when ``_save_checkpoint`` pushes; otherwise the checkpoint's own
+      card is copied;
+    * the Trainer is handed a copy of the checkpoint (``output_dir/_hf_dp_push/checkpoint-N``, hard links,
+      :func:`stage_checkpoint`; ``clean``: earlier staged copies removed) whose ``trainer_state.json`` carries no
+      training loss, ``grad_norm``, ``total_flos``, ``num_input_tokens_seen`` nor (unless ``eval_public``)
+      evaluation metrics; the local checkpoint, which ``resume_from_checkpoint`` reads, keeps everything.
+      ``trainer_state.json``/``*results.json`` in ``output_dir`` are redacted the same way
+      (:func:`redact_output_dir`; originals kept in ``output_dir/_hf_dp_private/``).
+    """
+    os.makedirs(output_dir, exist_ok=True)
+    state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
+    if os.path.isfile(state_path):
+        checkpoint_steps = PrivacyRecord.load(state_path).steps
+        card_path = os.path.join(checkpoint_folder, "README.md")
+        target = os.path.join(output_dir, "README.md")
+        if checkpoint_steps == steps and os.path.isfile(target):
+            rewrite_card()
+        elif os.path.isfile(card_path):
+            shutil.copy(card_path, target)
+        else:
+            raise FileNotFoundError(
+                f"{checkpoint_folder} holds {DP_STATE_NAME} but no README.md: refusing to push weights to the "
+                "Hub without their privacy card."
+            )
+        shutil.copy(state_path, os.path.join(output_dir, DP_STATE_NAME))
+    redact_output_dir(output_dir, eval_public)
+    return stage_checkpoint(checkpoint_folder, output_dir, eval_public, clean=clean)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["PoissonBatchSampler", "PoissonUserSampler", "ShuffledBatchSampler", "derive_seed"]
+__all__ = ["PoissonBatchSampler", "PoissonUserSampler", "ShuffledBatchSampler", "check_draw_is_current", "derive_seed"]
 
 
 def derive_seed(*keys: int) -> int:
@@ -189,3 +189,22 @@ class PoissonUserSampler(_StepSampler):
         users = np.unique(owner)
         for part in np.array_split(users, self.num_chunks):
             yield examples[np.isin(owner, part)].tolist()
+
+
+def check_draw_is_current(sampler: Sampler | None, step: int, num_workers: int = 0) -> None:
+    """A step's batch must be the draw of the DP step the accountant is at (``step``): checked exactly when the
+    loader has no workers (``num_workers``), which would draw ahead; with workers, a draw of an earlier step is
+    refused. Training a repeated (or skipped) draw is a mechanism the accountant does not model (DESIGN invariant
+    11)."""
+    drawn = getattr(sampler, "last_step", None)
+    if drawn is None:
+        return
+    if drawn == step or (num_workers > 0 and drawn > step):
+        return
+    raise RuntimeError(
+        f"hf_dp: this step's batch is the Poisson draw of DP step {drawn}, but the model is at DP step {step}: "
+        "training it would repeat (or skip) a draw, which the accountant does not model. Nothing of this step "
+        "was trained. This is a misalignment between hf_dp's sampler and the Trainer's loop (a Trainer loop "
+        "changed by a subclass, or a transformers version whose resume logic differs); please report it. To "
+        "continue now, resume from the last checkpoint with ignore_data_skip=True or start a new train()."
+    )

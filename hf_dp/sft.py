@@ -360,7 +360,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         if segments is None:
             return super()._self_check(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
-        self._dp_step.self_check(net, padded, padded_labels)
+        self._first_step_checks(net, padded, padded_labels)
         engine = self.clipping_engine
         saved = engine.fused_groups
         engine.set_fused_groups(None, None)

@@ -34,7 +34,7 @@ from huggingface_hub import DatasetCard, DatasetCardData
 from tqdm.auto import tqdm
 
 from . import cards
-from .record import PrivacyRecord
+from .record import PrivacyRecord, plain
 
 __all__ = [
     "generate_synthetic_dataset",
@@ -65,7 +65,7 @@ def resolve_privacy(privacy: Any) -> dict[str, Any] | None:
     if privacy is None:
         return None
     if isinstance(privacy, Mapping):
-        problems = cards._record_problems(privacy)
+        problems = cards.record_problems(privacy)
         if problems:
             raise ValueError("Invalid differential_privacy record:\n  - " + "\n  - ".join(problems))
         return dict(privacy)
@@ -237,7 +237,7 @@ def generate_synthetic_dataset(
         "generator": _model_name(model),
         "generator_class": type(model).__name__,
         "start_token_id": start_id,
-        "extra_generate_kwargs": cards._plain(generate_kwargs) or None,
+        "extra_generate_kwargs": plain(generate_kwargs) or None,
     }
     columns: dict[str, list[Any]] = {text_column: texts}
     if prompts is not None:
@@ -282,7 +282,7 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
     if dp is None:
         raise ValueError("write_dataset_card needs the generator's differential_privacy record (or its DPTrainer / "
                          "model card): without it the data set has no stated guarantee.")
-    sampling = cards._plain(dict(sampling_settings))
+    sampling = plain(dict(sampling_settings))
     num_samples = sampling.get("num_samples")
     out = Path(dataset_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +295,7 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
         language=language,
         task_categories=["text-generation"],
         size_categories=[_size_category(int(num_samples))] if isinstance(num_samples, int) else None,
-        tags=cards._merge_tags(["synthetic", "differential-privacy", "hf_dp"], tags),
+        tags=cards.merge_tags(["synthetic", "differential-privacy", "hf_dp"], tags),
         differential_privacy=dp,
         synthetic_data=synthetic,
     )
@@ -308,14 +308,14 @@ def write_dataset_card(dataset_dir: str | os.PathLike, privacy_metadata: Any, sa
         elif isinstance(value, list):
             value = "; ".join(map(str, value[:5])) + (f"; ... ({len(value)} prompts)" if len(value) > 5 else "")
         rows.append((key, str(value).replace("|", "\\|").replace("\n", " ")))
-    template_kwargs = cards._common_template_kwargs(dp)
+    template_kwargs = cards.common_template_kwargs(dp)
     template_kwargs.update(pretty_name=pretty_name, num_samples=num_samples if num_samples is not None else "The",
                            generator=sampling.get("generator"), sampling_rows=rows)
     card = DatasetCard.from_template(card_data, template_str=cards.card_template(cards.DATASET_CARD_TEMPLATE),
                                      **template_kwargs)
     explicit = [k for k, v in (("license", license), ("language", language), ("pretty_name", pretty_name)) if v]
     explicit += ["synthetic_data", "size_categories", "task_categories"]
-    return cards._write_card(out / "README.md", card, explicit)
+    return cards.write_card(out / "README.md", card, explicit)
 
 
 def save_synthetic_dataset(dataset: datasets.Dataset, dataset_dir: str | os.PathLike, **card_kwargs: Any) -> Path:

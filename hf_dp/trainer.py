@@ -19,150 +19,75 @@ of the guarantee are in ``guarantee.py``. The trainer keeps the ``Trainer`` over
 from __future__ import annotations
 
 import logging
-import math
 import os
-import secrets
+import secrets  # noqa: F401 - the secret DP seed's source (loader.shared_seed); patched as hf_dp.trainer.secrets
 import shutil
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback
 from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 
-from .accounting import PrivacyAccountant, split_noise_for_quantiles
+from .accounting import PrivacyAccountant
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
-from .cards import create_model_card
 from .clipping.engine import ClippingEngine
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
-from .clipping.local import LocalDPStep
-from .clipping.modes import GroupClipper, build_groups
-from .clipping.step import INDEX_KEY, UNIT_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
+from .clipping.local import LocalDPStep, first_step_check
+from .clipping.modes import GroupClipper, build_groups, group_clipper_from_args
+from .clipping.step import INDEX_KEY, DPStep, RealisedLoss, StepPieces, micro_batch_bounds, slice_batch
 from .counterfactual import (
-    check_examples_alone,
-    check_known_dependences,
-    collator_state_kept,
-    hard_batch_indices,
-    longest_position,
+    alone_rtol,
+    check_first_step_alone,
+    check_known_dependences_on,
+    collated_on_device,
+    hard_batch,
 )
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
-    budget_allows,
     check_batch_rows,
-    check_budget_left,
     check_delta,
-    check_noise_std,
     check_not_compiled,
     check_something_trainable,
     check_step_gradients,
     check_train_loader,
     check_trainable_set_change,
+    check_training_setup,
     describe_difference,
     discard_stale_gradients,
     nonfinite_message,
     overriding_class,
-    steps_within_budget,
+    setting_notes,
     trainable_set_difference,
 )
-from .history import ModelHistory, describe_earlier
-from .losses import (
-    PerExampleLoss,
-    decoder_attention_mask_from_labels,
-    decoder_input_ids_from_labels,
-    default_per_example_loss,
-    is_seq2seq_lm,
-)
-from .noise import NoiseGenerator, group_noise_stds
+from .history import ModelHistory, earlier_runs_message
+from .loader import dp_train_loader, is_empty, shared_seed, training_collator, training_rows
+from .losses import PerExampleLoss, default_per_example_loss, is_seq2seq_lm, seq2seq_model_inputs
+from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
-from .plan import (
-    NOISE_TO_SIGNAL_WARNING,
-    calibrate_noise,
-    default_delta,
-    expected_batch_size,
-    learning_advice,
-    noise_to_signal,
-    plan_privacy,
-    sample_rate,
-    steps_per_epoch,
+from .plan import NOISE_TO_SIGNAL_WARNING  # noqa: F401 - imported from here by callers
+from .record import PrivacyRecord, describe_optimizer, describe_trained_parameters, model_base_model, plain
+from .release import (
+    DP_STATE_NAME,
+    STAGING_DIR,
+    card_hyperparameters,
+    card_inputs,
+    checkpoint_push,
+    redact_output_dir,
+    release_notes,
+    write_model_card,
 )
-from .record import (
-    PrivacyRecord,
-    _plain,
-    describe_optimizer,
-    describe_trained_parameters,
-    latest_eval_metrics,
-    model_base_model,
-)
-from .release import STAGING_DIR, redact_output_dir, release_notes, stage_checkpoint
-from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
-from .units import grouped_rows_detail, looks_grouped
+from .sampling import PoissonBatchSampler, ShuffledBatchSampler, check_draw_is_current
+from .units import UnitDetail
 
 __all__ = ["DPTrainer", "DP_STATE_NAME"]
 
 logger = logging.getLogger(__name__)
-
-DP_STATE_NAME = "dp_state.json"
-_EMPTY = "_hf_dp_empty_batch"
-_UNIT = UNIT_KEY  # each row's privacy-unit id, popped by the DP step (clipping/step.py)
-_INDEX = INDEX_KEY  # each row's index in the training set, popped by training_step (counterfactual check)
-
-
-class _EmptySafeCollator:
-    """Wraps the data collator: an empty Poisson chunk becomes a marker batch instead of a collator error, the
-    row indices and privacy-unit ids that :class:`_TaggedDataset` attaches are collated into one tensor each (the user's
-    collator never sees them), and every collated batch is checked to hold one row per sampled example
-    (``check_rows``: ``DPTrainer._check_batch_rows``)."""
-
-    def __init__(self, collator, check_rows=None):
-        self.collator = collator
-        self.check_rows = check_rows
-
-    def __call__(self, features: list) -> dict:
-        if len(features) == 0:
-            return {_EMPTY: True}
-        tags = {}
-        if isinstance(features[0], dict):
-            tags = {key: torch.tensor([f[key] for f in features], dtype=torch.long) for key in (_UNIT, _INDEX)
-                    if key in features[0]}
-            if tags:
-                features = [{k: v for k, v in f.items() if k not in tags} for f in features]
-        batch = self.collator(features)
-        if self.check_rows is not None:
-            self.check_rows(len(features), batch)
-        batch.update(tags)
-        return batch
-
-
-class _TaggedDataset(torch.utils.data.Dataset):
-    """The training set, each row tagged with its index (read back by the first-step counterfactual check) and, for
-    user-level clipping, its privacy unit (user) id. ``dataset`` is the untagged set."""
-
-    def __init__(self, dataset, unit_of_example=None):
-        self.dataset = dataset
-        self.unit_of_example = unit_of_example
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict:
-        row = self.dataset[i]
-        if not isinstance(row, dict):
-            return row
-        tags = {_INDEX: int(i)}
-        if self.unit_of_example is not None:
-            tags[_UNIT] = int(self.unit_of_example[i])
-        return {**row, **tags}
-
-
-def _is_empty(inputs: dict) -> bool:
-    return bool(inputs.get(_EMPTY, False))
-
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -257,6 +182,76 @@ class _DPHistoryCallback(TrainerCallback):
         self.trainer._record_model_history(tag=True)
 
 
+class _StepHooks:
+    """The trainer's side of the DP step (``clipping.step.StepHooks``): each method looks the trainer's own up when
+    called, so a subclass's override or an instance attribute set later (``DPSFTTrainer._segment_ids``, a
+    benchmark's ``_self_check``) takes effect."""
+
+    def __init__(self, trainer: DPTrainer):
+        self._trainer = trainer
+
+    def prepare_inputs(self, inputs: dict) -> dict:
+        return self._trainer._prepare_inputs(inputs)
+
+    def loss_context(self) -> Any:
+        return self._trainer.compute_loss_context_manager()
+
+    def per_example_loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._trainer.per_example_loss(*args, **kwargs)
+
+    def model_inputs(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
+        return self._trainer._model_inputs(model, inputs, labels)
+
+    def micro_batches(self, *args: Any) -> list:
+        return self._trainer._micro_batches(*args)
+
+    def segment_ids(self, inputs: dict) -> torch.Tensor | None:
+        return self._trainer._segment_ids(inputs)
+
+    def first_step_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        self._trainer._self_check(net, micro, labels)
+
+    def check_batch(self) -> tuple[dict, torch.Tensor] | None:
+        return self._trainer._check_batch()
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self._trainer.accelerator.unwrap_model(model)
+
+    def sync_gradients(self) -> bool:
+        return self._trainer.accelerator.gradient_state.sync_gradients
+
+    def optimizer(self) -> Any:
+        return self._trainer.optimizer
+
+    def check_release(self) -> None:
+        self._trainer._state_guard.before_release()
+
+
+def _mechanism_attribute(name: str, doc: str, settable: bool = False) -> property:
+    """A ``DPTrainer`` attribute that is the run's :class:`~hf_dp.mechanism.Mechanism`'s ``name``."""
+
+    def get(self: DPTrainer) -> Any:
+        return getattr(self.mechanism, name)
+
+    def set_(self: DPTrainer, value: Any) -> None:
+        setattr(self.mechanism, name, value)
+
+    return property(get, set_ if settable else None, doc=doc)
+
+
+def _fsdp_not_enabled_message(distributed_type: Any, world_size: int) -> str:
+    """FSDP was asked for but accelerate did not enable it: what runs instead, and why."""
+    return (
+        "hf_dp: FSDP was requested (TrainingArguments fsdp=... or `accelerate launch --use_fsdp`) but accelerate "
+        f"did not enable it (distributed_type={distributed_type}): this run is "
+        + ("multi-process DDP, every rank holding the whole model" if world_size > 1 else "a single process")
+        + ". accelerate switches to FSDP only for processes on accelerators "
+        "(accelerate/state.py, AcceleratorState.__init__: DistributedType.FSDP is set only when the type is "
+        "MULTI_GPU/MULTI_XPU/MULTI_NPU/...; a CPU-only job is MULTI_CPU), so on CPU the FSDP plugin is dropped "
+        "silently. The DP guarantee is unaffected (DDP is exact for every clipping mode); memory is not sharded."
+    )
+
+
 def _check_compute_loss_not_overridden(cls: type) -> None:
     """Refuse a class whose ``compute_loss`` the DP step would ignore (it never calls ``compute_loss`` in training).
 
@@ -313,40 +308,20 @@ class DPTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, DPTrainingArguments):
             raise TypeError("DPTrainer needs DPTrainingArguments (target_epsilon or noise_multiplier, clipping, ...).")
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
-                "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
-            )
-        if isinstance(self.train_dataset, IterableDataset):
-            raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
-        if self.is_deepspeed_enabled:
-            raise ValueError(
-                "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "
-                "rank. Use multi-process DDP (`accelerate launch --multi_gpu`), FSDP2 with clipping='flat', and for "
-                "models placed across devices, clipping='per_device'."
-            )
+        check_training_setup(self.args, compute_loss_func=self.compute_loss_func, train_dataset=self.train_dataset,
+                             deepspeed=self.is_deepspeed_enabled, neftune_noise_alpha=self.neftune_noise_alpha)
         if self.is_fsdp_enabled:
             check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
-            self._warn_fsdp_not_enabled()
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched > 1 and self.args.world_size != launched:
-            raise ValueError(
-                f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer runs them as "
-                f"{self.args.world_size} independent process(es) (parallel_mode={self.args.parallel_mode.value}): each "
-                "would train on all the data with its own noise, and every extra model released spends the privacy "
-                "budget again. On CPU-only machines launch with `accelerate launch --multi_gpu --num_processes N` "
-                "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
-            )
-        if self.neftune_noise_alpha is not None:
-            raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
+            msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=2)
         self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
         self.task = "custom"
-        self.noise_multiplier: float | None = self.args.noise_multiplier
-        self.noise_allocation = self.args.noise_allocation or (
-            "equal_budget" if self.args.clipping == "per_device" else "global")
+        # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
+        self.mechanism = Mechanism(self.args, lambda: self.train_dataset)
+        self.mechanism.on_budget_stop = self._stop_for_budget
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
         self._state_guard = ReleasedStateGuard()  # nothing but the optimizer changes what is released (guarantee.py)
         self._realised_loss = RealisedLoss()  # the logged loss (clipping/step.py), kept across rebuilt strategies
@@ -355,14 +330,10 @@ class DPTrainer(Trainer):
         self._dp_step: DPStep | None = None
         self._fsdp: FSDPFlatClipping | None = None  # the DP step when it is FSDP2's
         self._build_clipping()
-        self.accountant = self._new_accountant()
         self._start_history(self.model)  # a model already DP-trained: its earlier mechanisms compose (history.py)
-        self._unit_detail: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
-        self.budget_exhausted = False
+        self._unit_detail = UnitDetail()  # what one privacy unit of the training set is (units.py)
         self.loss_is_scaled_for_ga = True  # our returned loss is already normalised; the Trainer must not rescale it
         self._dp_sampler: PoissonBatchSampler | ShuffledBatchSampler | None = None
-        self._noise: NoiseGenerator | None = None
-        self._allowed_steps: int | None = None
         self.nonfinite_examples = 0  # examples with a non-finite loss or gradient norm, given clipping factor 0
         self._hyperparameter_trials = 0
         if not self.label_names:
@@ -395,6 +366,7 @@ class DPTrainer(Trainer):
             # FSDP: built on the unwrapped model (accelerator.prepare wraps it in train()), hooks keyed by attribute.
             self.clipping_engine = FSDPClippingEngine(self.model) if fsdp else ClippingEngine(self.model)
         self.group_clipper: GroupClipper | None = None
+        self.mechanism.set_clipping(None, self.clipping_engine)
         if self.args.clipping != "flat":
             self._setup_group_clipping()
         elif not fsdp:
@@ -412,40 +384,13 @@ class DPTrainer(Trainer):
 
     def _step_pieces(self) -> StepPieces:
         """What the DP step gets from the trainer (``clipping/step.py``): the engine, the group clipper, the
-        arguments, and the trainer's callables, each looking up the method when called (so a subclass or instance
-        override takes effect) and reading σ, q, the accountant and the noise generator live."""
-        return StepPieces(
-            engine=self.clipping_engine,
-            group_clipper=self.group_clipper,
-            args=self.args,
-            grad_guard=self._grad_guard,
-            accountant=lambda: self.accountant,
-            noise=lambda: self._noise,
-            noise_multiplier=lambda: self.noise_multiplier,
-            sample_rate=lambda: self.sample_rate,
-            expected_batch_size=lambda: self.expected_batch_size,
-            noise_stds=lambda: self._noise_stds(),
-            quantile_noise=lambda: self._quantile_noise(),
-            budget_allows=lambda n: self._budget_allows(n),
-            stop_for_budget=lambda: self._stop_for_budget(),
-            prepare_inputs=lambda inputs: self._prepare_inputs(inputs),
-            loss_context=lambda: self.compute_loss_context_manager(),
-            per_example_loss=lambda *a, **kw: self.per_example_loss(*a, **kw),
-            model_inputs=lambda model, inputs, labels: self._model_inputs(model, inputs, labels),
-            micro_batches=lambda *a: self._micro_batches(*a),
-            segment_ids=lambda inputs: self._segment_ids(inputs),
-            self_check=lambda net, micro, labels: self._self_check(net, micro, labels),
-            check_batch=lambda: self._check_batch(),
-            unwrap_model=lambda model: self.accelerator.unwrap_model(model),
-            sync_gradients=lambda: self.accelerator.gradient_state.sync_gradients,
-            optimizer=lambda: self.optimizer,
-            check_release=lambda: self._state_guard.before_release(),
-            realised_loss=self._realised_loss,
-        )
+        arguments, the run's mechanism (read live) and the trainer's hooks (:class:`_StepHooks`)."""
+        return StepPieces(engine=self.clipping_engine, group_clipper=self.group_clipper, args=self.args,
+                          grad_guard=self._grad_guard, mechanism=self.mechanism, hooks=_StepHooks(self),
+                          realised_loss=self._realised_loss)
 
     def _stop_for_budget(self) -> None:
-        """The DP step released nothing: one more step would exceed the privacy budget."""
-        self.budget_exhausted = True
+        """The DP step released nothing (``Mechanism.stop_for_budget``): the training loop stops."""
         self.control.should_training_stop = True
 
     @property
@@ -471,24 +416,10 @@ class DPTrainer(Trainer):
             self._build_clipping()
             logger.info("hf_dp: model_init built a new model; the clipping engine was rebuilt for it.")
             if not getattr(self, "_resumed", False):  # a fresh model: fresh history, unless it carries one
-                self.accountant = self._new_accountant()
+                self.accountant = self.mechanism.new_accountant()
                 self._start_history(model)
-                self._dp_steps_at_begin = self.accountant.steps
+                self.mechanism.steps_at_run_begin = self.accountant.steps
         return model
-
-    def _warn_fsdp_not_enabled(self) -> None:
-        """FSDP was asked for but accelerate did not enable it: say loudly that DDP (or one process) runs instead."""
-        msg = (
-            "hf_dp: FSDP was requested (TrainingArguments fsdp=... or `accelerate launch --use_fsdp`) but accelerate "
-            f"did not enable it (distributed_type={self.accelerator.distributed_type}): this run is "
-            + ("multi-process DDP, every rank holding the whole model" if self.args.world_size > 1
-               else "a single process") + ". accelerate switches to FSDP only for processes on accelerators "
-            "(accelerate/state.py, AcceleratorState.__init__: DistributedType.FSDP is set only when the type is "
-            "MULTI_GPU/MULTI_XPU/MULTI_NPU/...; a CPU-only job is MULTI_CPU), so on CPU the FSDP plugin is dropped "
-            "silently. The DP guarantee is unaffected (DDP is exact for every clipping mode); memory is not sharded."
-        )
-        logger.warning(msg)
-        warnings.warn(msg, UserWarning, stacklevel=3)
 
     def _validate_against_dataset(self) -> None:
         """Checks that need N: a non-empty training set, q <= 1 and δ < 1/N (each raises)."""
@@ -500,102 +431,30 @@ class DPTrainer(Trainer):
 
     def _setup_group_clipping(self) -> None:
         """Groups, thresholds and (for per-layer modes) clipping fused into the backward pass (He et al. 2023)."""
-        args = self.args
-        groups = build_groups(self.clipping_engine, args.clipping, args.clipping_groups)
-        k = len(groups)
-        if args.group_max_grad_norms is not None:
-            if len(args.group_max_grad_norms) != k:
-                raise ValueError(
-                    f"group_max_grad_norms has {len(args.group_max_grad_norms)} values but there are {k} clipping "
-                    f"groups: {[g.name for g in groups]}."
-                )
-            thresholds = list(args.group_max_grad_norms)
-        else:
-            thresholds = [args.per_sample_max_grad_norm / math.sqrt(k)] * k  # App. A.1: ‖C‖ = C
-        adaptive = args.clipping == "adaptive_per_layer"
-        self.group_clipper = GroupClipper(
-            groups, thresholds, adaptive=adaptive, target_quantile=args.target_quantile, quantile_lr=args.quantile_lr,
-            rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
-            function=args.clipping_function, gamma=args.automatic_clipping_gamma,
-        )
+        self.group_clipper = group_clipper_from_args(self.clipping_engine, self.args)  # clipping/modes.py
+        groups = self.group_clipper.groups
         self.clipping_engine.set_fused_groups([g.params for g in groups], self.group_clipper.factors)
-        if adaptive and self.noise_multiplier is not None:
+        self.mechanism.set_clipping(self.group_clipper, self.clipping_engine)
+        if self.group_clipper.adaptive and self.noise_multiplier is not None:
             self._quantile_noise()  # fail now if σ_new is not real
 
     def _quantile_noise(self) -> tuple[float, float]:
-        """``(σ_new, σ_b)`` for adaptive clipping (Prop. 3.1); ``(σ, 0)`` otherwise."""
-        if self.group_clipper is None or not self.group_clipper.adaptive:
-            return float(self.noise_multiplier), 0.0
-        fraction = None if self.args.quantile_noise_multiplier is not None else self.args.quantile_budget_fraction
-        return split_noise_for_quantiles(self.noise_multiplier, self.group_clipper.num_groups, fraction,
-                                         self.args.quantile_noise_multiplier)
+        """``(σ_new, σ_b)`` for adaptive clipping (Prop. 3.1); ``(σ, 0)`` otherwise (``Mechanism.quantile_noise``)."""
+        return self.mechanism.quantile_noise()
 
-    def _noise_stds(self) -> float | dict[str, float]:
-        """Noise std on each parameter's summed clipped gradient: ``σ C`` (flat) or per group (noise.py)."""
-        if self.group_clipper is None:
-            return self.noise_std
-        sigma_grad, _ = self._quantile_noise()
-        groups = self.group_clipper.groups
-        engine = self.clipping_engine
-        dims = [sum(engine.params[n].numel() for n in g.params) for g in groups]
-        stds, _ = group_noise_stds(self.group_clipper.thresholds.tolist(), dims, self.noise_allocation, sigma_grad)
-        return {n: std for g, std in zip(groups, stds) for n in g.params}
-
-    # ------------------------------------------------------------------ quantities of the mechanism
-    @property
-    def user_level(self) -> bool:
-        return self.args.privacy_unit == "user"
-
-    @property
-    def num_examples_private(self) -> int:
-        """N: the number of privacy units in the training set (examples, or users with ``privacy_unit='user'``)."""
-        if self.train_dataset is None:
-            raise ValueError("DPTrainer needs a train_dataset.")
-        if self.user_level:
-            return int(self._unit_ids().max()) + 1
-        return len(self.train_dataset)
-
-    def _unit_ids(self) -> np.ndarray:
-        """User index (0..U-1) of every training example, from ``user_id_column``."""
-        cached = getattr(self, "_unit_cache", None)
-        if cached is not None and cached[0] is self.train_dataset:
-            return cached[1]
-        column = self.args.user_id_column
-        try:
-            values = self.train_dataset[column]
-        except (KeyError, TypeError, IndexError, ValueError) as err:
-            raise ValueError(f"privacy_unit='user': the training set has no column {column!r}.") from err
-        ids = np.unique(np.asarray(list(values)), return_inverse=True)[1].reshape(-1)
-        self._unit_cache = (self.train_dataset, ids)
-        return ids
-
-    @property
-    def expected_batch_size(self) -> int:
-        """Expected logical batch (users with ``privacy_unit="user"``): per-device batch × accumulation × processes."""
-        return expected_batch_size(self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps,
-                                   self.args.world_size)
-
-    @property
-    def sample_rate(self) -> float:
-        """q = expected batch size / N (N counts privacy units)."""
-        return sample_rate(self.expected_batch_size, self.num_examples_private, self.user_level)
-
-    @property
-    def target_delta(self) -> float:
-        """δ: the argument, or ``1 / N^1.1`` (below 1/N)."""
-        if self.args.target_delta is not None:
-            return self.args.target_delta
-        return default_delta(self.num_examples_private)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Logical steps per epoch: ``ceil(N / expected batch size)`` (= ceil(1/q))."""
-        return steps_per_epoch(self.num_examples_private, self.expected_batch_size)
-
-    @property
-    def noise_std(self) -> float:
-        """Std of the noise on the summed clipped gradient: σ · C (flat clipping's sensitivity is C)."""
-        return float(self.noise_multiplier) * self.args.per_sample_max_grad_norm
+    # ------------------------------------------------------------------ quantities of the mechanism (mechanism.py)
+    accountant = _mechanism_attribute("accountant", "The model's accountant (composes over all its DP runs).", True)
+    noise_multiplier = _mechanism_attribute("noise_multiplier", "σ (None until calibrated at train start).", True)
+    budget_exhausted = _mechanism_attribute("budget_exhausted", "A step was withheld: the budget is spent.", True)
+    noise_allocation = _mechanism_attribute("noise_allocation", "How group-wise clipping splits the noise.")
+    _noise = _mechanism_attribute("noise", "The run's noise generator (made with the train loader).")
+    user_level = _mechanism_attribute("user_level", "``privacy_unit == 'user'``.")
+    num_examples_private = _mechanism_attribute("num_units", "N: the privacy units of the training set.")
+    expected_batch_size = _mechanism_attribute("expected_batch_size", "Per-device batch × accumulation × processes.")
+    sample_rate = _mechanism_attribute("sample_rate", "q = expected batch size / N (N counts privacy units).")
+    target_delta = _mechanism_attribute("delta", "δ: the argument, or ``1 / N^1.1`` (below 1/N).")
+    steps_per_epoch = _mechanism_attribute("steps_per_epoch", "Logical steps per epoch: ``ceil(N / B)``.")
+    noise_std = _mechanism_attribute("noise_std", "Std of the noise on the summed clipped gradient: σ · C (flat).")
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -611,37 +470,12 @@ class DPTrainer(Trainer):
                 collator = self._get_collator_with_removed_columns(collator, description="training")
         except ImportError:  # pragma: no cover
             pass
-        seed = self._run_seed()
-        self._noise = NoiseGenerator(seed, secure_mode=self.args.secure_mode)  # secure_mode: noise.py
-        common = dict(num_chunks=self.args.gradient_accumulation_steps, seed=self._noise.seed,
-                      rank=self.args.process_index, world_size=self.args.world_size)
-        if self.user_level:
-            units = self._unit_ids()
-            sampler = PoissonUserSampler(units, self.sample_rate, self.steps_per_epoch,
-                                         max_examples_per_user=self.args.max_examples_per_user, **common)
-            dataset = _TaggedDataset(dataset, units)
-        elif self.args.poisson_sampling:
-            sampler = PoissonBatchSampler(self.num_examples_private, self.sample_rate, self.steps_per_epoch, **common)
-        else:
-            sampler = ShuffledBatchSampler(self.num_examples_private, self.expected_batch_size, **common)
-        if not isinstance(dataset, _TaggedDataset):
-            dataset = _TaggedDataset(dataset)
-        self._dp_sampler = sampler
+        noise = self.mechanism.new_noise(self._run_seed())  # secure_mode: noise.py
+        self._dp_sampler = self.mechanism.batch_sampler(noise.seed)  # Poisson sampling of rate q (users, examples)
         # Deliberately not `accelerator.prepare`d: its even_batches/BatchSamplerShard would re-shard, pad or repeat
         # examples and break the sampling analysis (PITFALLS 2). Inputs are moved to the device in training_step.
-        collate = _EmptySafeCollator(collator, self._check_batch_rows)
-        # Probe the collator on two rows now, so that one that packs, drops or merges rows fails before training
-        # (the same check runs on every batch). The RNG is forked: a masking collator's draws are not shifted.
-        with torch.random.fork_rng(devices=[]):
-            collate([dataset[i] for i in range(min(2, len(dataset)))])
-        loader = DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collate,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
-        )
+        loader = dp_train_loader(dataset, collator, self._dp_sampler, self._check_batch_rows, self.args,
+                                 self.mechanism.unit_ids() if self.user_level else None)
         if self._fsdp is not None:
             self._fsdp.dummy_source = loader  # FSDP: padding micro-batches (weight 0) are collated from it
         return loader
@@ -652,15 +486,6 @@ class DPTrainer(Trainer):
         override this."""
         check_batch_rows(num_examples, batch)
 
-    def _shared_seed(self) -> int:
-        """The run's DP seed (``dp_seed`` or a secret one), identical on every rank."""
-        seed = self.args.dp_seed if self.args.dp_seed is not None else secrets.randbits(63)
-        if _distributed():
-            box = [seed]
-            dist.broadcast_object_list(box, src=0)
-            seed = box[0]
-        return seed
-
     def _run_seed(self) -> int:
         """The seed of the Poisson draws and the noise: ``dp_seed``, or the model's secret seed, drawn once (shared by
         the ranks) and kept until a new model starts a new accountant (``model_init``). Together with the model's DP
@@ -669,9 +494,9 @@ class DPTrainer(Trainer):
         again instead of choosing a new draw. It is never written to disk (a process restarted from a checkpoint
         draws a new one)."""
         if self.args.dp_seed is not None:
-            return self._shared_seed()
+            return shared_seed(self.args.dp_seed)
         if self._secret_seed is None:
-            self._secret_seed = self._shared_seed()
+            self._secret_seed = shared_seed(None)
         return self._secret_seed
 
     def _first_draw_of_epoch(self, state) -> int:
@@ -698,33 +523,17 @@ class DPTrainer(Trainer):
                 batches.append(next(epoch_iterator))
             except StopIteration:
                 break
-        self._check_draw_is_current()
+        check_draw_is_current(self._dp_sampler, self.accountant.steps, self.args.dataloader_num_workers)  # sampling.py
         return batches, None
 
-    def _check_draw_is_current(self) -> None:
-        sampler = self._dp_sampler
-        drawn = getattr(sampler, "last_step", None)
-        if drawn is None:
-            return
-        step = self.accountant.steps
-        if drawn == step or (self.args.dataloader_num_workers > 0 and drawn > step):
-            return
-        raise RuntimeError(
-            f"hf_dp: this step's batch is the Poisson draw of DP step {drawn}, but the model is at DP step {step}: "
-            "training it would repeat (or skip) a draw, which the accountant does not model. Nothing of this step "
-            "was trained. This is a misalignment between hf_dp's sampler and the Trainer's loop (a Trainer loop "
-            "changed by a subclass, or a transformers version whose resume logic differs); please report it. To "
-            "continue now, resume from the last checkpoint with ignore_data_skip=True or start a new train()."
-        )
-
     def floating_point_ops(self, inputs: dict) -> int:
-        return 0 if _is_empty(inputs) else super().floating_point_ops(inputs)
+        return 0 if is_empty(inputs) else super().floating_point_ops(inputs)
 
     def _track_num_input_tokens(self, inputs: dict, *args: Any, **kwargs: Any) -> None:
         """``include_num_input_tokens_seen``: an empty Poisson chunk holds no tokens. It still takes part in the
         Trainer's gather of the count (a rank that skipped it would leave the others waiting in the collective) and
         does not reach the Trainer's warning about a model without ``main_input_name``."""
-        if not _is_empty(inputs):
+        if not is_empty(inputs):
             return super()._track_num_input_tokens(inputs, *args, **kwargs)
         if self.args.include_num_input_tokens_seen in ("no", False, None):
             return None
@@ -752,22 +561,23 @@ class DPTrainer(Trainer):
         return out
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: the first-step checks on the real model and data
-        (:meth:`LocalDPStep.self_check <hf_dp.clipping.local.LocalDPStep.self_check>`). Subclasses extend it
+        """Once per run, before the first update (the DP step's first-step hook): the engine's checks on the real
+        model and data (:meth:`_first_step_checks`) and each example against itself alone. Subclasses extend it
         (``DPSFTTrainer`` checks packed rows)."""
-        self._dp_step.self_check(net, micro, labels)
+        self._first_step_checks(net, micro, labels)
         self._check_examples_alone(net, micro, labels)
+
+    def _first_step_checks(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """The engine's first-step checks (batch axes, hooks vs autograd, ``dp_self_check``) on a micro-batch
+        (:func:`hf_dp.clipping.local.first_step_check`)."""
+        first_step_check(self.clipping_engine, _StepHooks(self), self.args, net, micro, labels)
 
     def _check_batch(self) -> tuple[dict, torch.Tensor] | None:
         """The first two training examples, collated and on the device (for the first-step checks)."""
         loader = getattr(self.callback_handler, "train_dataloader", None)
         if loader is None or len(loader.dataset) < 2:
             return None
-        batch = self._prepare_inputs(loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
-        batch.pop(_UNIT, None)
-        batch.pop(_INDEX, None)
-        labels = batch.pop("labels")
-        return batch, labels
+        return collated_on_device(_StepHooks(self), loader.collate_fn([loader.dataset[0], loader.dataset[1]]))
 
     def _segment_ids(self, inputs: dict) -> torch.Tensor | None:
         """``(rows, T)``: the example each token of a padding-free packed micro-batch belongs to (``DPSFTTrainer``);
@@ -775,26 +585,12 @@ class DPTrainer(Trainer):
         return None
 
     def _model_inputs(self, model, inputs: dict, labels: torch.Tensor) -> dict:
-        """The model's inputs for a micro-batch. Encoder-decoder LMs (default or custom ``per_example_loss``): the
-        decoder inputs the model's own forward would build from ``labels`` (``losses.decoder_input_ids_from_labels``),
-        so the model is not asked for its batch loss, with the decoder attention mask the model builds with them
-        (``losses.decoder_attention_mask_from_labels``: EncoderDecoderModel, Pix2Struct); a model with no such function
-        gets ``labels=`` and builds them itself (its batch loss is then computed, unused)."""
-        inputs = dict(inputs)
+        """The model's inputs for a micro-batch: a copy of ``inputs``; for encoder-decoder LMs (default or custom
+        ``per_example_loss``) with the decoder inputs built from ``labels`` (``losses.seq2seq_model_inputs``)."""
         seq2seq = getattr(self, "_seq2seq_lm", None)
         if seq2seq is None:
             seq2seq = self._seq2seq_lm = is_seq2seq_lm(model)
-        if seq2seq and "decoder_input_ids" not in inputs and "decoder_inputs_embeds" not in inputs:
-            decoder_input_ids = decoder_input_ids_from_labels(model, labels)
-            if decoder_input_ids is None:
-                inputs["labels"] = labels
-            else:
-                inputs["decoder_input_ids"] = decoder_input_ids
-                if "decoder_attention_mask" not in inputs:  # the mask the model builds with them (EncoderDecoder)
-                    mask = decoder_attention_mask_from_labels(model, decoder_input_ids)
-                    if mask is not None:
-                        inputs["decoder_attention_mask"] = mask
-        return inputs
+        return seq2seq_model_inputs(model, inputs, labels) if seq2seq else dict(inputs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each
@@ -803,7 +599,7 @@ class DPTrainer(Trainer):
         Without FSDP, first the trainable set is checked (at a step boundary the engine is rebuilt for a changed
         set, which also rebuilds the strategy) and, at a step's first chunk, gradients computed outside the DP step
         are discarded (``guarantee.py``)."""
-        self._chunk_indices = inputs.pop(_INDEX, None)  # the rows' dataset indices (counterfactual check)
+        self._chunk_indices = inputs.pop(INDEX_KEY, None)  # the rows' dataset indices (counterfactual check)
         if self._fsdp is None:
             at_boundary = self._dp_step.at_step_boundary
             try:
@@ -815,7 +611,7 @@ class DPTrainer(Trainer):
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         try:
-            return self._dp_step.run_chunk(model, None if _is_empty(inputs) else inputs)
+            return self._dp_step.run_chunk(model, None if is_empty(inputs) else inputs)
         except Exception as err:
             self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
             raise
@@ -824,109 +620,52 @@ class DPTrainer(Trainer):
     def _training_collator(self, loader: Any = None) -> Any:
         """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
         wrapper; ``None`` without a DP loader."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        wrapper = getattr(loader, "collate_fn", None)
-        return wrapper.collator if isinstance(wrapper, _EmptySafeCollator) else None
+        return training_collator(self._dp_loader(loader))
 
     def _alone_collator(self, loader: Any = None) -> Any:
         """How an example sampled alone is collated: the training collator (``DPSFTTrainer`` with packing: trl's
         unpacked collator)."""
         return self._training_collator(loader)
 
-    def _raw_features(self, indices: Any, loader: Any = None) -> list | None:
-        """The training set's raw rows ``indices`` (what the collator receives), or ``None`` without them."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        dataset = getattr(loader, "dataset", None)
-        if not isinstance(dataset, _TaggedDataset) or indices is None:
-            return None
-        return [dataset.dataset[int(i)] for i in indices]
+    def _training_rows(self, loader: Any = None) -> Any:
+        """The training set's raw rows (what the collator receives), or ``None`` without a DP loader."""
+        return training_rows(self._dp_loader(loader))
 
-    def _collated_on_device(self, raw: dict) -> tuple[dict, torch.Tensor]:
-        batch = self._prepare_inputs(raw)
-        batch.pop(_UNIT, None)
-        batch.pop(_INDEX, None)
-        return batch, batch.pop("labels")
-
-    def _example_losses(self, net: torch.nn.Module, batch: dict, labels: torch.Tensor,
-                        segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-example losses of a batch exactly as the DP step computes them (loss context, model inputs,
-        ``per_example_loss``; per packed example with ``segments``)."""
-        with self.compute_loss_context_manager():
-            outputs = net(**self._model_inputs(net, batch, labels))
-            return self.per_example_loss(outputs, labels, **({} if segments is None else {"segments": segments}))
+    def _dp_loader(self, loader: Any = None) -> Any:
+        """``loader``, or the train loader of the running ``train()`` (None outside one)."""
+        return loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
 
     def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
-        """Rows of very different lengths from the training set (the shortest, the longest and one between,
-        ``counterfactual.hard_batch_indices``), collated together by the training collator, on the device:
-        ``(raw features, batch, labels)``; ``None`` with fewer than two rows or no DP loader."""
-        loader = loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-        dataset, collate = getattr(loader, "dataset", None), self._training_collator(loader)
-        if not isinstance(dataset, _TaggedDataset) or collate is None or len(dataset) < 2:
+        """The training set's shortest and longest rows collated together, on the device
+        (``counterfactual.hard_batch``); ``None`` with fewer than two rows or no DP loader."""
+        rows, collate = self._training_rows(loader), self._training_collator(loader)
+        if rows is None or collate is None:
             return None
-        size = min(3, max(2, self.args.per_device_train_batch_size))
-        features = self._raw_features(hard_batch_indices(dataset.dataset, size=size), loader)
-        if len(features) < 2:
-            return None
-        with torch.random.fork_rng(devices=[]), collator_state_kept(collate):  # the run's own draws are not shifted
-            batch, labels = self._collated_on_device(collate(list(features)))
-        return features, batch, labels
+        return hard_batch(rows, collate, min(3, max(2, self.args.per_device_train_batch_size)), _StepHooks(self))
 
     def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in
-        its batch, equal those of the example collated alone (``hf_dp/counterfactual.py``), on the first micro-batch
-        and on the hard batch (:meth:`_hard_batch`). Once is enough: the collator and the model are the same
-        functions at every step, and the hard batch makes the rows' lengths as different as the training set allows
-        (the argument and its limits: the module's docstring and the README)."""
+        """Once per run, before the first update: each example's loss and gradient in its batch equal the example's
+        alone, on the first micro-batch and on :meth:`_hard_batch` (``counterfactual.check_first_step_alone``)."""
         collate, alone = self._training_collator(), self._alone_collator()
         if collate is None or alone is None:
             logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
             return
-        rtol = self._alone_rtol(net)
-        common = dict(collate=collate, collate_alone=alone, prepare=self._collated_on_device,
-                      run=lambda b, lab, seg: self._example_losses(net, b, lab, seg),
-                      segment_ids=self._segment_ids, rtol=rtol)
         segments = self._segment_ids(micro)
         num = labels.shape[0] if segments is None else int(segments.max()) + 1
-        indices = getattr(self, "_chunk_indices", None)
-        features = None if indices is None or len(indices) < num else self._raw_features(indices[:num])
-        if features is not None:
-            check_examples_alone(self.clipping_engine, net, features, micro, labels, **common,
-                                 what=" (the first micro-batch)")
-        else:
-            logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
-                           "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "
-                           "training set's shortest and longest rows is.")
-        hard = self._hard_batch()
-        if hard is not None:
-            check_examples_alone(self.clipping_engine, net, hard[0], hard[1], hard[2], **common,
-                                 what=" (a batch of the training set's shortest and longest rows)")
-        logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
-                    " and ".join(w for w, done in (("first micro-batch", features is not None),
-                                                   ("shortest and longest rows", hard is not None)) if done))
-
-    def _alone_rtol(self, net: torch.nn.Module) -> float:
-        """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
-        (other shapes, other kernels), by far less than this in each precision."""
-        if self.args.bf16 or self.args.fp16:
-            return 5e-2
-        dtype = next((p.dtype for p in net.parameters() if p.is_floating_point()), torch.float32)
-        return 1e-5 if dtype == torch.float64 else 1e-3
+        indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
+        features = None if indices is None or len(indices) < num or rows is None else [
+            rows[int(i)] for i in indices[:num]]
+        check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
+                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16))
 
     def _check_known_dependences(self, loader: Any = None) -> None:
         """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
         computed from the batch; left padding with positions from the padded layout), with the way out
         (``counterfactual.check_known_dependences``)."""
         net = self._unwrapped_model()
-        hard = self._hard_batch(loader)
-        if hard is None:
-            return check_known_dependences(net)
-        dataset = (loader if loader is not None else self.callback_handler.train_dataloader).dataset
-        longest = lambda: longest_position(dataset.dataset, hard[0], hard[1])  # noqa: E731 - only read for rope
-        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
-            return check_known_dependences(net, longest=longest)
-        with self.compute_loss_context_manager():
-            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**self._model_inputs(net, b, lab)),
-                                           rtol=self._alone_rtol(net), longest=longest)
+        check_known_dependences_on(net, self._training_rows(loader), self._hard_batch(loader), _StepHooks(self),
+                                   alone_rtol(net, self.args.bf16 or self.args.fp16),
+                                   configuration_only=self._fsdp is not None)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
@@ -946,26 +685,7 @@ class DPTrainer(Trainer):
                 f"The accountant has {self.accountant.steps} steps but the Trainer is at step {state.global_step}: "
                 "resume from a checkpoint written by DPTrainer (it holds dp_state.json)."
             )
-        if self.noise_multiplier is None:
-            self._check_budget_left()
-            try:
-                self.noise_multiplier = self._calibrate_noise(remaining, self.accountant.history)
-            except ValueError as err:
-                if not self.accountant.steps:
-                    raise
-                raise ValueError(
-                    f"No noise multiplier reaches target_epsilon={self.args.target_epsilon} after the "
-                    f"{self.accountant.steps} steps this model already took: {err} Train fewer steps, or start from "
-                    "a fresh model with a new DPTrainer."
-                ) from err
-            logger.info("hf_dp: calibrated noise multiplier σ=%.4f for %d steps at q=%.5f to reach ε=%s, δ=%.3g",
-                        self.noise_multiplier, remaining, self.sample_rate, self.args.target_epsilon,
-                        self.target_delta)
-        check_noise_std(self.noise_multiplier, self.args.per_sample_max_grad_norm)
-        if self.group_clipper is not None:
-            self._quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
-        self.accountant.planned_steps = self.accountant.steps + remaining
-        self._allowed_steps = self._steps_within_budget(remaining)
+        self.mechanism.begin_run(remaining)  # σ calibrated (target_epsilon) and checked; the steps the budget allows
         if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
             warnings.warn("EarlyStoppingCallback stops training by evaluation metrics. If the evaluation set is "
                           "private data, that choice is not covered by the DP guarantee.", NotPrivateWarning,
@@ -974,10 +694,6 @@ class DPTrainer(Trainer):
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
         self._log_privacy_plan(remaining)
-
-    def _check_budget_left(self) -> None:
-        """A second ``train()`` with ``target_epsilon``: refuse when the earlier runs already spent the budget."""
-        check_budget_left(self.accountant, self.args.target_epsilon, self.target_delta)
 
     # ------------------------------------------------------------------ the model's privacy history (history.py)
     def _start_history(self, model: torch.nn.Module) -> None:
@@ -990,16 +706,10 @@ class DPTrainer(Trainer):
             unwrapped = model
         self._history = ModelHistory.of_model(unwrapped)
         self.accountant.history = self._history.earlier_mechanisms()
-        if self._history.earlier:
-            unit_notes = self._history.notes(str(self.args.privacy_unit or "example"),
-                                             self.args.user_id_column if self.user_level else None)
-            msg = (f"hf_dp: this model was already trained with DP, {describe_earlier(self._history.earlier)}: "
-                   "privacy accounting continues from them. ε in the logs, privacy_spent(), dp_state.json and the card "
-                   "composes all of them"
-                   + (", and target_epsilon budgets what is left." if self.args.target_epsilon is not None else ".")
-                   + (" Not strict: " + "; ".join(unit_notes) + "." if unit_notes else "")
-                   + " To start at ε = 0, start from a model that was never DP-trained (README, 'A model carries its "
-                   "privacy history').")
+        msg = earlier_runs_message(self._history, str(self.args.privacy_unit or "example"),
+                                   self.args.user_id_column if self.user_level else None,
+                                   budgeted=self.args.target_epsilon is not None)
+        if msg is not None:
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=4)
 
@@ -1025,38 +735,15 @@ class DPTrainer(Trainer):
         ``group_texts``): the unit protected is a block, not a document. Said once per training set, as a warning;
         the record and the card say what one unit is. Not checked with ``privacy_unit="user"`` (the unit is
         declared by the id column)."""
-        dataset = self.train_dataset
-        if dataset is None or (self._unit_detail is not None and self._unit_detail[0] == id(dataset)):
-            return
-        detail = None
-        if not self.user_level:
-            tok = self.processing_class
-            config = getattr(self._unwrapped_model(), "config", None)
-            separators = {getattr(o, k, None) for o in (tok, config) for k in ("eos_token_id", "bos_token_id")}
-            pad = getattr(tok, "pad_token_id", None)
-            if pad is None:
-                pad = getattr(config, "pad_token_id", None)
-            length = looks_grouped(dataset, pad if isinstance(pad, int) else None,
-                                   [t for t in separators if isinstance(t, int)])
-            if length is not None:
-                detail = grouped_rows_detail(length)
-                msg = (f"hf_dp: the privacy unit is one row of the training set, and its rows look like fixed-length "
-                       f"blocks of concatenated text (every row {length} tokens, no padding, labels = input_ids: "
-                       "transformers' run_clm.py group_texts). If so, ε protects one block, not one document: a "
-                       "document spread over k blocks is protected only as a group of k. For document-level DP, chunk "
-                       "within documents (hf_dp.units.chunk_documents) and pass privacy_unit='user', "
-                       "user_id_column=<document id> (README, 'Document-level DP for language modelling'); if every "
-                       "row is already one whole document, the same settings say so and silence this warning. The "
-                       "card records the unit as a block.")
-                logger.warning(msg)
-                warnings.warn(msg, UserWarning, stacklevel=4)
-        self._unit_detail = (id(dataset), detail)
+        msg = self._unit_detail.check(self.train_dataset, self.processing_class,
+                                      getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
+        if msg is not None:
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=4)
 
     def _privacy_unit_detail(self) -> str | None:
-        detail = getattr(self, "_unit_detail", None)
-        if detail is None or self.train_dataset is None or detail[0] != id(self.train_dataset):
-            return None
-        return detail[1]
+        units = getattr(self, "_unit_detail", None)  # (None while Trainer.__init__ runs)
+        return None if units is None else units.detail(self.train_dataset)
 
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
@@ -1120,39 +807,8 @@ class DPTrainer(Trainer):
         logger.warning(nonfinite_message(step, count, self.nonfinite_examples))
         self.log({"nonfinite_examples": count})
 
-    def _steps_within_budget(self, planned: int) -> int | None:
-        """How many more steps the budget allows (None: unlimited, when ε is reported rather than targeted)."""
-
-        def eps_after(n: int) -> float:
-            acc = self.accountant.copy()
-            acc.planned_steps = None  # the same computation as the calibration
-            acc.step(self.noise_multiplier, self.sample_rate, n)
-            return acc.get_epsilon(self.target_delta)
-
-        return steps_within_budget(eps_after, planned, self.args.target_epsilon)
-
     def _budget_allows(self, n: int) -> bool:
-        return budget_allows(self.accountant.steps - self._steps_at_train_begin, n, self._allowed_steps)
-
-    @property
-    def _steps_at_train_begin(self) -> int:
-        return getattr(self, "_dp_steps_at_begin", 0)
-
-    def _group_logs(self) -> dict[str, float]:
-        """Thresholds and privatized unclipped fractions per group (only released quantities are logged)."""
-        gc = self.group_clipper
-        c = gc.thresholds
-        out = {"clip_threshold_min": float(c.min()), "clip_threshold_median": float(c.median()),
-               "clip_threshold_max": float(c.max())}
-        per_group = gc.num_groups <= 8
-        if per_group:
-            out.update({f"clip_threshold/{g.name}": float(v) for g, v in zip(gc.groups, c)})
-        if gc.released_unclipped_fraction is not None:
-            b = gc.released_unclipped_fraction
-            out["clipped_fraction_mean"] = float(1 - b.mean())
-            if per_group:
-                out.update({f"clipped_fraction/{g.name}": float(1 - v) for g, v in zip(gc.groups, b)})
-        return {k: round(v, 6) for k, v in out.items()}
+        return self.mechanism.budget_allows(n)
 
     def dp_guarantee_notes(self) -> list[str]:
         """Why the run's guarantee is not the strict (ε, δ)-DP that the accountant reports, if it is not.
@@ -1160,27 +816,9 @@ class DPTrainer(Trainer):
         Collects the trainer's own reasons and those of every callback that has a ``dp_guarantee_notes()`` method
         (flatness regularisers, audits, ...). An empty list means the guarantee is strict.
         """
-        notes = []
-        if self.noise_multiplier == 0:
-            notes.append("no noise (noise_multiplier=0): not differentially private")
-        if not self.args.poisson_sampling:
-            notes.append("shuffled fixed-size batches: the reported ε assumes Poisson sampling")
-        if self.args.dp_seed is not None:
-            notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
-        if self.args.load_best_model_at_end:
-            notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
-        elif self.args.save_strategy == "best":
-            notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
-                         "among them is not covered if the evaluation data is private")
-        if self.args.lr_scheduler_type == "reduce_lr_on_plateau":
-            notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
-                         "evaluation data is private")
-        if any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks):
-            notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
-                         "evaluation data is private")
-        if self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None:
-            notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
-                         "private data and selecting among them is not covered")
+        early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
+        notes = setting_notes(self.args, self.noise_multiplier, early_stopping,  # guarantee.py
+                              bool(self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None))
         notes.extend(self._history.notes(str(self.args.privacy_unit or "example"),
                                          self.args.user_id_column if self.user_level else None))
         notes.extend(release_notes(self))  # uploads that cannot be redacted (release.py)
@@ -1202,31 +840,11 @@ class DPTrainer(Trainer):
         :class:`~hf_dp.optim.DPAdamBC` (Tang et al. 2024), reading the noise std of each released gradient live."""
         optimizer = super().create_optimizer(*args, **kwargs)
         if self.args.dp_adam_bias_correction:
-            self.optimizer = optimizer = bias_corrected_adam(optimizer, lambda: self._released_noise_std(),
+            self.optimizer = optimizer = bias_corrected_adam(optimizer, self.mechanism.released_noise_std,
                                                              self.args.dp_adam_bc_epsilon)
         return optimizer
 
-    def _released_noise_std(self) -> float | dict[int, float]:
-        """Std of the DP noise in each coordinate of the released gradient ``p.grad``: the noise std on the summed
-        clipped gradient (σ·C, or the parameter's group's, :meth:`_noise_stds`) over the expected batch size q·N
-        (``noise.privatize``); ``{id(param): std}`` with group-wise noise."""
-        stds = self._noise_stds()
-        batch = self.expected_batch_size
-        if isinstance(stds, dict):
-            params = self.clipping_engine.params
-            return {id(params[n]): s / batch for n, s in stds.items()}
-        return float(stds) / batch
-
     # ------------------------------------------------------------------ the plan (before train()) and its banner
-    def _new_accountant(self) -> PrivacyAccountant:
-        return PrivacyAccountant(accountant=self.args.accountant, eps_error=self.args.accountant_eps_error)
-
-    def _calibrate_noise(self, steps: int, history: Any = ()) -> float:
-        """σ meeting ``target_epsilon`` at δ after ``steps`` more steps (after ``history``): the one calibration that
-        ``train()`` (at train start) and :meth:`privacy_plan` use."""
-        return calibrate_noise(self.args.target_epsilon, self.target_delta, self.sample_rate, steps,
-                               self.args.accountant, self.args.accountant_eps_error, history)
-
     def planned_max_steps(self) -> int:
         """The ``state.max_steps`` that a fresh ``train()`` will run: ``Trainer.set_initial_training_values`` itself,
         applied to the length of the DP loader (``steps_per_epoch × gradient_accumulation_steps`` chunks)."""
@@ -1240,7 +858,7 @@ class DPTrainer(Trainer):
     def privacy_plan(self, max_steps: int | None = None) -> dict[str, Any]:
         """The privacy plan of a fresh ``train()``, without training: the numbers the run will use and log.
 
-        σ is calibrated exactly as ``train()`` will calibrate it (:meth:`_calibrate_noise` for
+        σ is calibrated exactly as ``train()`` will calibrate it (``Mechanism.calibrate`` for
         :meth:`planned_max_steps` steps), or taken from ``noise_multiplier`` (then ``epsilon`` is what the whole run
         will spend). ``noise_to_signal`` is the expected norm of the noise on one averaged update, ``σ·C·√d / (q·N)``
         for ``d`` trainable parameters, over the largest possible norm of the averaged clipped gradient, ``C`` (all
@@ -1253,52 +871,21 @@ class DPTrainer(Trainer):
             max_steps: Steps to plan for (default: :meth:`planned_max_steps`, what ``train()`` runs).
         """
         steps = self.planned_max_steps() if max_steps is None else int(max_steps)
-        args = self.args
-        return plan_privacy(  # hf_dp/plan.py: the same function as `hf-dp plan`
-            num_examples=self.num_examples_private, per_device_train_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=args.world_size, steps=steps,
-            target_epsilon=args.target_epsilon, noise_multiplier=args.noise_multiplier, target_delta=self.target_delta,
-            trainable_parameters=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
-            per_sample_max_grad_norm=args.per_sample_max_grad_norm, accountant=args.accountant,
-            accountant_eps_error=args.accountant_eps_error, clipping=args.clipping,
-            privacy_unit=args.privacy_unit or "example", poisson_sampling=args.poisson_sampling,
-            history=self._history.earlier_mechanisms(),  # a model already DP-trained continues from its history
-        )
+        return self.mechanism.plan(  # hf_dp/plan.py: the same function as `hf-dp plan`
+            steps, sum(p.numel() for p in self.model.parameters() if p.requires_grad),
+            history=self._history.earlier_mechanisms())  # a model already DP-trained continues from its history
 
     def _log_privacy_plan(self, remaining: int) -> None:
         """At train start: the budget as one block through the Trainer's own logging (console, ``log_history``,
-        TensorBoard/W&B), visible without any logging set-up; the advice of :meth:`privacy_plan` as a warning."""
+        TensorBoard/W&B), visible without any logging set-up; the advice of :meth:`privacy_plan` as a warning
+        (``Mechanism.plan_log``: the plan's maths, ``plan.py``)."""
         d = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        steps = remaining if self._allowed_steps is None else min(remaining, self._allowed_steps)
-        acc = self.accountant.copy()
-        acc.planned_steps = None
-        acc.step(self.noise_multiplier, self.sample_rate, steps)
-        planned_epsilon = acc.get_epsilon(self.target_delta)
-        ratio, run_ratio = noise_to_signal(self.noise_multiplier, d, self.sample_rate * self.num_examples_private,
-                                           steps)
-        block = {
-            # a target only when the user set one (with noise_multiplier=σ the run has none: ε is what it plans)
-            **({} if self.args.target_epsilon is None else {"dp_target_epsilon": self.args.target_epsilon}),
-            "dp_planned_epsilon": round(planned_epsilon, 4),
-            "delta": self.target_delta,
-            "dp_noise_multiplier": round(float(self.noise_multiplier), 6),
-            "dp_sample_rate": self.sample_rate,
-            "dp_expected_batch_size": self.expected_batch_size,
-            "dp_steps": steps,
-            "dp_per_sample_max_grad_norm": self.args.per_sample_max_grad_norm,
-            "dp_clipping": self.args.clipping,
-            "dp_privacy_unit": self.args.privacy_unit,
-            **({"dp_earlier_steps": self._history.earlier_steps} if self._history.earlier else {}),
-            "dp_accountant": acc.accountant_used,
-            "dp_trainable_parameters": d,
-            "dp_noise_to_signal": round(ratio, 4),
-            "dp_noise_to_signal_over_run": round(run_ratio, 4),
-        }
+        block, advice = self.mechanism.plan_log(remaining, d, self._history.earlier_steps if self._history.earlier
+                                                else None)
         self.log(block)
-        if run_ratio > NOISE_TO_SIGNAL_WARNING:
-            msg = learning_advice(ratio, run_ratio, d, float(self.noise_multiplier), self.expected_batch_size, steps)
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=2)
+        if advice is not None:
+            logger.warning(advice)
+            warnings.warn(advice, UserWarning, stacklevel=2)
 
     def privacy_record(self, accountant: PrivacyAccountant | None = None,
                        noise_multiplier: float | None = None) -> PrivacyRecord:
@@ -1310,61 +897,24 @@ class DPTrainer(Trainer):
 
         Before ``train()``, σ is the one the run will use (calibrated as ``train()`` will, :meth:`privacy_plan`).
         """
-        args = self.args
         acc = self.accountant if accountant is None else accountant
         sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
         if sigma is None and self.train_dataset is not None:
-            sigma = self._calibrate_noise(self.planned_max_steps(), acc.history)
-        gc = self.group_clipper
-        thresholds = adaptive = group_state = None
-        if gc is not None:
-            thresholds = _plain(gc.thresholds)
-            names = [g.name for g in gc.groups]
-            if isinstance(thresholds, list) and len(names) == len(thresholds):
-                thresholds = dict(zip(names, thresholds))
-            group_state = gc.state_dict()
-            if gc.adaptive:
-                adaptive = {"target_quantile": _plain(gc.target_quantile), "quantile_lr": _plain(gc.quantile_lr)}
-                try:  # (σ of the gradient, σ_b of the clip counts); composed they are the accounted σ (Prop. 3.1)
-                    sigma_grad, sigma_b = self._quantile_noise()
-                    adaptive.update(gradient_noise_multiplier=float(sigma_grad), count_noise_multiplier=float(sigma_b))
-                except Exception:  # noqa: BLE001 - only informative (σ not known yet)
-                    pass
-        user = self.user_level
+            sigma = self.mechanism.calibrate(self.planned_max_steps(), acc.history)
         model = self._unwrapped_model()
         return PrivacyRecord(
             accountant=acc,
-            delta=float(self.target_delta),
-            noise_multiplier=_plain(sigma),
-            sample_rate=float(self.sample_rate),
-            num_examples=int(self.num_examples_private),
-            expected_batch_size=int(self.expected_batch_size),
-            per_sample_max_grad_norm=float(args.per_sample_max_grad_norm),
-            target_epsilon=_plain(args.target_epsilon),
-            clipping=str(_plain(args.clipping)),
-            poisson_sampling=bool(args.poisson_sampling),
-            accountant_name=str(args.accountant),
-            noise_allocation=str(_plain(self.noise_allocation or "global")),
-            group_thresholds=thresholds,
-            adaptive_clipping=adaptive,
-            group_clipping=group_state,
-            privacy_unit=str(args.privacy_unit or "example"),
-            user_id_column=args.user_id_column if user else None,
-            max_examples_per_user=args.max_examples_per_user if user else None,
-            user_contribution=args.user_contribution if user else None,
-            num_rows=len(self.train_dataset) if user else None,
-            secure_mode=bool(args.secure_mode),
-            dp_seed="secret" if args.dp_seed is None else "fixed",
+            **self.mechanism.record_fields(sigma),
             trained_parameters=describe_trained_parameters(model, getattr(self.clipping_engine, "params", None)),
-            optimizer=describe_optimizer(self.optimizer, args.optim),
+            optimizer=describe_optimizer(self.optimizer, self.args.optim),
             base_model=model_base_model(model),
             dp_guarantee=self.dp_guarantee,
-            load_best_model_at_end=bool(args.load_best_model_at_end),
+            load_best_model_at_end=bool(self.args.load_best_model_at_end),
             budget_exhausted=bool(self.budget_exhausted),
-            eval_data_is_public=bool(args.eval_data_is_public),
-            audit=_plain(audit_report(self)) or None,
+            eval_data_is_public=bool(self.args.eval_data_is_public),
+            audit=plain(audit_report(self)) or None,
             run_id=self._history.run_id if accountant is None else None,
-            earlier_runs=_plain(self._history.earlier) or None,
+            earlier_runs=plain(self._history.earlier) or None,
             privacy_unit_detail=self._privacy_unit_detail(),
             prv_accountant_version=acc.state_dict().get("prv_accountant_version"),
         )
@@ -1416,7 +966,7 @@ class DPTrainer(Trainer):
         if self.accountant.steps > 0 and self.train_dataset is not None:
             logs.update(self.privacy_record().log_fields(final="train_runtime" in logs))
             if self.group_clipper is not None:
-                logs.update(self._group_logs())
+                logs.update(self.mechanism.group_logs())
         super().log(logs, *args, **kwargs)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
@@ -1450,7 +1000,7 @@ class DPTrainer(Trainer):
         if resume_from_checkpoint:
             self._load_dp_state(resume_from_checkpoint)
         elif self.model_init is not None:
-            self.accountant = self._new_accountant()  # a new model is built in train()
+            self.accountant = self.mechanism.new_accountant()  # a new model is built in train()
             self._secret_seed = None  # ... with a history of its own (_run_seed)
             self.noise_multiplier = self.args.noise_multiplier
         else:
@@ -1464,15 +1014,13 @@ class DPTrainer(Trainer):
                 logger.warning(msg)
                 warnings.warn(msg, UserWarning, stacklevel=2)
             self.noise_multiplier = self.args.noise_multiplier  # None with target_epsilon: calibrated at train start
-        self._dp_steps_at_begin = self.accountant.steps
+        self.mechanism.steps_at_run_begin = self.accountant.steps
         self.budget_exhausted = False
         self._self_checked = False
         if self.train_dataset is not None:
             self._validate_against_dataset()
         if resume_from_checkpoint and self.args.target_epsilon is not None and self.noise_multiplier is not None:
-            acc = self.accountant.copy()
-            acc.step(self.noise_multiplier, self.sample_rate)
-            if acc.get_epsilon(self.target_delta) > self.args.target_epsilon:
+            if self.mechanism.epsilon_after(1) > self.args.target_epsilon:
                 logger.warning(
                     "hf_dp: not resuming training: the privacy budget ε=%s (δ=%.3g) is spent (ε=%.4f after %d steps) "
                     "and one more step would exceed it.",
@@ -1510,57 +1058,21 @@ class DPTrainer(Trainer):
 
     def card_inputs(self, tags: Any = None) -> dict[str, Any]:
         """What a model card needs besides the record, gathered here as plain data (``hf_dp.cards`` never reads a
-        trainer): the tags (``tags`` and the model's own, e.g. trl's), the training hyperparameters, the latest
-        evaluation metrics (published only when the evaluation data is declared public) and the task."""
-        model_tags = getattr(self._unwrapped_model(), "model_tags", None)
-        merged: list[str] = []
-        for group in (tags, model_tags):
-            for t in [group] if isinstance(group, str) else group or []:
-                if t and t not in merged:
-                    merged.append(str(t))
-        return {"tags": merged or None, "hyperparameters": self._card_hyperparameters(),
-                "eval_metrics": latest_eval_metrics(getattr(self.state, "log_history", None)), "task": self.task}
-
-    def _card_hyperparameters(self) -> list[tuple[str, Any]]:
-        """The Trainer's training hyperparameters (public settings; never a metric computed on the data)."""
-        a = self.args
-        hp: list[tuple[str, Any]] = [
-            ("learning_rate", a.learning_rate),
-            ("optimizer", describe_optimizer(self.optimizer, a.optim) + f", args.optim={_plain(a.optim)}"),
-        ]
-        if "adam" in str(_plain(a.optim)).lower():
-            hp.append(("adam_betas", (a.adam_beta1, a.adam_beta2)))
-            hp.append(("adam_epsilon", a.adam_epsilon))
-        hp += [
-            ("weight_decay", a.weight_decay),
-            ("lr_scheduler_type", _plain(a.lr_scheduler_type)),
-            ("warmup_steps", getattr(a, "warmup_steps", 0)),
-            ("per_device_train_batch_size (memory bound of a micro-batch)", a.per_device_train_batch_size),
-            ("gradient_accumulation_steps", a.gradient_accumulation_steps),
-            ("num_processes", a.world_size),
-            ("expected_batch_size", self.expected_batch_size),
-            ("training_steps", self.accountant.steps),
-            ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
-            ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
-            ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
-            ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
-        ]
-        if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were
-            hp.append(("clipping_function (Bu et al. 2023: C/(‖g‖+γ))", a.clipping_function))
-            hp.append(("automatic_clipping_gamma", a.automatic_clipping_gamma))
-        if a.dp_adam_bias_correction:
-            hp.append(("dp_adam_bias_correction (Tang et al. 2024)", True))
-            hp.append(("dp_adam_bc_epsilon", a.dp_adam_bc_epsilon))
-        return hp
+        trainer; ``release.card_inputs``): the tags (``tags`` and the model's own, e.g. trl's), the training
+        hyperparameters, the latest evaluation metrics (published only when the evaluation data is declared public)
+        and the task."""
+        hyperparameters = card_hyperparameters(self.args, self.optimizer, self.expected_batch_size,
+                                               self.accountant.steps)
+        return card_inputs(tags, getattr(self._unwrapped_model(), "model_tags", None), hyperparameters,
+                           getattr(self.state, "log_history", None), self.task)
 
     def _write_model_card(self, output_dir: str, record: PrivacyRecord | None = None, **kwargs: Any) -> Any:
-        """``hf_dp.cards.create_model_card`` with this run's record and :meth:`card_inputs`, on the processes that
-        save (the card is written next to the weights)."""
+        """``release.write_model_card`` with this run's record and :meth:`card_inputs`, on the processes that save
+        (the card is written next to the weights)."""
         if not self.args.should_save:
             return None
         record = self.privacy_record() if record is None else record
-        inputs = self.card_inputs(kwargs.pop("tags", None))
-        return create_model_card(record, output_dir, **{**inputs, **kwargs})
+        return write_model_card(record, output_dir, self.card_inputs(kwargs.pop("tags", None)), **kwargs)
 
     def save_model(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> None:
         """``Trainer.save_model``, plus the privacy state (``dp_state.json``) next to the weights.
@@ -1595,26 +1107,10 @@ class DPTrainer(Trainer):
                                       **kwargs)
 
     def _push_from_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        """``Trainer._push_from_checkpoint``, uploading the checkpoint's privacy card and redacted training records.
-
-        With ``push_to_hub`` and ``hub_strategy`` ``"every_save"``/``"checkpoint"``/``"all_checkpoints"``, the
-        Trainer copies only a fixed list of files (weights, config, adapter files) from the new checkpoint into
-        ``output_dir``, re-saves the tokenizer and training arguments there, and uploads ``output_dir``; with
-        ``"checkpoint"``/``"all_checkpoints"`` it also uploads the checkpoint folder (``trainer_state.json``
-        included). Here:
-
-        * the card (``README.md``) and ``dp_state.json`` of the checkpoint go into ``output_dir`` too, so the Hub
-          never shows weights without (or with a stale) privacy guarantee: the card is re-rendered there (keeping
-          metadata set on an existing README, merging into one hf_dp did not write) when the accountant is at the
-          checkpoint's step, as it is when ``_save_checkpoint`` calls this; otherwise the checkpoint's own card is
-          copied. The conditions under which the Trainer skips the push are mirrored, so ``output_dir`` never gets
-          a card newer than its weights;
-        * the Trainer is handed a copy of the checkpoint (``output_dir/_hf_dp_push/checkpoint-N``, hard links) whose
-          ``trainer_state.json`` carries no training loss, ``grad_norm``, ``total_flos``, ``num_input_tokens_seen``
-          nor (unless ``eval_data_is_public``) evaluation metrics (``hf_dp/release.py``); the local checkpoint, which
-          ``resume_from_checkpoint`` reads, keeps everything. ``trainer_state.json``/``*results.json`` in
-          ``output_dir`` are redacted the same way (originals kept in ``output_dir/_hf_dp_private/``).
-        """
+        """``Trainer._push_from_checkpoint`` (``push_to_hub`` with ``hub_strategy`` ``"every_save"``,
+        ``"checkpoint"``, ``"all_checkpoints"``), uploading the checkpoint's privacy card and ``dp_state.json`` with its
+        weights, and redacted training records (``release.checkpoint_push``). The conditions under which the Trainer
+        skips the push are mirrored, so ``output_dir`` never gets a card newer than its weights."""
         from transformers.trainer_utils import HubStrategy
 
         checkpoint_folder = str(args[0] if args else kwargs.pop("checkpoint_folder"))
@@ -1626,25 +1122,10 @@ class DPTrainer(Trainer):
         if not will_push:
             return super()._push_from_checkpoint(checkpoint_folder, *args, **kwargs)
         output_dir = self.args.output_dir
-        os.makedirs(output_dir, exist_ok=True)
-        state_path = os.path.join(checkpoint_folder, DP_STATE_NAME)
-        if os.path.isfile(state_path):
-            checkpoint_steps = PrivacyRecord.load(state_path).steps
-            card_path = os.path.join(checkpoint_folder, "README.md")
-            target = os.path.join(output_dir, "README.md")
-            if checkpoint_steps == self.accountant.steps and os.path.isfile(target):
-                self._write_model_card(output_dir, model_name=os.path.basename(os.path.normpath(output_dir)))
-            elif os.path.isfile(card_path):
-                shutil.copy(card_path, target)
-            else:
-                raise FileNotFoundError(
-                    f"{checkpoint_folder} holds {DP_STATE_NAME} but no README.md: refusing to push weights to the "
-                    "Hub without their privacy card."
-                )
-            shutil.copy(state_path, os.path.join(output_dir, DP_STATE_NAME))
-        public = self.args.eval_data_is_public
-        redact_output_dir(output_dir, public)
-        staged = stage_checkpoint(checkpoint_folder, output_dir, public, clean=idle)
+        staged = checkpoint_push(
+            checkpoint_folder, output_dir, self.accountant.steps, eval_public=self.args.eval_data_is_public,
+            clean=idle, rewrite_card=lambda: self._write_model_card(
+                output_dir, model_name=os.path.basename(os.path.normpath(output_dir))))
         return super()._push_from_checkpoint(str(staged), *args, **kwargs)
 
     def push_to_hub(self, *args: Any, **kwargs: Any):
@@ -1669,21 +1150,8 @@ class DPTrainer(Trainer):
                 "under-count ε. Resume only from checkpoints written by DPTrainer."
             )
         record = PrivacyRecord.load(path)
-        self.accountant = record.accountant  # ε continues from the checkpoint's mechanisms
         # The same run, continued: its id and the earlier runs it continued from (history.py) are the checkpoint's.
-        self._history = ModelHistory(record.earlier_runs or [], run_id=record.run_id)
-        self._history.own_mechanisms(self.accountant.history)  # fails loudly if they do not add up
-        if self.group_clipper is not None and record.group_clipping:
-            self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
-        if self.args.noise_multiplier is None:
-            self.noise_multiplier = record.noise_multiplier
-        else:
-            self.noise_multiplier = self.args.noise_multiplier
-        if abs(record.sample_rate - self.sample_rate) > 1e-12 or \
-                record.per_sample_max_grad_norm != self.args.per_sample_max_grad_norm:
-            warnings.warn(
-                "Resuming with a different sampling rate or clipping norm than the checkpoint; the accountant "
-                "composes both mechanisms.",
-                UserWarning,
-                stacklevel=3,
-            )
+        history = ModelHistory(record.earlier_runs or [], run_id=record.run_id)
+        history.own_mechanisms(record.accountant.history)  # fails loudly if they do not add up
+        self._history = history
+        self.mechanism.resume_from(record)  # the accountant (ε continues), σ, the clipping thresholds

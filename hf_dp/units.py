@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SAMPLE_ROWS", "chunk_documents", "grouped_rows_detail", "looks_grouped"]
+__all__ = ["SAMPLE_ROWS", "UnitDetail", "check_grouped_rows", "chunk_documents", "grouped_rows_detail",
+           "looks_grouped"]
 
 SAMPLE_ROWS = 256
 """Rows :func:`looks_grouped` reads (evenly spaced; all rows of a smaller data set)."""
@@ -104,6 +105,52 @@ def grouped_rows_detail(block_length: int) -> str:
             "one document: a document spread over k blocks is protected only as a group of k (group_privacy), and a "
             "block may hold parts of several documents. For document-level DP chunk within documents "
             "(hf_dp.units.chunk_documents) and train with privacy_unit='user', user_id_column=<document id>")
+
+
+def check_grouped_rows(dataset: Any, tokenizer: Any = None, config: Any = None) -> tuple[str | None, str | None]:
+    """Whether the rows of ``dataset`` look like ``run_clm``'s fixed-length blocks (:func:`looks_grouped`, with the
+    pad and separator ids of ``tokenizer`` / the model's ``config``): ``(privacy_unit_detail, warning)``, both None
+    when they do not. The trainer says the warning once per training set; the record and the card say the detail."""
+    separators = {getattr(o, k, None) for o in (tokenizer, config) for k in ("eos_token_id", "bos_token_id")}
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(config, "pad_token_id", None)
+    length = looks_grouped(dataset, pad if isinstance(pad, int) else None,
+                           [t for t in separators if isinstance(t, int)])
+    if length is None:
+        return None, None
+    msg = (f"hf_dp: the privacy unit is one row of the training set, and its rows look like fixed-length "
+           f"blocks of concatenated text (every row {length} tokens, no padding, labels = input_ids: "
+           "transformers' run_clm.py group_texts). If so, ε protects one block, not one document: a "
+           "document spread over k blocks is protected only as a group of k. For document-level DP, chunk "
+           "within documents (hf_dp.units.chunk_documents) and pass privacy_unit='user', "
+           "user_id_column=<document id> (README, 'Document-level DP for language modelling'); if every "
+           "row is already one whole document, the same settings say so and silence this warning. The "
+           "card records the unit as a block.")
+    return grouped_rows_detail(length), msg
+
+
+class UnitDetail:
+    """What one privacy unit of a training set is, checked once per training set (:func:`check_grouped_rows`) and
+    kept for the record and the card (``privacy_unit_detail``) while that set is the one trained on."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, str | None] | None = None  # (id of the data set, privacy_unit_detail)
+
+    def check(self, dataset: Any, tokenizer: Any = None, config: Any = None, declared: bool = False) -> str | None:
+        """The warning to say (once per training set), or None; ``declared``: the unit is declared by a user id
+        column (``privacy_unit='user'``), nothing is checked."""
+        if dataset is None or (self._seen is not None and self._seen[0] == id(dataset)):
+            return None
+        detail, msg = (None, None) if declared else check_grouped_rows(dataset, tokenizer, config)
+        self._seen = (id(dataset), detail)
+        return msg
+
+    def detail(self, dataset: Any) -> str | None:
+        """``privacy_unit_detail`` of ``dataset`` if it is the set last checked, else None."""
+        if self._seen is None or dataset is None or self._seen[0] != id(dataset):
+            return None
+        return self._seen[1]
 
 
 def chunk_documents(dataset: Any, block_size: int, document_id_column: str = "document_id",

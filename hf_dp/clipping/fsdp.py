@@ -278,11 +278,11 @@ class FSDPFlatClipping(DPStep):
         self._begin_chunk(model)
         micro: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
         if inputs is not None:
-            inputs = pc.prepare_inputs(inputs)
+            inputs = pc.hooks.prepare_inputs(inputs)
             if "labels" not in inputs:
                 raise ValueError("DPTrainer needs `labels` in every batch to compute per-example losses.")
             labels = inputs.pop("labels")
-            for part, part_labels, _ in pc.micro_batches(inputs, labels):
+            for part, part_labels, _ in pc.hooks.micro_batches(inputs, labels):
                 micro.append((part, part_labels, torch.ones(part_labels.shape[0], dtype=torch.float64)))
         n = int(_all_max(len(micro), device))  # every rank runs the same number of forwards/backwards
         while len(micro) < n:
@@ -301,7 +301,7 @@ class FSDPFlatClipping(DPStep):
             self._add_losses(micro_sum, weights.sum() - (int(self.nonfinite_in_step) - nonfinite_before))
             loss_sum = loss_sum + micro_sum.to(loss_sum)
             self.stats["micro_batches"] += 1
-        if pc.sync_gradients():
+        if pc.hooks.sync_gradients():
             self.finish_step(model)
         return loss_sum / self._local_expected()
 
@@ -311,7 +311,7 @@ class FSDPFlatClipping(DPStep):
             src = self.dummy_source
             if src is None:
                 raise RuntimeError("FSDPFlatClipping.dummy_source is not set (DPTrainer.get_train_dataloader sets it).")
-            batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0]]))
+            batch = self.pieces.hooks.prepare_inputs(src.collate_fn([src.dataset[0]]))
             batch.pop(INDEX_KEY, None)
             labels = batch.pop("labels")
             self._dummy = (batch, labels)
@@ -319,10 +319,10 @@ class FSDPFlatClipping(DPStep):
         return dict(batch), labels
 
     def _forward_losses(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
-        pc = self.pieces
+        hooks = self.pieces.hooks
         b = labels.shape[0]
-        outputs = model(**pc.model_inputs(model, batch, labels))
-        losses = pc.per_example_loss(outputs, labels)
+        outputs = model(**hooks.model_inputs(model, batch, labels))
+        losses = hooks.per_example_loss(outputs, labels)
         if losses.shape != (b,):
             raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
         return losses
@@ -333,7 +333,7 @@ class FSDPFlatClipping(DPStep):
         pc = self.pieces
         engine = self.engine
         b = labels.shape[0]
-        with pc.loss_context(), engine.capture(b):
+        with pc.hooks.loss_context(), engine.capture(b):
             losses = self._forward_losses(model, batch, labels)
             engine.norms_backward(losses, retain_graph=True)
         norms_sq = engine.per_example_norms_sq()
@@ -359,7 +359,7 @@ class FSDPFlatClipping(DPStep):
             else:
                 batch, labels = self._padding_batch()
                 factors = torch.zeros(labels.shape[0], dtype=factors.dtype, device=factors.device)
-            with pc.loss_context():
+            with pc.hooks.loss_context():
                 losses = self._forward_losses(model, batch, labels)
             out = torch.zeros(b, dtype=losses.dtype, device=losses.device)
             if len(keep):
@@ -368,16 +368,17 @@ class FSDPFlatClipping(DPStep):
             out = losses.detach()
         if losses.requires_grad:
             dtype = torch.promote_types(losses.dtype, torch.float32)
-            scale = pc.args.world_size / pc.expected_batch_size()  # FSDP averages over ranks: × W gives the sum
+            scale = pc.args.world_size / pc.mechanism.expected_batch_size  # FSDP averages over ranks: × W gives the sum
             ((losses.to(dtype) * factors.to(dtype)).sum() * scale).backward()
         return out
 
     def finish_step(self, model: nn.Module) -> None:
         """At the step's last chunk: noise once per coordinate on the local shards, record the step."""
         pc = self.pieces
+        mech = pc.mechanism
         params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
-        if not pc.budget_allows(1):
-            pc.stop_for_budget()  # never release a step beyond the budget: no update, nothing recorded
+        if not mech.budget_allows(1):
+            mech.stop_for_budget()  # never release a step beyond the budget: no update, nothing recorded
             for _, p in params:
                 p.grad = None
             self._checking = False
@@ -390,21 +391,21 @@ class FSDPFlatClipping(DPStep):
             _check_sharded(n, p.grad, world)
         if self._checking:
             self._check_against_autograd(params)
-        sigma = pc.noise_multiplier()
-        std = float(sigma) * pc.args.per_sample_max_grad_norm / pc.expected_batch_size()  # σ·C / B
-        accountant = pc.accountant()
+        sigma = mech.noise_multiplier
+        std = float(sigma) * pc.args.per_sample_max_grad_norm / mech.expected_batch_size  # σ·C / B
+        accountant = mech.accountant
         if std > 0:
-            step, rank, noise = accountant.steps, pc.args.process_index, pc.noise()
+            step, rank, noise = accountant.steps, pc.args.process_index, mech.noise
             with torch.no_grad():
                 shards = [p.grad.to_local() for _, p in params]  # no-grad to_local: the DTensor's own storage
             add_noise_to_shards(shards, std, lambda device, k: noise.for_shard(step, rank, device, k))
-        accountant.step(sigma, pc.sample_rate())
+        accountant.step(sigma, mech.sample_rate)
         self._step_released()
 
     # ------------------------------------------------------------------ self-check (dp_self_check)
     def _norms_only(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
         b = labels.shape[0]
-        with self.pieces.loss_context(), self.engine.capture(b):
+        with self.pieces.hooks.loss_context(), self.engine.capture(b):
             losses = self._forward_losses(model, batch, labels)
             self.engine.norms_backward(losses)
         norms = self.engine.per_example_norms(b)
@@ -415,7 +416,7 @@ class FSDPFlatClipping(DPStep):
         """The micro-batch, or two collated training examples if it has one (a one-example check proves nothing)."""
         if labels.shape[0] < 2 and self.dummy_source is not None and len(self.dummy_source.dataset) >= 2:
             src = self.dummy_source
-            batch = self.pieces.prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
+            batch = self.pieces.hooks.prepare_inputs(src.collate_fn([src.dataset[0], src.dataset[1]]))
             batch.pop(INDEX_KEY, None)
             labels = batch.pop("labels")
         return batch, labels
@@ -495,7 +496,7 @@ class FSDPFlatClipping(DPStep):
             mine = torch.zeros(ref.shape, dtype=torch.float64, device=ref.device) if mine is None else mine
             mine = mine.to(device=ref.device, dtype=torch.promote_types(ref.dtype, torch.float32)).reshape(ref.shape)
             dist.all_reduce(mine)
-            mine = mine / self.pieces.expected_batch_size()
+            mine = mine / self.pieces.mechanism.expected_batch_size
             tol = rtol * float(ref.abs().max().clamp(min=1e-12))
             if not torch.allclose(mine, ref.to(mine.dtype), rtol=rtol, atol=tol):
                 escaped.append(n)

@@ -11,16 +11,18 @@ once and divided by the expected batch size (``noise.py``; the noise is all-redu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from ..noise import privatize
 from ..peft_support import adapter_advice
-from .engine import train_without_dropout
+from .engine import ClippingEngine, train_without_dropout
 from .modes import flat_clip_factors
-from .step import UNIT_KEY, DPStep, slice_batch
+from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
 
-__all__ = ["LocalDPStep", "unit_layout"]
+__all__ = ["LocalDPStep", "first_step_check", "unit_layout"]
 
 _COUNTS = "_hf_dp_clip_counts"
 
@@ -45,11 +47,11 @@ class LocalDPStep(DPStep):
     def training_step(self, model: nn.Module, inputs: dict | None) -> torch.Tensor:
         """Clip each example's gradient and add it to the step's sum; at the step's last chunk, privatize."""
         pc = self.pieces
-        args = pc.args
+        args, hooks = pc.args, pc.hooks
         self._begin_chunk(model)
         loss_sum = torch.zeros((), device=args.device)
         if inputs is not None:
-            inputs = pc.prepare_inputs(inputs)
+            inputs = hooks.prepare_inputs(inputs)
             if "labels" not in inputs:
                 raise ValueError(
                     "DPTrainer needs `labels` in every batch to compute per-example losses. If your dataset has the "
@@ -58,21 +60,22 @@ class LocalDPStep(DPStep):
                     "forward does not list).")
             labels = inputs.pop("labels")
             units_all = inputs.pop(UNIT_KEY, None)
-            net = pc.unwrap_model(model)
+            net = hooks.unwrap_model(model)
             engine = self.engine
-            for micro, micro_labels, micro_units in pc.micro_batches(inputs, labels, units_all):
-                segments = pc.segment_ids(micro)  # packed rows (DPSFTTrainer): each token's example; else None
+            for micro, micro_labels, micro_units in hooks.micro_batches(inputs, labels, units_all):
+                segments = hooks.segment_ids(micro)  # packed rows (DPSFTTrainer): each token's example; else None
                 rows = micro_labels.shape[0]
                 b = rows if segments is None else int(segments.max()) + 1
                 if not self.self_checked:  # always: coverage never depends on dp_self_check
-                    pc.self_check(net, micro, micro_labels)
+                    hooks.first_step_check(net, micro, micro_labels)
+                    self.self_checked = True
                 units, weights = (unit_layout(micro_units, args.user_contribution) if pc.unit_layout is None
                                   else pc.unit_layout(micro_units))
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
-                with pc.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):
-                    outputs = net(**pc.model_inputs(net, micro, micro_labels))
-                    losses = pc.per_example_loss(outputs, micro_labels,
+                with hooks.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):
+                    outputs = net(**hooks.model_inputs(net, micro, micro_labels))
+                    losses = hooks.per_example_loss(outputs, micro_labels,
                                                  **({} if segments is None else {"segments": segments}))
                     del outputs  # the logits are freed during the backward pass, not kept to the end of the step
                     if losses.shape != (b,):
@@ -96,76 +99,75 @@ class LocalDPStep(DPStep):
                 micro_sum = torch.where(bad, 0.0, losses).sum()
                 self._add_losses(micro_sum, (~bad).sum())  # the logged loss: the realised mean (step.RealisedLoss)
                 loss_sum = loss_sum + micro_sum.to(loss_sum.device)
-        if pc.sync_gradients():
+        if hooks.sync_gradients():
             self.finish_step(model)
         return loss_sum / self._local_expected()
 
     def finish_step(self, model: nn.Module | None = None) -> None:
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""
         pc = self.pieces
-        pc.check_release()  # nothing changed inside the step (guarantee.ReleasedStateGuard)
+        mech = pc.mechanism
+        pc.hooks.check_release()  # nothing changed inside the step (guarantee.ReleasedStateGuard)
         engine = self.engine
         summed = engine.pop_summed_grads()
-        if not pc.budget_allows(1):
+        if not mech.budget_allows(1):
             # Never release a step beyond the budget: no gradient, no update, nothing recorded.
-            pc.stop_for_budget()
+            mech.stop_for_budget()
             for p in engine.params.values():
                 p.grad = None
             self._step_released(released=False)
             return
         device = next(iter(summed.values())).device
-        stds = pc.noise_stds()
+        stds = mech.noise_stds()
         gc = pc.group_clipper
         adaptive = gc is not None and gc.adaptive
         if adaptive:
             # The clip counts are released with the gradient, in the same noised all-reduce (Alg. 1 lines 15-16).
             first = next(iter(summed.values()))
             summed[_COUNTS] = gc.pop_counts().to(device=device, dtype=first.dtype)
-            stds = {**stds, _COUNTS: pc.quantile_noise()[1]}
-        accountant = pc.accountant()
-        grads = privatize(summed, stds, pc.expected_batch_size(), pc.noise().for_step(accountant.steps, device))
+            stds = {**stds, _COUNTS: mech.quantile_noise()[1]}
+        accountant = mech.accountant
+        grads = privatize(summed, stds, mech.expected_batch_size, mech.noise.for_step(accountant.steps, device))
         if adaptive:
             gc.update(grads.pop(_COUNTS) + 0.5)  # b̃_k = (Σ(b − ½) + z) / B + ½
         for name, p in engine.params.items():
             p.grad = grads[name].to(p.dtype)
         pc.grad_guard.released(engine.params.values())  # before the optimizer step: these and only these
-        accountant.step(pc.noise_multiplier(), pc.sample_rate())
+        accountant.step(mech.noise_multiplier, mech.sample_rate)
         self._step_released()
 
-    # ------------------------------------------------------------------ first-step checks
-    def self_check(self, net: nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: the engine's checks on the real model and data.
 
-        Always (cheap; ``ClippingEngine.first_step_check``): every hooked layer's batch axis is proven (the model on
-        the micro-batch and on its first example alone) and the hooks' unclipped sum equals autograd's gradient on
-        two examples, so coverage never depends on ``dp_self_check``. With ``dp_self_check`` (the expensive part):
-        two examples' gradient norms in the micro-batch equal their norms alone, in eval mode and in train mode with
-        dropout off (a layer that behaves differently in training, e.g. batch statistics, runs as it will). The
-        checks need a micro-batch of at least two examples: if the first has one, two training examples are
-        collated for them.
-        """
-        pc = self.pieces
-        if labels.shape[0] < 2:
-            micro, labels = pc.check_batch() or (micro, labels)
-        b = labels.shape[0]
+def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: nn.Module, micro: dict,
+                     labels: torch.Tensor) -> None:
+    """Once per run, before the first update: the engine's checks on the real model and data (called by the
+    trainer's first-step hook, ``DPTrainer._self_check``, which the step calls once).
 
-        def run_losses(sl: slice) -> torch.Tensor:
-            part, part_labels = slice_batch(micro, sl, b), labels[sl]
-            with pc.loss_context():
-                return pc.per_example_loss(net(**pc.model_inputs(net, part, part_labels)), part_labels)
+    Always (cheap; ``ClippingEngine.first_step_check``): every hooked layer's batch axis is proven (the model on
+    the micro-batch and on its first example alone) and the hooks' unclipped sum equals autograd's gradient on
+    two examples, so coverage never depends on ``dp_self_check``. With ``dp_self_check`` (the expensive part):
+    two examples' gradient norms in the micro-batch equal their norms alone, in eval mode and in train mode with
+    dropout off (a layer that behaves differently in training, e.g. batch statistics, runs as it will). The
+    checks need a micro-batch of at least two examples: if the first has one, two training examples are
+    collated for them.
+    """
+    if labels.shape[0] < 2:
+        micro, labels = hooks.check_batch() or (micro, labels)
+    b = labels.shape[0]
 
-        args = pc.args
-        rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
-        engine = self.engine
-        was_training = net.training
-        try:
-            with train_without_dropout(net), adapter_advice(net):
-                engine.first_step_check(run_losses, b, rtol=rtol)
-                if args.dp_self_check and b >= 2:
-                    engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
+    def run_losses(sl: slice) -> torch.Tensor:
+        part, part_labels = slice_batch(micro, sl, b), labels[sl]
+        with hooks.loss_context():
+            return hooks.per_example_loss(net(**hooks.model_inputs(net, part, part_labels)), part_labels)
+
+    rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
+    was_training = net.training
+    try:
+        with train_without_dropout(net), adapter_advice(net):
+            engine.first_step_check(run_losses, b, rtol=rtol)
             if args.dp_self_check and b >= 2:
-                net.eval()
-                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
-        finally:
-            net.train(was_training)
-        self.self_checked = True
+                engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
+        if args.dp_self_check and b >= 2:
+            net.eval()
+            engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
+    finally:
+        net.train(was_training)

@@ -17,8 +17,10 @@ scales the update (with SGD it is interchangeable with the learning rate; Adam i
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from torch import nn
 from .engine import ClippingEngine
 
 __all__ = ["flat_clip_factors", "clip_factors_from_norms", "STABILITY_EPS", "CLIPPING_FUNCTIONS", "ClipGroup",
-           "GroupClipper", "build_groups"]
+           "GroupClipper", "build_groups", "group_clipper_from_args"]
 
 STABILITY_EPS = 1e-6
 CLIPPING_FUNCTIONS = ("clip", "automatic")
@@ -229,3 +231,26 @@ class GroupClipper:
         self.thresholds = torch.tensor(state["thresholds"], dtype=torch.float64)
         fraction = state.get("released_unclipped_fraction")
         self.released_unclipped_fraction = None if fraction is None else torch.tensor(fraction, dtype=torch.float64)
+
+
+def group_clipper_from_args(engine: ClippingEngine, args: Any) -> GroupClipper:
+    """The group clipper of a group-wise ``args.clipping`` mode (``DPTrainingArguments``): the groups of
+    :func:`build_groups`, thresholds ``group_max_grad_norms`` or ``C / √K`` each (He et al. 2023, App. A.1: the
+    thresholds' norm is C), adaptive quantiles for ``adaptive_per_layer``, the clipping function."""
+    groups = build_groups(engine, args.clipping, args.clipping_groups)
+    k = len(groups)
+    if args.group_max_grad_norms is not None:
+        if len(args.group_max_grad_norms) != k:
+            raise ValueError(
+                f"group_max_grad_norms has {len(args.group_max_grad_norms)} values but there are {k} clipping "
+                f"groups: {[g.name for g in groups]}."
+            )
+        thresholds = list(args.group_max_grad_norms)
+    else:
+        thresholds = [args.per_sample_max_grad_norm / math.sqrt(k)] * k  # App. A.1: ‖C‖ = C
+    return GroupClipper(
+        groups, thresholds, adaptive=args.clipping == "adaptive_per_layer", target_quantile=args.target_quantile,
+        quantile_lr=args.quantile_lr,
+        rescale_to=args.per_sample_max_grad_norm if args.adaptive_rescale_to_global else None,
+        function=args.clipping_function, gamma=args.automatic_clipping_gamma,
+    )

@@ -9,9 +9,12 @@ the step with the accountant. Two strategies exist, chosen once when the trainer
   clipping with flat or per-layer/group thresholds fused into back-propagation (``clipping/engine.py``);
 * :class:`~hf_dp.clipping.fsdp.FSDPFlatClipping` — FSDP2: two-pass flat ghost clipping, noise on the local shards.
 
-A strategy never sees the trainer: it gets :class:`StepPieces` — the engine, the group clipper, the arguments, and
-the few trainer callables it needs as plain functions. The callables look the trainer's method up when called, so a
-subclass's override (``DPSFTTrainer._segment_ids``, ``_micro_batches``, ``_self_check``, ...) takes effect.
+A strategy never sees the trainer: it gets :class:`StepPieces` — the engine, the group clipper, the arguments, the
+run's mechanism (:class:`StepMechanism`: σ, q, the expected batch, the accountant, the noise, the budget;
+``hf_dp/mechanism.py``) and the trainer's hooks (:class:`StepHooks`: the Trainer's machinery and the overridable
+per-batch functions, each looked up when called, so a subclass's override — ``DPSFTTrainer._segment_ids``,
+``_micro_batches``, ``_self_check`` — takes effect). The first-step checks are one hook
+(:meth:`StepHooks.first_step_check`), called once per run before the first update; the strategy marks them done.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import abc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,8 @@ from ..noise import NoiseGenerator
 from .engine import ClippingEngine
 from .modes import GroupClipper
 
-__all__ = ["DPStep", "INDEX_KEY", "RealisedLoss", "StepPieces", "UNIT_KEY", "micro_batch_bounds", "slice_batch"]
+__all__ = ["DPStep", "INDEX_KEY", "RealisedLoss", "StepHooks", "StepMechanism", "StepPieces", "UNIT_KEY",
+           "micro_batch_bounds", "slice_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,43 +112,85 @@ class RealisedLoss:
         return self._mean(self._run)
 
 
+class StepMechanism(Protocol):
+    """What a step reads of the run's DP mechanism (:class:`hf_dp.mechanism.Mechanism`), at each release: the
+    accountant (replaced on resume and for a new model), σ (calibrated at train start), the noise generator (made
+    with the train loader), q, the expected batch, the noise stds and the budget."""
+
+    accountant: PrivacyAccountant
+    noise: NoiseGenerator | None
+    noise_multiplier: float | None
+    sample_rate: float
+    expected_batch_size: int
+
+    def noise_stds(self) -> float | dict[str, float]:
+        """Noise std on each parameter's summed clipped gradient (σ·C, or per group)."""
+
+    def quantile_noise(self) -> tuple[float, float]:
+        """``(σ of the gradient, σ_b of the clip counts)`` (adaptive clipping; ``(σ, 0)`` otherwise)."""
+
+    def budget_allows(self, n: int) -> bool:
+        """Whether ``n`` more steps stay within the privacy budget."""
+
+    def stop_for_budget(self) -> None:
+        """A step released nothing because the budget is spent."""
+
+
+class StepHooks(Protocol):
+    """What a step calls of the trainer: the Trainer's machinery and the trainer's overridable hooks."""
+
+    def prepare_inputs(self, inputs: dict) -> dict:
+        """The Trainer's ``_prepare_inputs`` (inputs on the device)."""
+
+    def loss_context(self) -> Any:
+        """The Trainer's ``compute_loss_context_manager()`` (autocast)."""
+
+    def per_example_loss(self, outputs: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Each example's own loss, ``Tensor[B]`` (``losses.py``)."""
+
+    def model_inputs(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
+        """The model's inputs for a micro-batch."""
+
+    def micro_batches(self, inputs: dict, labels: torch.Tensor, units: torch.Tensor | None = None) -> list:
+        """A chunk split into ``(inputs, labels, units)`` micro-batches (memory only; a unit is never split)."""
+
+    def segment_ids(self, inputs: dict) -> torch.Tensor | None:
+        """Each token's example in a padding-free packed micro-batch; ``None`` when every row is one example."""
+
+    def first_step_check(self, net: nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Once per run, before the first update: the first-step checks on the real model and micro-batch."""
+
+    def check_batch(self) -> tuple[dict, torch.Tensor] | None:
+        """Two training examples collated on the device (first-step checks of a one-example micro-batch)."""
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        """The model without accelerate's wrappers."""
+
+    def sync_gradients(self) -> bool:
+        """Whether this chunk is the last of its logical step."""
+
+    def optimizer(self) -> Any:
+        """The Trainer's optimizer."""
+
+    def check_release(self) -> None:
+        """Called first thing when a step releases (or, at a budget stop, releases nothing): the released-state
+        check (``guarantee.ReleasedStateGuard``)."""
+
+
 @dataclass
 class StepPieces:
     """What a DP step strategy is given by the trainer. Never the trainer itself.
 
-    Values that change during a run (σ is calibrated at train start, the accountant is replaced on resume and by
-    ``model_init``, the noise generator is made with the train loader, the arguments may be edited between runs) are
-    given as zero-argument callables read at each use; ``args`` is the run's ``DPTrainingArguments``, read live.
+    ``args`` is the run's ``DPTrainingArguments`` and ``mechanism`` the run's DP mechanism, both read live at each
+    use; ``hooks`` are the trainer's functions the step calls.
     """
 
     engine: ClippingEngine
     group_clipper: GroupClipper | None
     args: Any
     grad_guard: StepGradientGuard
-    # the mechanism, read live
-    accountant: Callable[[], PrivacyAccountant]
-    noise: Callable[[], NoiseGenerator]
-    noise_multiplier: Callable[[], float]
-    sample_rate: Callable[[], float]
-    expected_batch_size: Callable[[], int]
-    noise_stds: Callable[[], float | dict[str, float]]
-    quantile_noise: Callable[[], tuple[float, float]]
-    budget_allows: Callable[[int], bool]
-    stop_for_budget: Callable[[], None]
-    # the Trainer's machinery and the trainer's overridable hooks
-    prepare_inputs: Callable[[dict], dict]
-    loss_context: Callable[[], Any]
-    per_example_loss: Callable[..., torch.Tensor]
-    model_inputs: Callable[[nn.Module, dict, torch.Tensor], dict]
-    micro_batches: Callable[..., list]
-    segment_ids: Callable[[dict], torch.Tensor | None]
-    self_check: Callable[[nn.Module, dict, torch.Tensor], None]
-    check_batch: Callable[[], tuple[dict, torch.Tensor] | None]
-    unwrap_model: Callable[[nn.Module], nn.Module]
-    sync_gradients: Callable[[], bool]
-    optimizer: Callable[[], Any]
-    # called first thing when a step releases (or, at a budget stop, releases nothing): the released-state check
-    check_release: Callable[[], None] = lambda: None
+    mechanism: StepMechanism
+    hooks: StepHooks
     # where released steps' losses go (the logged loss); the trainer keeps one across rebuilt strategies
     realised_loss: RealisedLoss = field(default_factory=RealisedLoss)
     # ``units -> (local unit ids, weights)`` for a micro-batch whose model rows are not one example each (the two
@@ -283,7 +329,7 @@ class DPStep(abc.ABC):
     def _begin_chunk(self, model: nn.Module) -> None:
         self._step_model = model
         model.train()
-        optimizer = self.pieces.optimizer()
+        optimizer = self.pieces.hooks.optimizer()
         if hasattr(optimizer, "train") and callable(optimizer.train):
             optimizer.train()  # schedule-free optimizers keep train/eval weights
         self._chunk_in_step += 1
