@@ -29,6 +29,7 @@ import torch
 
 from .arguments import DPTrainingArguments
 from .clipping.step import micro_batch_bounds
+from .counterfactual import check_examples_alone
 from .guarantee import check_batch_rows
 from .trainer import DPTrainer
 
@@ -149,8 +150,9 @@ class PreferencePairsDP(DPTrainer):
             )
 
     def _step_pieces(self):
-        """The DP step's pieces, with the unit layout of paired sequences (:meth:`pair_unit_layout`)."""
-        return dataclasses.replace(super()._step_pieces(), unit_layout=self.pair_unit_layout)
+        """The DP step's pieces, with the unit layout of paired sequences (:meth:`pair_unit_layout`); a row (two
+        sequences) is one example of the logged loss and of the non-finite count."""
+        return dataclasses.replace(super()._step_pieces(), unit_layout=self.pair_unit_layout, rows_per_example=2)
 
     def pair_unit_layout(self, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per sequence: its unit ``0..U-1`` (the row, or the row's user) and its weight in the unit's gradient —
@@ -208,23 +210,58 @@ class PreferencePairsDP(DPTrainer):
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """``DPTrainer``'s first-step checks of the per-sequence gradients, on the per-sequence scores
-        (:meth:`sequence_scores`) whose gradients the row's loss combines by the chain rule."""
+        (:meth:`sequence_scores`) whose gradients the row's loss combines by the chain rule; then the counterfactual
+        check of each row's loss (:meth:`_check_examples_alone`)."""
         loss = self.per_example_loss
         self.per_example_loss = self.sequence_scores
         try:
-            super()._self_check(net, micro, labels)
+            self._dp_step.self_check(net, micro, labels)
         finally:
             self.per_example_loss = loss
+        self._check_examples_alone(net, micro, labels)
+
+    @staticmethod
+    def rows_of_pairs(num_rows: int) -> torch.Tensor:
+        """The preference row each of the ``2·num_rows`` sequences of a collated batch holds: ``[0..B-1, 0..B-1]``."""
+        return torch.arange(num_rows).repeat(2)
+
+    def _pairs_on_device(self, raw: dict) -> tuple[dict, torch.Tensor]:
+        """A collated batch of rows as a micro-batch of the DP step: on the device, labels popped, with
+        :meth:`micro_batch_extras` (the reference log-probs of DPO)."""
+        batch, labels = self._collated_on_device(raw)
+        batch.update(self.micro_batch_extras(batch, labels))
+        return batch, labels
 
     def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Not run for preference rows (yet): ``hf_dp/counterfactual.py`` compares one model row per raw example,
-        while a preference row is two sequences whose scores its loss combines. What holds instead: :class:`PairedRows`
-        checks on every batch that sequences ``i`` and ``B+i`` hold exactly row ``i``'s tokens (no collator mixing),
-        and the first-step checks prove the per-sequence gradients (batch axes, hooks vs autograd). Not detected: a
-        model whose outputs depend on the batch's padding layout (README, "DP preference optimisation")."""
-        logger.warning("hf_dp: preference rows are not compared with the same rows collated alone (the counterfactual "
-                       "check takes one model row per example); each batch's rows are checked to hold their own "
-                       "tokens. See the README, 'DP preference optimisation'.")
+        """Once per run, before the first update (DESIGN invariant 12): each preference row's loss, the hooks' norm of
+        its gradient (both sequences together) and the clipped sum, as the DP step computes them in its batch, equal
+        those of the row collated alone by the same collator (one row, two sequences) — on the first micro-batch and
+        on a batch of the training set's shortest and longest rows (``counterfactual.check_examples_alone`` with the
+        unit of two model rows, :meth:`rows_of_pairs`). A collator that mixes rows, or a model whose score of a
+        sequence depends on the batch's padding or on the other rows, is refused with the reason."""
+        collate, alone = self._training_collator(), self._alone_collator()
+        if collate is None or alone is None:
+            logger.warning("hf_dp: no DP train loader: the preference rows were not compared with themselves alone.")
+            return
+        common = dict(collate=collate, collate_alone=alone, prepare=self._pairs_on_device,
+                      run=lambda b, lab, seg: self._example_losses(net, b, lab, seg), segment_ids=lambda b: None,
+                      rtol=self._alone_rtol(net), example_of_row=self.rows_of_pairs)
+        indices = getattr(self, "_chunk_indices", None)
+        rows = labels.shape[0] // 2
+        features = None if indices is None or len(indices) < rows else self._raw_features(indices[:rows])
+        if features is not None:
+            check_examples_alone(self.clipping_engine, net, features, micro, labels, **common,
+                                 what=" (the first micro-batch)")
+        else:
+            logger.warning("hf_dp: the first micro-batch was not compared with its rows alone (the training set's rows "
+                           "are not dicts, so their indices cannot travel with the batch); only the batch of the "
+                           "training set's shortest and longest rows is.")
+        hard = self._hard_batch()
+        if hard is not None:
+            batch, hard_labels = hard[1], hard[2]
+            batch.update(self.micro_batch_extras(batch, hard_labels))
+            check_examples_alone(self.clipping_engine, net, hard[0], batch, hard_labels, **common,
+                                 what=" (a batch of the training set's shortest and longest rows)")
 
     def get_train_dataloader(self):
         """``DPTrainer``'s Poisson loader over rows, its collator checked and labelled by :class:`PairedRows`."""

@@ -1048,7 +1048,8 @@ class ClippingEngine:
 
     def check_counterfactual(self, run_batch: Callable[[], torch.Tensor], rows: int, num_examples: int,
                              alone: dict[int, Callable[[], torch.Tensor]], rtol: float = 1e-3,
-                             segments: torch.Tensor | None = None, what: str = "") -> None:
+                             segments: torch.Tensor | None = None, what: str = "",
+                             units: torch.Tensor | None = None) -> None:
         """Each example's loss and gradient in its micro-batch equal those of the example *alone* (DESIGN inv. 12).
 
         ``run_batch()`` runs the model on a collated micro-batch of ``rows`` rows holding ``num_examples`` examples
@@ -1064,12 +1065,16 @@ class ClippingEngine:
 
         Autograd's gradients are taken on stand-in parameters (``.grad`` and user hooks are never touched). Raises
         :class:`UnsupportedLayerError` naming the example, what differs and by how much. ``what`` names the batch.
+
+        ``units``: ``(rows,)``, the example ``0..num_examples-1`` each model row belongs to, when an example is several
+        model rows (a preference row's two sequences, ``hf_dp/preference.py``): norms and factors are then per example,
+        the norm of the sum over its rows (:meth:`record`'s ``units``).
         """
         if not alone:
             return
         saved = self._saved_state()
         try:
-            with self.record(rows, segments=segments):
+            with self.record(rows, segments=segments, units=units):
                 losses = run_batch()
                 if losses.shape != (num_examples,):
                     raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
