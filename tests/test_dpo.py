@@ -416,6 +416,71 @@ def test_collator_that_mixes_rows_refused(tmp_path):
         trainer.get_train_dataloader()
 
 
+# ---------------------------------------------------------------------- a row's loss is its own (DESIGN invariant 12)
+def batch_min_completion_collator():
+    """A collator that mixes rows through a batch statistic: every sequence's completion mask keeps only as many
+    tokens as the batch's shortest completion (the tokens themselves are untouched, so PairedRows passes them)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    class BatchMin(DataCollatorForPreference):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            mask = batch["completion_mask"]
+            keep = int(mask.sum(1).min())
+            batch["completion_mask"] = mask * (mask.cumsum(1) <= keep)
+            return batch
+
+    return BatchMin(pad_token_id=0)
+
+
+def padding_dependent(model) -> None:
+    """The model's logits scaled by the batch's padded length: a sequence's score depends on the other rows."""
+    forward = model.forward
+
+    def leaky(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
+        return out
+
+    model.forward = leaky
+
+
+@pytest.mark.parametrize("leak", [None, "collator", "model"])
+def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch, leak):
+    """The counterfactual check on preference rows: each row (two sequences) as the DP step computes it in its batch
+    against the same row collated alone by the training collator — its loss, the hooks' norm of its gradient and
+    the clipped sum — on the first micro-batch and on the batch of the shortest and longest rows. Honest rows pass
+    (both batches checked); a collator that mixes rows through a batch statistic, or a model whose scores depend on
+    the batch's padded length, is refused before the first update."""
+    from hf_dp import preference
+    from hf_dp.clipping.rules import UnsupportedLayerError
+
+    checked = []
+    check = preference.check_examples_alone
+
+    def spy(*args, **kwargs):
+        checked.append(kwargs["what"])
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(preference, "check_examples_alone", spy)
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    kw = {"data_collator": batch_min_completion_collator()} if leak == "collator" else {}
+    trainer = make_trainer(model, pairs(6), dpo_args(tmp_path, per_device=3, ga=2), **kw)
+    if leak == "model":
+        padding_dependent(trainer.model)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    if leak is None:
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        assert checked == [" (the first micro-batch)", " (a batch of the training set's shortest and longest rows)"]
+        return
+    with pytest.raises(UnsupportedLayerError, match="depends on the other rows of its batch"):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and checked
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing released
+
+
 # ---------------------------------------------------------------------- cards, resume
 def test_card_checkpoint_and_resume(tmp_path):
     """trl's tags and the privacy record (the unit described as a preference row) in every checkpoint's card;

@@ -1090,6 +1090,7 @@ class ClippingEngine:
             factors = torch.zeros(num_examples, dtype=torch.float64)
             checked = sorted(alone)
             factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
+            factors[~(torch.isfinite(losses) & torch.isfinite(hook_norms))] = 0.0  # factor 0 in training too
             self.accumulate_clipped(factors.to(device))
             hooked, self.summed_grads = self.summed_grads, {}
             self.clear()
