@@ -481,6 +481,54 @@ def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing released
 
 
+# ---------------------------------------------------------------------- several processes
+def distributed_pairs() -> Dataset:
+    """8 rows: per_device 2 × GA 2 × 2 processes = N, so q = 1."""
+    extra = [("good day", " the dog sat on the mat", " hi"), ("what ran", " a cat ran", " my name is bot")]
+    return Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS + extra])
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_and_the_oracle(tmp_path):
+    """`accelerate launch` with 2 processes (gloo, CPU), float64, σ = 0, q = 1, one step of DPDPOTrainer: every rank
+    ends with the same parameters, equal to the one-process update on the same 8 rows (same C, which clips some rows
+    and not others) and to the oracle (trl's loss on each row alone, clipped, summed, / N); the accountant took one
+    step at q = 1 over the 8 rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import _free_port
+
+    n = 8
+    torch.manual_seed(0)  # the workers' initial model
+    model = tiny_llama().double()
+    args = dpo_args(tmp_path / "single", per_device=4, ga=2)
+    oracle = trl_oracle(copy.deepcopy(model), distributed_pairs(), args, tmp_path, ref_model=copy.deepcopy(model))
+    grads = row_grads(oracle, list(range(n)))
+    single = make_trainer(model, distributed_pairs(), args)
+    update_single, expected = dp_update(single, grads, expected_batch=n)
+    assert_close(update_single, expected)
+    clip = single.args.per_sample_max_grad_norm
+
+    worker = os.path.join(os.path.dirname(__file__), "scripts", "dpo_worker.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), worker, str(tmp_path / "ddp"), repr(clip)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    updates = [torch.load(tmp_path / "ddp" / f"update_rank{r}.pt") for r in range(2)]
+    info = [json.load(open(tmp_path / "ddp" / f"info_rank{r}.json")) for r in range(2)]
+    assert all(i == {"world_size": 2, "expected_batch_size": n, "sample_rate": 1.0, "num_examples": n, "steps": 1,
+                     "nonfinite": 0} for i in info), info
+    for k in updates[0]:
+        assert torch.equal(updates[0][k], updates[1][k]), k  # ranks end the step identical
+    assert_close(updates[0], update_single, rtol=1e-10, atol=1e-13)  # one process, same rows and C
+    assert_close(updates[0], expected)  # the oracle
+
+
 # ---------------------------------------------------------------------- cards, resume
 def test_card_checkpoint_and_resume(tmp_path):
     """trl's tags and the privacy record (the unit described as a preference row) in every checkpoint's card;
