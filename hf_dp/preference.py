@@ -14,9 +14,18 @@ row's (user's) gradient, cross terms between its sequences included, and the cli
 
 Poisson sampling draws rows (users), so ``N``, ``q`` and the expected batch count rows (users), never sequences.
 The loss hands the engine one value per sequence (the row's loss on its chosen sequence, 0 on its rejected one: only
-the sum is back-propagated). The first-step checks of the per-sequence machinery (batch axes, hooks against autograd,
-a sequence's gradient in its batch equal to its gradient alone) run on a per-sequence score, the ``s`` the row's
-loss is a function of: its gradient is what the chain rule combines.
+the sum is back-propagated); the logged loss and the count of non-finite examples count rows, each once
+(``StepPieces.rows_per_example``). The first-step checks of the per-sequence machinery (batch axes, hooks against
+autograd, a sequence's gradient in its batch equal to its gradient alone) run on a per-sequence score, the ``s`` the
+row's loss is a function of: its gradient is what the chain rule combines.
+
+**A row's loss is its own** (DESIGN invariant 12, ``hf_dp/counterfactual.py``): once per run, before the first
+update, each row of the first micro-batch and of a batch of the training set's shortest and longest rows is compared
+with the same row collated alone by the training collator (one row, two sequences) — its loss, the hooks' norm of its
+gradient (both sequences together) and the clipped sum — so a collator that mixes rows (through tokens, masks, margins
+or any batch statistic) or a model whose scores depend on the batch's padding or other rows is refused before anything
+is released. :class:`PairedRows` also checks, on every batch, that sequences ``i`` and ``B + i`` hold exactly row
+``i``'s tokens.
 """
 
 from __future__ import annotations

