@@ -26,6 +26,11 @@ cannot see is a dependence that only some data exercises: a data-dependent branc
 some probability or only for some tokens). The README ("An example's loss depends on that example alone") lists
 these. Parameters only change by DP releases in between, which are post-processing.
 
+**An example of several model rows** (a preference row: its chosen and rejected sequences at ``i`` and ``B + i``,
+``hf_dp/preference.py``) is compared as one unit (``example_of_row``): its rows' losses summed, the hooks' norm of the
+sum of its rows' gradients (the engine's units, cross terms included) and its share of the clipped sum, against the
+example collated alone by the training collator (its ``k`` rows, their own padding).
+
 Configurations where the dependence is known in advance are refused before training, with the way out
 (:func:`check_known_dependences`): a rope scaling that rescales by the batch's largest position (``rope_type``
 ``"dynamic"`` / ``"longrope"``) when a batch can reach the length where it starts, and left padding with a model that
