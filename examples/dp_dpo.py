@@ -46,8 +46,9 @@ shared 2-core machine under load, ``OMP_NUM_THREADS=1``):
 
 * reward model (MiniLM, head only, 1,400 training rows, expected batch 64, C = 1, 66 steps, lr 5e-2):
   77.8 % (ε = 3, σ = 0.82), 75.6 % (ε = 8, σ = 0.56), 77.9 % (non-private) held-out reward accuracy (chance 50 %;
-  ± 2.4 points sampling error on 300 rows): the reward model learns the preference and DP costs little at this size
-  (≈ 7-10 min per DP run, 5.5 min non-private under load);
+  ± 2.4 points sampling error on 300 rows); with ``--dp_seed 1`` 75.3 % (ε = 3) and 74.7 % (ε = 8): the reward model
+  learns the preference and DP costs 0-3 points at this size (≈ 6-10 min per DP run, 5.5 min non-private, under
+  load);
 * DPO (GPT-2 4 × 128 pre-trained 150 steps on Austen, LoRA r = 8, 22 steps, lr 5e-3, β = 0.1): 49.1 % (ε = 3),
   52.2 % (ε = 8), 49.4 % (non-private) preference win rate — at chance, with or without privacy: the public model is
   too weak a start; DPO here shows the API end to end, not utility.
