@@ -26,6 +26,11 @@ cannot see is a dependence that only some data exercises: a data-dependent branc
 some probability or only for some tokens). The README ("An example's loss depends on that example alone") lists
 these. Parameters only change by DP releases in between, which are post-processing.
 
+**An example of several model rows** (a preference row: its chosen and rejected sequences at ``i`` and ``B + i``,
+``hf_dp/preference.py``) is compared as one unit (``example_of_row``): its rows' losses summed, the hooks' norm of the
+sum of its rows' gradients (the engine's units, cross terms included) and its share of the clipped sum, against the
+example collated alone by the training collator (its ``k`` rows, their own padding).
+
 Configurations where the dependence is known in advance are refused before training, with the way out
 (:func:`check_known_dependences`): a rope scaling that rescales by the batch's largest position (``rope_type``
 ``"dynamic"`` / ``"longrope"``) when a batch can reach the length where it starts, and left padding with a model that
@@ -266,14 +271,20 @@ def collator_randomness(collate: Callable, features: list) -> str:
     return "none" if _equal(first, _collate_seeded(collate, features, 1)) else "seeded"
 
 
-def check_collator_keeps_rows_apart(collate: Callable, features: list, rows: list[int] | None = None) -> None:
+def check_collator_keeps_rows_apart(collate: Callable, features: list, rows: list[int] | None = None,
+                                    example_of_row: Callable[[int], torch.Tensor] | None = None) -> None:
     """Row ``i`` of the collated batch may not change when the other rows are replaced by each other (a cyclic shift
     of the other rows: the same lengths, so the same padded shape and, under the same seed, the same per-position
     random draws), for each ``i`` in ``rows`` (default: all). Needs three rows or more; checks every tensor whose
-    first axis is the batch."""
+    first axis is the batch.
+
+    ``example_of_row(n)``: for a batch of ``n`` examples, the example each model row holds (``(rows,)``), when an
+    example is several model rows (a preference row's chosen and rejected sequences at ``i`` and ``n + i``): the
+    tensors whose first axis is the model rows are then compared on example ``i``'s rows."""
     b = len(features)
     if b < 3:
         return
+    ids = None if example_of_row is None else example_of_row(b).cpu()
     base = _collate_seeded(collate, features, 0)
     for i in range(b) if rows is None else rows:
         others = [j for j in range(b) if j != i]
@@ -284,9 +295,10 @@ def check_collator_keeps_rows_apart(collate: Callable, features: list, rows: lis
         for key, v in base.items():
             w = other.get(key) if isinstance(other, Mapping) else None
             if not (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.dim() > 0
-                    and v.shape == w.shape and v.shape[0] == b):
+                    and v.shape == w.shape and (v.shape[0] == b or ids is not None and v.shape[0] == ids.shape[0])):
                 continue
-            if not _equal(v[i], w[i]):
+            own = i if v.shape[0] == b else (ids == i).to(v.device)
+            if not _equal(v[own], w[own]):
                 raise UnsupportedLayerError(
                     f"The data collator mixes rows: row {i}'s {key!r} changes when the other rows of its batch are "
                     "replaced by each other (same lengths, same random seed), so one example's data reaches another "
@@ -488,7 +500,7 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
                          prepare: Callable[[dict], tuple[dict, torch.Tensor]],
                          run: Callable[[dict, torch.Tensor, torch.Tensor | None], torch.Tensor],
                          segment_ids: Callable[[dict], torch.Tensor | None], rtol: float = 1e-3,
-                         what: str = "") -> None:
+                         what: str = "", example_of_row: Callable[[int], torch.Tensor] | None = None) -> None:
     """Compare what the DP step computes for the examples of ``batch`` with each example alone.
 
     Args:
@@ -502,24 +514,53 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
             and ``per_example_loss``).
         segment_ids: the packed-row layout of a batch (``None`` when every row is one example).
         what: names the batch in the error.
+        example_of_row: when an example is a unit of several model rows (a preference row: its chosen and rejected
+            sequences at ``i`` and ``n + i``), ``n -> (rows,)``: the example each model row of a batch of ``n``
+            examples holds. ``run``'s per-row losses are then summed per example, and the example's norm and
+            gradient are those of the sum over its rows (``ClippingEngine.check_counterfactual``'s ``units``); its
+            alone counterpart is the example collated alone (its ``k`` rows).
     """
     segments = segment_ids(batch)
     rows = labels.shape[0]
-    num = rows if segments is None else int(segments.max()) + 1
+    ids = None
+    if example_of_row is None:
+        num = rows if segments is None else int(segments.max()) + 1
+    else:
+        if segments is not None:
+            raise ValueError("hf_dp: packed rows whose examples are several model rows are not supported.")
+        num = len(features)
+        ids = example_of_row(num).to(labels.device)
+        if ids.shape != (rows,) or num == 0 or not torch.equal(torch.unique(ids).cpu(), torch.arange(num)):
+            raise RuntimeError(f"hf_dp: {num} examples do not cover the {rows} model rows of the batch as "
+                               f"example_of_row says (internal error).")
     if len(features) != num or num == 0:
         raise RuntimeError(f"hf_dp: {len(features)} raw examples for a batch of {num} examples (internal error).")
+
+    def per_example(losses: torch.Tensor, of_row: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Per-row losses summed per example (an example of several model rows), else as they are."""
+        if of_row is None:
+            return losses
+        return losses.new_zeros(n).index_add(0, of_row.to(losses.device), losses)
+
+    def run_examples(b: dict, lab: torch.Tensor, seg: torch.Tensor | None, n: int) -> torch.Tensor:
+        return per_example(run(b, lab, seg), None if example_of_row is None else example_of_row(n), n)
+
     lengths = [feature_length(f) for f in features]
     order = sorted(range(num), key=lambda k: (lengths[k], k))
     chosen = list(dict.fromkeys([order[0], order[-1], 0, num - 1]))[:MAX_CHECKED]
     randomness = collator_randomness(collate, features)
     if segments is None and randomness != "unseeded":
-        check_collator_keeps_rows_apart(collate, features, chosen)
+        check_collator_keeps_rows_apart(collate, features, chosen, example_of_row)
     if randomness == "none":
         def alone_run(i: int) -> Callable[[], torch.Tensor]:
             def go() -> torch.Tensor:
                 b1, l1 = prepare(collate_alone([features[i]]))
-                return run(b1, l1, segment_ids(b1))
+                return run_examples(b1, l1, segment_ids(b1), 1)
             return go
+    elif example_of_row is not None:
+        logger.warning("hf_dp: the data collator is random: the examples of several model rows (preference rows) "
+                       "were not compared with the same examples alone (only checked to keep rows apart).")
+        return
     elif segments is None:
         def alone_run(i: int) -> Callable[[], torch.Tensor]:  # the same random draw, without the batch's padding
             def go() -> torch.Tensor:
@@ -537,8 +578,8 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
     alone = {i: alone_run(i) for i in chosen}
     try:
         with collator_state_kept(collate_alone), seeded(0), train_without_dropout(net), adapter_advice(net):
-            engine.check_counterfactual(lambda: run(batch, labels, segments), rows, num, alone, rtol=rtol,
-                                        segments=segments, what=what)
+            engine.check_counterfactual(lambda: run_examples(batch, labels, segments, num), rows, num, alone,
+                                        rtol=rtol, segments=segments, what=what, units=ids)
     except UnsupportedLayerError as err:
         layout = ""
         if segments is None and is_left_padded(batch):
@@ -601,15 +642,30 @@ def hard_batch(rows: Any, collate: Callable, size: int, hooks: StepHooks) -> tup
 
 def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Module, micro: dict,
                            labels: torch.Tensor, collate: Callable, collate_alone: Callable,
-                           features: list | None, hard: tuple[list, dict, torch.Tensor] | None, rtol: float) -> None:
+                           features: list | None, hard: tuple[list, dict, torch.Tensor] | None, rtol: float,
+                           extras: Callable[[dict, torch.Tensor], dict] | None = None,
+                           example_of_row: Callable[[int], torch.Tensor] | None = None) -> None:
     """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in its
     batch, equal those of the example collated alone (:func:`check_examples_alone`), on the first micro-batch (its
     raw ``features``; ``None``: they could not travel with the batch) and on the ``hard`` batch
     (:func:`hard_batch`). Once is enough: the collator and the model are the same functions at every step, and the
-    hard batch makes the rows' lengths as different as the training set allows (the module's docstring)."""
-    common = dict(collate=collate, collate_alone=collate_alone, prepare=lambda raw: collated_on_device(hooks, raw),
+    hard batch makes the rows' lengths as different as the training set allows (the module's docstring).
+
+    ``extras(batch, labels)``: inputs the DP step adds to each collated micro-batch (DPO's reference log-probs,
+    ``hf_dp/preference.py``), added to the hard batch and to each example alone; ``example_of_row``: an example of
+    several model rows (a preference row, :func:`check_examples_alone`)."""
+
+    def prepare(raw: dict) -> tuple[dict, torch.Tensor]:
+        batch, lab = collated_on_device(hooks, raw)
+        if extras is not None:
+            batch.update(extras(batch, lab))
+        return batch, lab
+
+    common = dict(collate=collate, collate_alone=collate_alone, prepare=prepare,
                   run=lambda b, lab, seg: example_losses(hooks, net, b, lab, seg), segment_ids=hooks.segment_ids,
-                  rtol=rtol)
+                  rtol=rtol, example_of_row=example_of_row)
+    if hard is not None and extras is not None:
+        hard[1].update(extras(hard[1], hard[2]))
     if features is not None:
         check_examples_alone(engine, net, features, micro, labels, **common, what=" (the first micro-batch)")
     else:

@@ -14,9 +14,18 @@ row's (user's) gradient, cross terms between its sequences included, and the cli
 
 Poisson sampling draws rows (users), so ``N``, ``q`` and the expected batch count rows (users), never sequences.
 The loss hands the engine one value per sequence (the row's loss on its chosen sequence, 0 on its rejected one: only
-the sum is back-propagated). The first-step checks of the per-sequence machinery (batch axes, hooks against autograd,
-a sequence's gradient in its batch equal to its gradient alone) run on a per-sequence score, the ``s`` the row's
-loss is a function of: its gradient is what the chain rule combines.
+the sum is back-propagated); the logged loss and the count of non-finite examples count rows, each once
+(``StepPieces.rows_per_example``). The first-step checks of the per-sequence machinery (batch axes, hooks against
+autograd, a sequence's gradient in its batch equal to its gradient alone) run on a per-sequence score, the ``s`` the
+row's loss is a function of: its gradient is what the chain rule combines.
+
+**A row's loss is its own** (DESIGN invariant 12, ``hf_dp/counterfactual.py``): once per run, before the first
+update, each row of the first micro-batch and of a batch of the training set's shortest and longest rows is compared
+with the same row collated alone by the training collator (one row, two sequences) — its loss, the hooks' norm of its
+gradient (both sequences together) and the clipped sum — so a collator that mixes rows (through tokens, masks, margins
+or any batch statistic) or a model whose scores depend on the batch's padding or other rows is refused before anything
+is released. :class:`PairedRows` also checks, on every batch, that sequences ``i`` and ``B + i`` hold exactly row
+``i``'s tokens.
 """
 
 from __future__ import annotations
@@ -149,8 +158,9 @@ class PreferencePairsDP(DPTrainer):
             )
 
     def _step_pieces(self):
-        """The DP step's pieces, with the unit layout of paired sequences (:meth:`pair_unit_layout`)."""
-        return dataclasses.replace(super()._step_pieces(), unit_layout=self.pair_unit_layout)
+        """The DP step's pieces, with the unit layout of paired sequences (:meth:`pair_unit_layout`); a row (two
+        sequences) is one example of the logged loss and of the non-finite count."""
+        return dataclasses.replace(super()._step_pieces(), unit_layout=self.pair_unit_layout, rows_per_example=2)
 
     def pair_unit_layout(self, units: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per sequence: its unit ``0..U-1`` (the row, or the row's user) and its weight in the unit's gradient —
@@ -208,23 +218,29 @@ class PreferencePairsDP(DPTrainer):
 
     def _self_check(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """``DPTrainer``'s first-step checks of the per-sequence gradients, on the per-sequence scores
-        (:meth:`sequence_scores`) whose gradients the row's loss combines by the chain rule."""
+        (:meth:`sequence_scores`) whose gradients the row's loss combines by the chain rule; then the counterfactual
+        check of each row's loss (:meth:`_check_examples_alone`)."""
         loss = self.per_example_loss
         self.per_example_loss = self.sequence_scores
         try:
-            super()._self_check(net, micro, labels)
+            self._first_step_checks(net, micro, labels)
         finally:
             self.per_example_loss = loss
+        self._check_examples_alone(net, micro, labels)
 
-    def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Not run for preference rows (yet): ``hf_dp/counterfactual.py`` compares one model row per raw example,
-        while a preference row is two sequences whose scores its loss combines. What holds instead: :class:`PairedRows`
-        checks on every batch that sequences ``i`` and ``B+i`` hold exactly row ``i``'s tokens (no collator mixing),
-        and the first-step checks prove the per-sequence gradients (batch axes, hooks vs autograd). Not detected: a
-        model whose outputs depend on the batch's padding layout (README, "DP preference optimisation")."""
-        logger.warning("hf_dp: preference rows are not compared with the same rows collated alone (the counterfactual "
-                       "check takes one model row per example); each batch's rows are checked to hold their own "
-                       "tokens. See the README, 'DP preference optimisation'.")
+    @staticmethod
+    def rows_of_pairs(num_rows: int) -> torch.Tensor:
+        """The preference row each of the ``2·num_rows`` sequences of a collated batch holds: ``[0..B-1, 0..B-1]``."""
+        return torch.arange(num_rows).repeat(2)
+
+    def _alone_layout(self) -> dict:
+        """Once per run, before the first update (DESIGN invariant 12), ``DPTrainer``'s counterfactual check compares
+        each preference row's loss, the hooks' norm of its gradient (both sequences together) and the clipped sum, as
+        the DP step computes them in its batch, with those of the row collated alone by the same collator (one row,
+        two sequences): the unit is two model rows (:meth:`rows_of_pairs`), and each collated batch gets the step's
+        :meth:`micro_batch_extras` (DPO's reference log-probs). A collator that mixes rows, or a model whose score of a
+        sequence depends on the batch's padding or on the other rows, is refused with the reason."""
+        return {"extras": self.micro_batch_extras, "example_of_row": self.rows_of_pairs}
 
     def get_train_dataloader(self):
         """``DPTrainer``'s Poisson loader over rows, its collator checked and labelled by :class:`PairedRows`."""

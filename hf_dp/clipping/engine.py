@@ -290,10 +290,11 @@ class ClippingEngine:
 
     def check_counterfactual(self, run_batch: Callable[[], torch.Tensor], rows: int, num_examples: int,
                              alone: dict[int, Callable[[], torch.Tensor]], rtol: float = 1e-3,
-                             segments: torch.Tensor | None = None, what: str = "") -> None:
+                             segments: torch.Tensor | None = None, what: str = "",
+                             units: torch.Tensor | None = None) -> None:
         """Each example's loss and gradient in its micro-batch equal those of the example *alone* (DESIGN inv. 12;
         :meth:`FirstStepChecks.check_counterfactual`)."""
-        self._checks.check_counterfactual(run_batch, rows, num_examples, alone, rtol, segments, what)
+        self._checks.check_counterfactual(run_batch, rows, num_examples, alone, rtol, segments, what, units)
 
     def recorded_norms(self, run: Callable[[], torch.Tensor], rows: int, segments: torch.Tensor | None = None,
                        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext

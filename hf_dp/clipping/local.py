@@ -94,6 +94,9 @@ class LocalDPStep(DPStep):
                     bad = bad | (zero if units is None else zero[units])
                 else:
                     engine.finish_fused()  # groups were clipped during the backward pass
+                if pc.rows_per_example > 1:  # an example of k model rows (a preference pair) is counted once
+                    bad, losses = (t.view(pc.rows_per_example, -1) for t in (bad, losses))
+                    bad, losses = bad.any(0), losses.sum(0)
                 engine.clear()
                 self.nonfinite_in_step = self.nonfinite_in_step + bad.sum()
                 micro_sum = torch.where(bad, 0.0, losses).sum()

@@ -196,6 +196,9 @@ class StepPieces:
     # ``units -> (local unit ids, weights)`` for a micro-batch whose model rows are not one example each (the two
     # sequences of a preference pair, ``hf_dp/preference.py``); None: ``local.unit_layout`` with user_contribution
     unit_layout: Callable[[torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+    # model rows per example, laid out as [first rows of the examples; second rows; ...] (a preference pair: 2, its
+    # chosen sequence at i and its rejected one at B + i): the logged loss and the non-finite count go per example
+    rows_per_example: int = 1
 
 
 class DPStep(abc.ABC):
