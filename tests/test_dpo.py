@@ -452,17 +452,17 @@ def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch
     the clipped sum — on the first micro-batch and on the batch of the shortest and longest rows. Honest rows pass
     (both batches checked); a collator that mixes rows through a batch statistic, or a model whose scores depend on
     the batch's padded length, is refused before the first update."""
-    from hf_dp import preference
+    from hf_dp import counterfactual
     from hf_dp.clipping.rules import UnsupportedLayerError
 
     checked = []
-    check = preference.check_examples_alone
+    check = counterfactual.check_examples_alone
 
     def spy(*args, **kwargs):
         checked.append(kwargs["what"])
         return check(*args, **kwargs)
 
-    monkeypatch.setattr(preference, "check_examples_alone", spy)
+    monkeypatch.setattr(counterfactual, "check_examples_alone", spy)
     torch.manual_seed(0)
     model = tiny_llama().double()
     kw = {"data_collator": batch_min_completion_collator()} if leak == "collator" else {}

@@ -222,17 +222,17 @@ def padding_dependent(model) -> None:
 def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch, leak):
     """As for DPO (tests/test_dpo.py): honest rows pass the counterfactual check on both batches; a collator that
     mixes the rows' margins, or rewards that depend on the batch's padded length, are refused before any update."""
-    from hf_dp import preference
+    from hf_dp import counterfactual
     from hf_dp.clipping.rules import UnsupportedLayerError
 
     checked = []
-    check = preference.check_examples_alone
+    check = counterfactual.check_examples_alone
 
     def spy(*args, **kwargs):
         checked.append(kwargs["what"])
         return check(*args, **kwargs)
 
-    monkeypatch.setattr(preference, "check_examples_alone", spy)
+    monkeypatch.setattr(counterfactual, "check_examples_alone", spy)
     torch.manual_seed(0)
     kw = {"data_collator": mean_margin_collator()} if leak == "collator" else {}
     trainer = make_trainer(tiny_llama_reward().double(), pairs(4, margin=True),
