@@ -71,7 +71,6 @@ __all__ = [
     "check_examples_alone",
     "check_first_step_alone",
     "check_known_dependences",
-    "check_known_dependences_on",
     "collated_on_device",
     "collator_randomness",
     "collator_state_kept",
@@ -597,9 +596,9 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
 
 
 # ------------------------------------------------------------------ the trainer's first-step wiring
-# What DPTrainer runs (``_check_examples_alone`` at the first step, ``_check_known_dependences`` at train start),
-# through the DP step's hooks (``clipping.step.StepHooks``): the batch on the device, the loss context, the model's
-# inputs and the per-example loss exactly as the DP step uses them.
+# What DPTrainer runs at the first step (``_check_examples_alone``), through the DP step's hooks
+# (``clipping.step.StepHooks``): the batch on the device, the loss context, the model's inputs and the per-example loss
+# exactly as the DP step uses them.
 def alone_rtol(net: nn.Module, low_precision: bool) -> float:
     """Relative tolerance of the counterfactual comparisons: rounding differs between a batch and an example alone
     (other shapes, other kernels), by far less than this in each precision (``low_precision``: bf16 / fp16)."""
@@ -678,18 +677,3 @@ def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Mod
     logger.info("hf_dp: each example's loss and gradient in its batch equal the example's alone (%s).",
                 " and ".join(w for w, done in (("first micro-batch", features is not None),
                                                ("shortest and longest rows", hard is not None)) if done))
-
-
-def check_known_dependences_on(net: nn.Module, rows: Any, hard: tuple[list, dict, torch.Tensor] | None,
-                               hooks: StepHooks, rtol: float, configuration_only: bool = False) -> None:
-    """At train start: :func:`check_known_dependences` on the model and the hard batch of the training set ``rows``
-    (``None``: the configuration only); ``configuration_only``: the model is not ready to run (FSDP before
-    ``accelerator.prepare`` wraps it)."""
-    if hard is None:
-        return check_known_dependences(net)
-    longest = lambda: longest_position(rows, hard[0], hard[1])  # noqa: E731 - only read for rope
-    if configuration_only:
-        return check_known_dependences(net, longest=longest)
-    with hooks.loss_context():
-        return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
-                                       rtol=rtol, longest=longest)

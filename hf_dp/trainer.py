@@ -42,9 +42,10 @@ from .clipping.step import INDEX_KEY, DPStep, RealisedLoss, StepPieces, micro_ba
 from .counterfactual import (
     alone_rtol,
     check_first_step_alone,
-    check_known_dependences_on,
+    check_known_dependences,
     collated_on_device,
     hard_batch,
+    longest_position,
 )
 from .guarantee import (
     ReleasedStateGuard,
@@ -670,9 +671,17 @@ class DPTrainer(Trainer):
         computed from the batch; left padding with positions from the padded layout), with the way out
         (``counterfactual.check_known_dependences``)."""
         net = self._unwrapped_model()
-        check_known_dependences_on(net, self._training_rows(loader), self._hard_batch(loader), _StepHooks(self),
-                                   alone_rtol(net, self.args.bf16 or self.args.fp16),
-                                   configuration_only=self._fsdp is not None)
+        hard = self._hard_batch(loader)
+        if hard is None:
+            return check_known_dependences(net)
+        rows = self._training_rows(loader)
+        longest = lambda: longest_position(rows, hard[0], hard[1])  # noqa: E731 - only read for rope
+        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
+            return check_known_dependences(net, longest=longest)
+        hooks = _StepHooks(self)
+        with self.compute_loss_context_manager():
+            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
+                                           rtol=alone_rtol(net, self.args.bf16 or self.args.fp16), longest=longest)
 
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
