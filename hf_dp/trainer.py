@@ -275,7 +275,133 @@ def _check_compute_loss_not_overridden(cls: type) -> None:
     )
 
 
-class DPTrainer(Trainer):
+class _ExamplesAloneWiring:
+    """``DPTrainer``'s side of DESIGN invariant 12, "an example's loss is its own" (``hf_dp/counterfactual.py``):
+    where the training collator, the rows, the hard batch and the example layout come from, for the check at the
+    first step and the refusal of known dependences at train start. Subclasses override the collators
+    (``DPSFTTrainer``) and the layout (``PreferencePairsDP``)."""
+
+    def _training_collator(self, loader: Any = None) -> Any:
+        """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
+        wrapper; ``None`` without a DP loader."""
+        return training_collator(self._dp_loader(loader))
+
+    def _alone_collator(self, loader: Any = None) -> Any:
+        """How an example sampled alone is collated: the training collator (``DPSFTTrainer`` with packing: trl's
+        unpacked collator)."""
+        return self._training_collator(loader)
+
+    def _training_rows(self, loader: Any = None) -> Any:
+        """The training set's raw rows (what the collator receives), or ``None`` without a DP loader."""
+        return training_rows(self._dp_loader(loader))
+
+    def _dp_loader(self, loader: Any = None) -> Any:
+        """``loader``, or the train loader of the running ``train()`` (None outside one)."""
+        return loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
+
+    def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
+        """The training set's shortest and longest rows collated together, on the device
+        (``counterfactual.hard_batch``); ``None`` with fewer than two rows or no DP loader."""
+        rows, collate = self._training_rows(loader), self._training_collator(loader)
+        if rows is None or collate is None:
+            return None
+        return hard_batch(rows, collate, min(3, max(2, self.args.per_device_train_batch_size)), _StepHooks(self))
+
+    def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Once per run, before the first update: each example's loss and gradient in its batch equal the example's
+        alone, on the first micro-batch and on :meth:`_hard_batch` (``counterfactual.check_first_step_alone``)."""
+        collate, alone = self._training_collator(), self._alone_collator()
+        if collate is None or alone is None:
+            logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
+            return
+        segments = self._segment_ids(micro)
+        num = labels.shape[0] if segments is None else int(segments.max()) + 1
+        num //= self._dp_step.pieces.rows_per_example
+        indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
+        features = None if indices is None or len(indices) < num or rows is None else [
+            rows[int(i)] for i in indices[:num]]
+        check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
+                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
+                               **self._alone_layout())
+
+    def _alone_layout(self) -> dict:
+        """How an example is laid out for the counterfactual check (``check_first_step_alone``'s ``extras`` and
+        ``example_of_row``); every model row one example here (``PreferencePairsDP``: a row of two sequences)."""
+        return {}
+
+    def _check_known_dependences(self, loader: Any = None) -> None:
+        """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
+        computed from the batch; left padding with positions from the padded layout), with the way out
+        (``counterfactual.check_known_dependences``)."""
+        net = self._unwrapped_model()
+        hard = self._hard_batch(loader)
+        if hard is None:
+            return check_known_dependences(net)
+        rows = self._training_rows(loader)
+        longest = lambda: longest_position(rows, hard[0], hard[1])  # noqa: E731 - only read for rope
+        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
+            return check_known_dependences(net, longest=longest)
+        hooks = _StepHooks(self)
+        with self.compute_loss_context_manager():
+            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
+                                           rtol=alone_rtol(net, self.args.bf16 or self.args.fp16), longest=longest)
+
+
+class _HistoryAndUnitWiring:
+    """``DPTrainer``'s side of the model's privacy history (``hf_dp/history.py``: earlier runs compose, this run is
+    recorded on the model) and of what one privacy unit is (``hf_dp/units.py``)."""
+
+    def _start_history(self, model: torch.nn.Module) -> None:
+        """A new model for this trainer: its accountant starts with the mechanisms of the earlier DP runs the model
+        carries (any parameter, trainable or frozen; ``hf_dp/history.py``), so ε composes and ``target_epsilon``
+        budgets what is left. Said once, as a warning."""
+        try:
+            unwrapped = self.accelerator.unwrap_model(model)
+        except Exception:  # noqa: BLE001 - unwrap only fails for exotic wrappers
+            unwrapped = model
+        self._history = ModelHistory.of_model(unwrapped)
+        self.accountant.history = self._history.earlier_mechanisms()
+        msg = earlier_runs_message(self._history, str(self.args.privacy_unit or "example"),
+                                   self.args.user_id_column if self.user_level else None,
+                                   budgeted=self.args.target_epsilon is not None)
+        if msg is not None:
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=4)
+
+    def _record_model_history(self, tag: bool) -> None:
+        """This run's entry brought up to date from the accountant; with ``tag``, the model's configs and parameters
+        (re)written with the history (``hf_dp/history.py``)."""
+        if self.train_dataset is None:
+            return
+        description: dict[str, Any] = {"delta": float(self.target_delta),
+                                       "privacy_unit": str(self.args.privacy_unit or "example"),
+                                       "user_id_column": self.args.user_id_column if self.user_level else None,
+                                       "num_examples": int(self.num_examples_private)}
+        if tag:
+            description["dp_guarantee"] = self.dp_guarantee
+            description["privacy_unit_detail"] = self._privacy_unit_detail()
+        self._history.update(self.accountant.history, **description)
+        if tag:
+            self._history.tag(self._unwrapped_model())
+
+    # ------------------------------------------------------------------ the privacy unit (units.py)
+    def _check_privacy_unit(self) -> None:
+        """Rows that look like fixed-length blocks of concatenated text (``hf_dp/units.py``, transformers' run_clm
+        ``group_texts``): the unit protected is a block, not a document. Said once per training set, as a warning;
+        the record and the card say what one unit is. Not checked with ``privacy_unit="user"`` (the unit is
+        declared by the id column)."""
+        msg = self._unit_detail.check(self.train_dataset, self.processing_class,
+                                      getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
+        if msg is not None:
+            logger.warning(msg)
+            warnings.warn(msg, UserWarning, stacklevel=4)
+
+    def _privacy_unit_detail(self) -> str | None:
+        units = getattr(self, "_unit_detail", None)  # (None while Trainer.__init__ runs)
+        return None if units is None else units.detail(self.train_dataset)
+
+
+class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
     """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD; DP-Adam with AdamW).
 
     Use it exactly like ``Trainer``, with :class:`~hf_dp.DPTrainingArguments`::
@@ -617,72 +743,6 @@ class DPTrainer(Trainer):
             self._state_guard.explain(err)  # a tensor written inside the step is the cause, if there is one
             raise
 
-    # ------------------------------------------------------------------ an example's loss is its own (DESIGN inv. 12)
-    def _training_collator(self, loader: Any = None) -> Any:
-        """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
-        wrapper; ``None`` without a DP loader."""
-        return training_collator(self._dp_loader(loader))
-
-    def _alone_collator(self, loader: Any = None) -> Any:
-        """How an example sampled alone is collated: the training collator (``DPSFTTrainer`` with packing: trl's
-        unpacked collator)."""
-        return self._training_collator(loader)
-
-    def _training_rows(self, loader: Any = None) -> Any:
-        """The training set's raw rows (what the collator receives), or ``None`` without a DP loader."""
-        return training_rows(self._dp_loader(loader))
-
-    def _dp_loader(self, loader: Any = None) -> Any:
-        """``loader``, or the train loader of the running ``train()`` (None outside one)."""
-        return loader if loader is not None else getattr(self.callback_handler, "train_dataloader", None)
-
-    def _hard_batch(self, loader: Any = None) -> tuple[list, dict, torch.Tensor] | None:
-        """The training set's shortest and longest rows collated together, on the device
-        (``counterfactual.hard_batch``); ``None`` with fewer than two rows or no DP loader."""
-        rows, collate = self._training_rows(loader), self._training_collator(loader)
-        if rows is None or collate is None:
-            return None
-        return hard_batch(rows, collate, min(3, max(2, self.args.per_device_train_batch_size)), _StepHooks(self))
-
-    def _check_examples_alone(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """Once per run, before the first update: each example's loss and gradient in its batch equal the example's
-        alone, on the first micro-batch and on :meth:`_hard_batch` (``counterfactual.check_first_step_alone``)."""
-        collate, alone = self._training_collator(), self._alone_collator()
-        if collate is None or alone is None:
-            logger.warning("hf_dp: no DP train loader: the examples were not compared with themselves alone.")
-            return
-        segments = self._segment_ids(micro)
-        num = labels.shape[0] if segments is None else int(segments.max()) + 1
-        num //= self._dp_step.pieces.rows_per_example
-        indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
-        features = None if indices is None or len(indices) < num or rows is None else [
-            rows[int(i)] for i in indices[:num]]
-        check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
-                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
-                               **self._alone_layout())
-
-    def _alone_layout(self) -> dict:
-        """How an example is laid out for the counterfactual check (``check_first_step_alone``'s ``extras`` and
-        ``example_of_row``); every model row one example here (``PreferencePairsDP``: a row of two sequences)."""
-        return {}
-
-    def _check_known_dependences(self, loader: Any = None) -> None:
-        """At train start: refuse what makes an example's loss depend on other rows by configuration (a rope scaling
-        computed from the batch; left padding with positions from the padded layout), with the way out
-        (``counterfactual.check_known_dependences``)."""
-        net = self._unwrapped_model()
-        hard = self._hard_batch(loader)
-        if hard is None:
-            return check_known_dependences(net)
-        rows = self._training_rows(loader)
-        longest = lambda: longest_position(rows, hard[0], hard[1])  # noqa: E731 - only read for rope
-        if self._fsdp is not None:  # the model is not wrapped yet: its configuration only
-            return check_known_dependences(net, longest=longest)
-        hooks = _StepHooks(self)
-        with self.compute_loss_context_manager():
-            return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
-                                           rtol=alone_rtol(net, self.args.bf16 or self.args.fp16), longest=longest)
-
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
         check_train_loader(train_dataloader, self._dp_sampler)  # a subclass's loader must not bypass Poisson sampling
@@ -710,56 +770,6 @@ class DPTrainer(Trainer):
             logger.warning("hf_dp: shuffled fixed-size batches: the reported ε assumes Poisson sampling and is "
                            "heuristic for this run.")
         self._log_privacy_plan(remaining)
-
-    # ------------------------------------------------------------------ the model's privacy history (history.py)
-    def _start_history(self, model: torch.nn.Module) -> None:
-        """A new model for this trainer: its accountant starts with the mechanisms of the earlier DP runs the model
-        carries (any parameter, trainable or frozen; ``hf_dp/history.py``), so ε composes and ``target_epsilon``
-        budgets what is left. Said once, as a warning."""
-        try:
-            unwrapped = self.accelerator.unwrap_model(model)
-        except Exception:  # noqa: BLE001 - unwrap only fails for exotic wrappers
-            unwrapped = model
-        self._history = ModelHistory.of_model(unwrapped)
-        self.accountant.history = self._history.earlier_mechanisms()
-        msg = earlier_runs_message(self._history, str(self.args.privacy_unit or "example"),
-                                   self.args.user_id_column if self.user_level else None,
-                                   budgeted=self.args.target_epsilon is not None)
-        if msg is not None:
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=4)
-
-    def _record_model_history(self, tag: bool) -> None:
-        """This run's entry brought up to date from the accountant; with ``tag``, the model's configs and parameters
-        (re)written with the history (``hf_dp/history.py``)."""
-        if self.train_dataset is None:
-            return
-        description: dict[str, Any] = {"delta": float(self.target_delta),
-                                       "privacy_unit": str(self.args.privacy_unit or "example"),
-                                       "user_id_column": self.args.user_id_column if self.user_level else None,
-                                       "num_examples": int(self.num_examples_private)}
-        if tag:
-            description["dp_guarantee"] = self.dp_guarantee
-            description["privacy_unit_detail"] = self._privacy_unit_detail()
-        self._history.update(self.accountant.history, **description)
-        if tag:
-            self._history.tag(self._unwrapped_model())
-
-    # ------------------------------------------------------------------ the privacy unit (units.py)
-    def _check_privacy_unit(self) -> None:
-        """Rows that look like fixed-length blocks of concatenated text (``hf_dp/units.py``, transformers' run_clm
-        ``group_texts``): the unit protected is a block, not a document. Said once per training set, as a warning;
-        the record and the card say what one unit is. Not checked with ``privacy_unit="user"`` (the unit is
-        declared by the id column)."""
-        msg = self._unit_detail.check(self.train_dataset, self.processing_class,
-                                      getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
-        if msg is not None:
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=4)
-
-    def _privacy_unit_detail(self) -> str | None:
-        units = getattr(self, "_unit_detail", None)  # (None while Trainer.__init__ runs)
-        return None if units is None else units.detail(self.train_dataset)
 
     # ------------------------------------------------------------------ run-time guarantee checks (guarantee.py)
     def _sync_trainable_set(self, at_step_boundary: bool, at_train_begin: bool = False) -> None:
