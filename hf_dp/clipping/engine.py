@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .checkpointing import BackwardWatch, keep_input, recompute_layout
 from .fallback import Fallback, _is_drop_rate
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 from .recurrent import fallback_for
@@ -498,6 +499,7 @@ class ClippingEngine:
         self._probe: dict[tuple[int, int], object] | None = None
         self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
         self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
+        self._watch = BackwardWatch()
         self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
         self.summed_grads: dict[str, torch.Tensor] = {}
         #: {parameter name: "ghost" | "instantiate"}, how its last per-example norms were computed
@@ -699,6 +701,7 @@ class ClippingEngine:
         self.clear()
         self._batch_size = batch_size
         self._calls = {}
+        self._watch = BackwardWatch()  # a forward after the backward began is a recompute (checkpointing.py)
         self._set_segments(segments)
         self._set_units(units, unit_weights)
         handles = []
@@ -717,6 +720,7 @@ class ClippingEngine:
                 handles.append(m.register_forward_hook(self._forward_hook(n, m, r), with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in self._modules if r.name == "embedding"]
+        handles.append(self._watch.attach(self.model))
         self._shared_live = []
         points = [(self._broadcast_point, _BROADCAST_METHODS), (self._shared_point, _SHARED_METHODS),
                   (self._mixing_point, _MIXING_METHODS)]
@@ -1235,7 +1239,10 @@ class ClippingEngine:
         def hook(inp, output):
             if self._replaying:
                 return output
-            key = self._next_call(module)
+            # A forward during the backward re-runs a checkpointed segment (checkpointing.py): its call was numbered
+            # (and counted, below) in the first forward.
+            recompute = self._watch.started and self._probe is None
+            key = None if recompute else self._next_call(module)
             if self._probe is None and torch.is_grad_enabled() and not isinstance(output, torch.Tensor):
                 # never skip a ruled call silently (also inside a broadcast point)
                 raise _with_enclosable(UnsupportedLayerError(
@@ -1259,10 +1266,14 @@ class ClippingEngine:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
             if not torch.is_grad_enabled():
+                if self._groups is not None:  # reentrant checkpointing records this call when it re-runs it
+                    for n in owned:
+                        self._pending[n] = self._pending.get(n, 0) + 1
                 return output
             inp = _detached(inp)
             b = self._batch_size
-            layout = self._layout.get(key)
+            layout = self._layout.get(key) if not recompute else recompute_layout(
+                self._layout, id(module), self._calls.get(id(module), 0), name)
             flat = layout == "flat"
             axis = layout if isinstance(layout, int) else 0
             if flat:
@@ -1280,46 +1291,36 @@ class ClippingEngine:
                 except UnsupportedLayerError as err:  # not the form its rule assumes: its parent may be re-run
                     raise _with_enclosable(err, owned) from None
                 self._verified.add(id(module))
-            target = None
             if not output.requires_grad:
-                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook; the
-                # forward goes on with a copy (not the leaf itself, which the model may modify in place).
-                target = output.detach().requires_grad_(True)
-                output = target.clone()
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
+                output = output.detach().requires_grad_(True)
 
-            # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
-            # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
-            # every micro-batch's graph. The input goes to the hook through a one-shot box: autograd keeps the hook
-            # (and its closure) until the whole graph dies, and a captured `inp` would pin every layer's activation
-            # to the end of the step; popped, it lives only as long as the Uses that need it (no rule reads the
-            # output, so none is passed).
-            box = [inp]
-            del inp
-            target = target if target is not None else _hook_target(output)
-            if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
-                output = target = output.clone()
+            # The input is a saved tensor of the graph (checkpointing.keep_input), not held here: activation
+            # checkpointing drops it in the first forward and recomputes it for the backward. The callback must not
+            # refer to `output` (a tensor -> node -> callback -> tensor cycle the garbage collector cannot free).
+            box = [True]
             shape = output.shape
 
-            def grad_hook(grad: torch.Tensor) -> None:
+            def grad_hook(inp, grad: torch.Tensor) -> None:
                 if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
                     return
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
+                box.pop()
                 grad = grad.detach().reshape(shape)
                 if flat:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
                 elif axis:
                     grad = grad.movedim(axis, 0)
-                uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
+                uses = [u.by_example(b) for u in rule.uses(module, name, inp, None, grad)
                         if self._keeps(u.param)]
                 self._add_uses(name, uses)
 
-            if self._groups is not None:
+            if self._groups is not None and not recompute:
                 for n in owned:
                     self._pending[n] = self._pending.get(n, 0) + 1
-            target.register_hook(grad_hook)
-            return output
+            return keep_input(output, inp, self._watch, grad_hook)
 
         return hook
 
