@@ -204,3 +204,77 @@ def test_recorded_inputs_live_one_segment_at_a_time(checkpointing):
         assert after_forward == 0  # not held from the first forward: it is recomputed
         assert len(during_backward) == layers  # each block re-run once
         assert max(during_backward) <= 1  # the block before has been clipped and freed
+
+
+class _Blocks(torch.nn.Module):
+    """A model of the user's own: two blocks, each under ``torch.utils.checkpoint`` (no transformers involved);
+    ``twice``: the block's first Linear is also applied to the tokens flattened to ``(B·T, d)`` rows."""
+
+    def __init__(self, reentrant: bool | None, twice: bool = False):
+        super().__init__()
+        self.reentrant, self.twice = reentrant, twice
+        self.embed = torch.nn.Linear(3, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(8, 8), "norm": torch.nn.LayerNorm(8), "b": torch.nn.Linear(8, 8)}) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.blocks[k]
+        y = m["a"](h)
+        if self.twice:
+            y = y + m["a"](h.reshape(-1, h.shape[-1])).reshape(h.shape)
+        return h + m["b"](torch.tanh(m["norm"](y)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3) -> per-example losses (B,)
+        h = self.embed(x)
+        for k in range(len(self.blocks)):
+            h = self.block(k, h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
+                self.block, k, h, use_reentrant=self.reentrant)
+        return self.head(h).pow(2).mean((1, 2))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_users_own_checkpoint_is_exact(reentrant):
+    """``torch.utils.checkpoint`` around a block of a plain ``nn.Module``: per-example norms and the clipped sum equal
+    the per-example oracle (each example run alone through the model without checkpointing, autograd)."""
+    from hf_dp.clipping.engine import ClippingEngine
+
+    torch.manual_seed(8)
+    model = _Blocks(None).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    grads = []
+    for i in range(4):
+        model.zero_grad()
+        model(x[i:i + 1]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    norms = torch.tensor(example_norms(grads), dtype=torch.float64)
+    c = float(norms.median())
+    expected = flat_clipped_sum(grads, c)
+    model.reentrant = reentrant
+    engine = ClippingEngine(model)
+    engine.first_step_check(lambda sl: model(x[sl]), 4)
+    with engine.record(4):
+        model(x).sum().backward()
+    norms_sq = engine.per_example_norms_sq()
+    total = torch.stack(list(norms_sq.values())).sum(0).sqrt()
+    torch.testing.assert_close(total, norms, rtol=1e-10, atol=1e-12)
+    engine.accumulate_clipped((c / (total + 1e-6)).clamp(max=1.0))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(engine.summed_grads[n], expected[n], rtol=1e-10, atol=1e-12, msg=n)
+        assert p.grad is None
+
+
+def test_recomputed_call_of_ambiguous_layout_is_refused():
+    """A Linear applied twice in a checkpointed block, once per example (B, T, d) and once to the tokens flattened to
+    (B·T, d) rows: a recomputed call cannot be matched to its layout, so the reentrant recompute is refused at the
+    first step (its input would otherwise be split into examples by the wrong layout)."""
+    from hf_dp.clipping.engine import ClippingEngine
+    from hf_dp.clipping.layers import UnsupportedLayerError
+
+    torch.manual_seed(9)
+    model = _Blocks(True, twice=True).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    engine = ClippingEngine(model)
+    with pytest.raises(UnsupportedLayerError, match="re-run by activation checkpointing"):
+        engine.first_step_check(lambda sl: model(x[sl]), 4)
