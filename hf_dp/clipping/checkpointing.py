@@ -32,12 +32,13 @@ its default), so the recomputed ``a`` equals the first forward's (tested in ``te
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["BackwardWatch", "keep_input", "recompute_layout"]
+__all__ = ["BackwardWatch", "clipped_in_backward", "keep_input", "recompute_layout"]
 
 
 class BackwardWatch:
@@ -128,3 +129,27 @@ def recompute_layout(layouts: dict, module_id: int, calls: int, name: str):
         f"{name} is re-run by activation checkpointing during the backward, and its calls in the forward have inputs "
         f"of different layouts ({', '.join(sorted(map(str, seen)))}), so hf_dp cannot tell which call a recomputed "
         "input belongs to. Keep this module outside the checkpointed blocks, or turn activation checkpointing off.")
+
+
+@contextlib.contextmanager
+def clipped_in_backward(engine, factors: torch.Tensor) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside ``engine.record`` (entered first): a recording whose per-example ``factors`` are known before the backward
+    (a check's fixed weights) adds ``Σ_i c_i G_{i,p}`` into ``engine.summed_grads`` parameter by parameter during the
+    backward (``ClippingEngine.set_fused_groups``, one group per parameter) and frees each parameter's factors as
+    it goes. Without it, every layer's input and output gradient would be kept to the end of the backward: the
+    memory of the whole model's activations, which activation checkpointing exists to avoid. Yields ``{param name:
+    (B,) squared per-example norms}``, filled when the block exits (after the backward)."""
+    norms: dict[str, torch.Tensor] = {}
+    device = next(iter(engine.params.values())).device if engine.params else factors.device
+    factors = factors.to(device)
+
+    def handler(_k: int, norms_sq: dict[str, torch.Tensor]) -> torch.Tensor:
+        norms.update(norms_sq)
+        return factors
+
+    engine.set_fused_groups([[n] for n in engine.params], handler)
+    try:
+        yield norms
+        engine.finish_fused()  # a parameter some of whose uses got no gradient
+    finally:
+        engine.set_fused_groups(None, None)

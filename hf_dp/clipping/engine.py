@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .checkpointing import BackwardWatch, keep_input, recompute_layout
+from .checkpointing import BackwardWatch, clipped_in_backward, keep_input, recompute_layout
 from .fallback import Fallback, _is_drop_rate
 from .layers import Rule, UnsupportedLayerError, Use, find_rule, rule_parameters
 from .recurrent import fallback_for
@@ -423,6 +423,18 @@ def _with_enclosable(err: UnsupportedLayerError, names: list[str]) -> Unsupporte
 def _rows(x: torch.Tensor) -> int | None:
     """The size of the axis a rule treats as the batch axis, or ``None`` when the input has no such axis."""
     return x.shape[0] if x.dim() >= 2 else None
+
+
+class _Judged(dict):
+    """The first-step probe's store for the B-example run: each call's input is judged when it arrives
+    (``ClippingEngine._probe_layout``) and not kept."""
+
+    def __init__(self, judge: Callable):
+        super().__init__()
+        self._judge = judge
+
+    def __setitem__(self, key, value) -> None:
+        self._judge(key, value)
 
 
 class ClippingEngine:
@@ -857,21 +869,15 @@ class ClippingEngine:
     def _probe_layout(self, run_losses: Callable[[slice], torch.Tensor], batch_size: int) -> None:
         seen = {}
         big = batch_size
-        for b in (big, 1):
-            self._probe = {}
-            with torch.no_grad(), self.record(b, freeze=False):
-                run_losses(slice(0, b))
-            seen[b] = self._probe
-        self._probe = None
         names = {id(m): (n, type(m).__name__) for n, m, _ in self._modules}
         rules: dict[int, tuple] = {}
         for _, m, r in self._modules:
             rules.setdefault(id(m), (m, r))  # a ruled module's rule, not its side fallback's entry (listed after)
         problems, concerned = [], []
-        for key, two in seen[big].items():
+        def judge(key, two) -> None:  # one call's input for B examples against the first example's alone
             one = seen[1].get(key)
             if one is None or two is None:
-                continue
+                return
             if len(key) == 3:  # a mixing point's result (_mixing_point): its rows must be example-major
                 r1 = one.shape[0] if one.dim() else 0
                 if not (r1 and two.dim() == one.dim() and two.shape[0] == big * r1 and two.shape[1:] == one.shape[1:]
@@ -883,19 +889,19 @@ class ClippingEngine:
                         "example at a time, so hf_dp cannot split the gradient of the batch-less tensors it uses per "
                         "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
                         "projections) or train with LoRA.")
-                continue
+                return
             if key[0] in self._fallbacks:
                 fb = self._fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
                 self._mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
                     _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
-                continue
+                return
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             n_before = len(problems)
             axis = _later_batch_axis(two, one, big)
             if axis:
                 self._layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
-                continue
+                return
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
                 later = [j for j in range(1, two.dim()) if two.dim() == one.dim() and two.shape[j] == big
@@ -909,16 +915,16 @@ class ClippingEngine:
                         "global tokens in the batch, with the examples on axis 1). Give every example the same "
                         "number of global tokens (the classification default: the first token only), or freeze the "
                         "layer (requires_grad_(False)) or use LoRA on the other layers.")
-                    concerned += self._owned(*rules[key[0]])
-                    continue
+                    concerned.extend(self._owned(*rules[key[0]]))
+                    return
                 if r1 == 1:
                     self._layout.pop(key, None)
-                    continue
+                    return
                 same = torch.equal(two[:r1], one) if not one.is_floating_point() else torch.allclose(
                     two[:r1].double(), one.double(), rtol=1e-3, atol=1e-5)
                 if same:
                     self._layout[key] = "flat"
-                    continue
+                    return
                 problems.append(
                     f"{call}: its input has {r1} rows per example ({tuple(two.shape)} for {big} examples) that are "
                     "not grouped example by example, so its rows cannot be assigned to examples. Freeze the layer.")
@@ -939,7 +945,18 @@ class ClippingEngine:
                     f"{call}: the first axis of its input has {r2} rows for {big} examples but {r1} for one, so hf_dp "
                     "cannot tell which rows belong to which example. Freeze the layer.")
             if len(problems) > n_before:
-                concerned += self._owned(*rules[key[0]])
+                concerned.extend(self._owned(*rules[key[0]]))
+        # The first example alone, then the B examples, each call judged as it comes: a copy of every call's input
+        # for B examples would be the memory of the whole model's activations (what activation checkpointing saves).
+        self._probe = seen[1] = {}
+        try:
+            with torch.no_grad(), self.record(1, freeze=False):
+                run_losses(slice(0, 1))
+            self._probe = _Judged(judge)
+            with torch.no_grad(), self.record(big, freeze=False):
+                run_losses(slice(0, big))
+        finally:
+            self._probe = None
         if problems:
             raise _with_enclosable(UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
                                                          + "\n  ".join(problems)), concerned)
@@ -1073,7 +1090,13 @@ class ClippingEngine:
             return
         saved = self._saved_state()
         try:
-            with self.record(rows, segments=segments):
+            gen = torch.Generator().manual_seed(12345)
+            factors = torch.zeros(num_examples, dtype=torch.float64)
+            checked = sorted(alone)
+            factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
+            # The factors are known before the backward: each parameter is clipped inside it, as in training
+            # (checkpointing.clipped_in_backward), not all factors kept to its end (the memory of a step's activations).
+            with self.record(rows, segments=segments), clipped_in_backward(self, factors) as sq:
                 losses = run_batch()
                 if losses.shape != (num_examples,):
                     raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
@@ -1081,15 +1104,8 @@ class ClippingEngine:
                 if losses.requires_grad:
                     losses.sum().backward()
             losses = losses.detach().double().cpu()
-            sq = self.per_example_norms_sq()
-            device = next(iter(sq.values())).device if sq else losses.device
             hook_norms = (torch.stack([v.double() for v in sq.values()]).sum(0).sqrt().cpu() if sq
                           else torch.zeros(num_examples, dtype=torch.float64))
-            gen = torch.Generator().manual_seed(12345)
-            factors = torch.zeros(num_examples, dtype=torch.float64)
-            checked = sorted(alone)
-            factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
-            self.accumulate_clipped(factors.to(device))
             hooked, self.summed_grads = self.summed_grads, {}
             self.clear()
             names = list(self.params)
