@@ -368,11 +368,6 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"accountant_eps_error must be a finite number > 0, got {self.accountant_eps_error}.")
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by hf_dp's per-example losses; set it to 0.")
-        if getattr(self, "gradient_checkpointing", False) or getattr(self, "activation_checkpointing", False):
-            raise ValueError(
-                "Activation/gradient checkpointing re-runs forwards inside the backward, which hf_dp's per-example "
-                "hooks do not support yet; turn it off."
-            )
         if not self.poisson_sampling:
             warnings.warn(
                 "poisson_sampling=False: fixed-size shuffled batches do not match the Poisson-subsampling analysis; "
@@ -410,15 +405,11 @@ _DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
 class TrlOverridesUnderDP:
     """The defaults of trl's configs (``trl/trainer/base_config.py``) that DP training changes, written once for every
     trl config pair (``DPSFTConfig``, ``DPDPOConfig``, ``DPRewardConfig``). Listed first among a config's bases, its
-    fields win over trl's: ``gradient_checkpointing`` off (trl: on; refused under DP), ``bf16`` on only with an
-    accelerator and without ``fp16`` (trl: on unless fp16), ``max_grad_norm`` as ``DPTrainingArguments`` has it
-    (without this field the trl side of the hierarchy, which re-lists TrainingArguments' fields, restores 1.0)."""
+    fields win over trl's: ``bf16`` on only with an accelerator and without ``fp16`` (trl: on unless fp16),
+    ``max_grad_norm`` as ``DPTrainingArguments`` has it (without this field the trl side of the hierarchy, which
+    re-lists TrainingArguments' fields, restores 1.0). trl's ``gradient_checkpointing=True`` stays: activation
+    checkpointing keeps its memory saving under DP (``clipping/checkpointing.py``)."""
 
-    gradient_checkpointing: bool | None = field(
-        default=None,  # resolved to False by TrainingArguments (None: no deprecation warning for the old name)
-        metadata={"help": "Activation checkpointing; refused under DP (the per-example hooks would miss recomputed "
-                          "forwards). trl's default is True, hf_dp's is False."},
-    )
     bf16: bool | None = field(
         default=None,
         metadata={"help": "bf16 mixed precision. Default: True if fp16 is not set and an accelerator is present."},

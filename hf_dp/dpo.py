@@ -71,8 +71,8 @@ class DPDPOConfig(TrlOverridesUnderDP, DPOConfig, DPTrainingArguments):
     (`beta=0.1`, `loss_type=["sigmoid"]`, `learning_rate=1e-6`, `max_length=1024`, `disable_dropout=True`, ...),
     except:
 
-    - `gradient_checkpointing`: `False` (trl: `True`); `True` is refused (the per-example hooks do not see recomputed
-      forwards).
+    - (`gradient_checkpointing` keeps trl's `True`: exact under DP, with its memory saving;
+      `clipping/checkpointing.py`.)
     - `bf16`: when not set, `True` only if `fp16` is not set **and** an accelerator is present.
     - `max_grad_norm`: `0.0` (DP clips per row with `per_sample_max_grad_norm`; see `DPTrainingArguments`).
 

@@ -29,9 +29,9 @@ __all__ = ["DPRewardConfig", "DPRewardTrainer"]
 class DPRewardConfig(TrlOverridesUnderDP, RewardConfig, DPTrainingArguments):
     r"""Configuration of [`DPRewardTrainer`]: trl's `RewardConfig` plus every field of [`DPTrainingArguments`].
 
-    trl's defaults are kept (`max_length=1024`, `disable_dropout=True`, `learning_rate=1e-4`, ...), except
-    `gradient_checkpointing` (`False`; `True` is refused), `bf16` (when not set: `True` only with an accelerator and
-    no `fp16`) and `max_grad_norm` (`0.0`: DP clips per row with `per_sample_max_grad_norm`).
+    trl's defaults are kept (`max_length=1024`, `disable_dropout=True`, `learning_rate=1e-4`,
+    `gradient_checkpointing=True`, ...), except `bf16` (when not set: `True` only with an accelerator and no `fp16`)
+    and `max_grad_norm` (`0.0`: DP clips per row with `per_sample_max_grad_norm`).
     `per_device_train_batch_size` and the expected batch count preference rows (each is two sequences).
     """
 

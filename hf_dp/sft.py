@@ -20,8 +20,8 @@ attention mask and no cache (``use_cache=False`` is passed), and flash-attention
 :meth:`DPSFTTrainer.check_packed_isolation` verifies it on the model at construction and at every train start, and
 packing is refused where it does not hold (e.g. OPT's learned positions from the attention mask, Bloom's ALiBi).
 
-Activation (gradient) checkpointing, which trl turns on by default, is off by default here and refused: the
-per-example hooks do not see recomputed forwards yet.
+Activation (gradient) checkpointing, which trl turns on by default, stays on: the per-example hooks record each
+layer's input from the recomputed segment (``clipping/checkpointing.py``), so DP keeps its memory saving.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class DPSFTConfig(TrlOverridesUnderDP, SFTConfig, DPTrainingArguments):
     (trl's, then hf_dp's, then trl's remaining ones). trl's defaults are kept (`logging_steps=10`,
     `learning_rate=2e-5`, ...), except:
 
-    - `gradient_checkpointing`: `False` (trl: `True`). Activation checkpointing re-runs forwards inside the backward
-      pass, which the per-example hooks do not support yet; `True` is refused.
+    - (`gradient_checkpointing` keeps trl's `True`: exact under DP, with its memory saving;
+      `clipping/checkpointing.py`.)
     - `bf16`: when not set, `True` only if `fp16` is not set **and** an accelerator is present (trl: whenever `fp16`
       is not set, also on CPU, where bf16 autocast is slow and inexact).
     - `max_grad_norm`: `0.0` (DP clips per example with `per_sample_max_grad_norm`; see `DPTrainingArguments`).

@@ -149,10 +149,11 @@ def test_config_is_dpoconfig_plus_dp_arguments(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         default = DPDPOConfig(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True)
-    # trl's defaults where DP allows them; checkpointing and the Trainer's global clipping off
+    # trl's defaults where DP allows them (activation checkpointing on: clipping/checkpointing.py); the Trainer's
+    # global clipping off
     assert default.beta == 0.1 and default.loss_type == ["sigmoid"] and default.learning_rate == 1e-6
     assert default.disable_dropout and default.max_length == 1024
-    assert default.gradient_checkpointing is False and default.max_grad_norm == 0.0 and default.bf16 is False
+    assert default.gradient_checkpointing is True and default.max_grad_norm == 0.0 and default.bf16 is False
     plain = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, use_cpu=True, max_steps=1,
                                 per_device_train_batch_size=2, gradient_accumulation_steps=2, dp_seed=0)
     trainer = make_trainer(tiny_llama(), pairs(), plain)
@@ -168,7 +169,6 @@ def test_config_is_dpoconfig_plus_dp_arguments(tmp_path):
     ({"loss_type": ["sigmoid", "aot_unpaired"], "loss_weights": [1.0, 1.0]}, "sorts the chosen and rejected"),
     ({"padding_free": True}, "no padding-free path"),
     ({"sync_ref_model": True}, "mixes the policy into the reference"),
-    ({"gradient_checkpointing": True}, "checkpointing"),
     ({"activation_offloading": True}, "activation_offloading"),
 ])
 def test_unsupported_settings_refused_with_the_reason(tmp_path, bad, reason):

@@ -130,7 +130,7 @@ def test_config_is_sftconfig_plus_dp_arguments(tmp_path):
 
     args = sft_args(tmp_path)
     assert isinstance(args, SFTConfig) and isinstance(args, DPTrainingArguments)
-    assert args.gradient_checkpointing is False and args.max_grad_norm == 0.0  # DP defaults
+    assert args.gradient_checkpointing is True and args.max_grad_norm == 0.0  # trl's checkpointing; DP's clipping
     assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True).logging_steps == 10  # trl's
     assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, use_cpu=True).learning_rate == 2e-5
     assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, pad_to_multiple_of="none").pad_to_multiple_of \
@@ -171,9 +171,10 @@ def test_dptrainer_mixed_with_a_trl_trainer_by_hand_is_refused_with_the_reason(t
         HandMade(model=tiny_llama(), args=args, train_dataset=dataset("text"), processing_class=chat_tokenizer())
 
 
-def test_gradient_checkpointing_refused(tmp_path):
-    with pytest.raises(ValueError, match="checkpointing"):
-        DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0, gradient_checkpointing=True)
+def test_gradient_checkpointing_is_trls_default_and_can_be_turned_off(tmp_path):
+    assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0).activation_checkpointing is True
+    assert DPSFTConfig(output_dir=str(tmp_path), noise_multiplier=1.0,
+                       gradient_checkpointing=False).activation_checkpointing is False
 
 
 def test_dataset_level_packing_strategies_refused(tmp_path):

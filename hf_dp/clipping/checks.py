@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from .checkpointing import clipped_in_backward
 from .coverage import with_enclosable
 from .fallback import is_drop_rate
 from .rules import UnsupportedLayerError
@@ -125,6 +126,18 @@ def norm_alone_problem(i: int, batched: float, alone: float, batch_size: int, rt
     return None
 
 
+class JudgedCalls(dict):
+    """The layout probe's store for the B-example run (``Recorder.probing``): each call's input is handed to
+    ``judge(key, input)`` when it arrives (:meth:`FirstStepChecks.probe_layout`) and not kept."""
+
+    def __init__(self, judge: Callable[[tuple, object], None]):
+        super().__init__()
+        self.judge = judge
+
+    def __setitem__(self, key, value) -> None:
+        self.judge(key, value)
+
+
 class FirstStepChecks:
     """The first-step checks of one :class:`~hf_dp.clipping.engine.ClippingEngine` (see the module docstring)."""
 
@@ -217,20 +230,17 @@ class FirstStepChecks:
         plan = engine.plan
         seen = {}
         big = batch_size
-        for b in (big, 1):
-            with recorder.probing() as calls, torch.no_grad(), engine.record(b, freeze=False):
-                run_losses(slice(0, b))
-            seen[b] = calls
         layout, mapped = recorder.layouts, recorder.fallback_layouts
         names = {id(m): (n, type(m).__name__) for n, m, _ in plan.layers}
         rules: dict[int, tuple] = {}
         for _, m, r in plan.layers:
             rules.setdefault(id(m), (m, r))  # a ruled module's rule, not its side fallback's entry (listed after)
         problems, concerned = [], []
-        for key, two in seen[big].items():
+
+        def judge(key, two) -> None:  # one call's input for B examples against the first example's alone
             one = seen[1].get(key)
             if one is None or two is None:
-                continue
+                return
             if len(key) == 3:  # a mixing point's result (_mixing_point): its rows must be example-major
                 r1 = one.shape[0] if one.dim() else 0
                 if not (r1 and two.dim() == one.dim() and two.shape[0] == big * r1 and two.shape[1:] == one.shape[1:]
@@ -242,19 +252,19 @@ class FirstStepChecks:
                         "example at a time, so hf_dp cannot split the gradient of the batch-less tensors it uses per "
                         "example. Freeze the parameters it uses (e.g. the relative embeddings and position "
                         "projections) or train with LoRA.")
-                continue
+                return
             if key[0] in plan.fallbacks:
                 fb = plan.fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
                 mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
                     _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
-                continue
+                return
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             n_before = len(problems)
             axis = _later_batch_axis(two, one, big)
             if axis:
                 layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
-                continue
+                return
             r2, r1 = _rows(two), _rows(one)
             if r2 is not None and r1 is not None and r2 == big * r1:
                 later = [j for j in range(1, two.dim()) if two.dim() == one.dim() and two.shape[j] == big
@@ -268,16 +278,16 @@ class FirstStepChecks:
                         "global tokens in the batch, with the examples on axis 1). Give every example the same "
                         "number of global tokens (the classification default: the first token only), or freeze the "
                         "layer (requires_grad_(False)) or use LoRA on the other layers.")
-                    concerned += plan.owned(*rules[key[0]])
-                    continue
+                    concerned.extend(plan.owned(*rules[key[0]]))
+                    return
                 if r1 == 1:
                     layout.pop(key, None)
-                    continue
+                    return
                 same = torch.equal(two[:r1], one) if not one.is_floating_point() else torch.allclose(
                     two[:r1].double(), one.double(), rtol=1e-3, atol=1e-5)
                 if same:
                     layout[key] = "flat"
-                    continue
+                    return
                 problems.append(
                     f"{call}: its input has {r1} rows per example ({tuple(two.shape)} for {big} examples) that are "
                     "not grouped example by example, so its rows cannot be assigned to examples. Freeze the layer.")
@@ -298,7 +308,14 @@ class FirstStepChecks:
                     f"{call}: the first axis of its input has {r2} rows for {big} examples but {r1} for one, so hf_dp "
                     "cannot tell which rows belong to which example. Freeze the layer.")
             if len(problems) > n_before:
-                concerned += plan.owned(*rules[key[0]])
+                concerned.extend(plan.owned(*rules[key[0]]))
+        # The first example alone, then the B examples, each call judged as it comes: a copy of every call's input
+        # for B examples would be the memory of the whole model's activations (what activation checkpointing saves).
+        with recorder.probing() as calls, torch.no_grad(), engine.record(1, freeze=False):
+            run_losses(slice(0, 1))
+        seen[1] = calls
+        with recorder.probing(JudgedCalls(judge)), torch.no_grad(), engine.record(big, freeze=False):
+            run_losses(slice(0, big))
         recorder.set_layouts(layout, mapped)
         if problems:
             raise with_enclosable(UnsupportedLayerError("Per-example gradients cannot be formed for these layers:\n  "
@@ -414,24 +431,29 @@ class FirstStepChecks:
             return
         saved = self._saved_state()
         try:
-            with self.engine.record(rows, segments=segments, units=units):
-                losses = run_batch()
-                if losses.shape != (num_examples,):
-                    raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
-                                     f"{tuple(losses.shape)}.")
-                if losses.requires_grad:
-                    losses.sum().backward()
-            losses = losses.detach().double().cpu()
-            sq = self.engine.per_example_norms_sq()
-            device = next(iter(sq.values())).device if sq else losses.device
-            hook_norms = (torch.stack([v.double() for v in sq.values()]).sum(0).sqrt().cpu() if sq
-                          else torch.zeros(num_examples, dtype=torch.float64))
             gen = torch.Generator().manual_seed(12345)
             factors = torch.zeros(num_examples, dtype=torch.float64)
             checked = sorted(alone)
             factors[checked] = 0.5 + torch.rand(len(checked), generator=gen, dtype=torch.float64)
-            factors[~(torch.isfinite(losses) & torch.isfinite(hook_norms))] = 0.0  # factor 0 in training too
-            self.engine.accumulate_clipped(factors.to(device))
+            # The factors are known before the backward: each parameter is clipped inside it, as in training
+            # (checkpointing.clipped_in_backward), not all factors kept to its end (the memory of a step's activations).
+            # An example with a non-finite loss gets factor 0 (as in training), set before the backward; one whose
+            # norm of a parameter is not finite gets factor 0 for that parameter (clipped_in_backward), and its
+            # gradient of that parameter is left out of the reference below too.
+            with self.engine.record(rows, segments=segments, units=units), \
+                    clipped_in_backward(self.engine, factors) as (sq, live):
+                losses = run_batch()
+                if losses.shape != (num_examples,):
+                    raise ValueError(f"per_example_loss must return shape ({num_examples},), got "
+                                     f"{tuple(losses.shape)}.")
+                live[~torch.isfinite(losses.detach()).to(live.device)] = 0.0
+                if losses.requires_grad:
+                    losses.sum().backward()
+            losses = losses.detach().double().cpu()
+            factors[~torch.isfinite(losses)] = 0.0
+            hook_norms = (torch.stack([v.double() for v in sq.values()]).sum(0).sqrt().cpu() if sq
+                          else torch.zeros(num_examples, dtype=torch.float64))
+            unseen = {n: ~torch.isfinite(v.double().cpu()) for n, v in sq.items()}  # left out per parameter
             hooked, self.engine.summed_grads = self.engine.summed_grads, {}
             self.engine.clear()
             names = list(self.engine.params)
@@ -452,7 +474,8 @@ class FirstStepChecks:
                     if g is None or not torch.isfinite(g).all():
                         continue
                     norm_sq += float(g.double().pow(2).sum())
-                    ref[n] = ref.get(n, 0) + float(factors[i]) * g.double()
+                    if n not in unseen or not bool(unseen[n][i]):
+                        ref[n] = ref.get(n, 0) + float(factors[i]) * g.double()
                 mine, theirs = float(losses[i]), single
                 if not (math.isfinite(mine) and math.isfinite(theirs)):
                     continue  # a non-finite example gets clipping factor 0 in training

@@ -89,6 +89,14 @@ def check_fsdp_supported(plugin: Any, args: Any) -> None:
             "(`accelerate launch --multi_gpu`) for user-level DP, or clipping='per_device' for model-parallel "
             "placement."
         )
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False) \
+            or getattr(plugin, "activation_checkpointing", False):
+        raise ValueError(
+            "Under FSDP, DPTrainer does not support activation checkpointing yet: its FSDP clipping records layer "
+            "inputs with hooks of its own (clipping/fsdp.py), which have not been made to follow segments recomputed "
+            "in the backward (clipping/checkpointing.py covers one device and DDP). Turn activation checkpointing "
+            "off, or train under DDP / on one device, where it is supported."
+        )
 
 
 class FSDPRecorder(Recorder):

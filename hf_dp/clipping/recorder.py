@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .broadcast import BroadcastPoints
+from .checkpointing import BackwardWatch, keep_input, recompute_layout
 from .coverage import CoveragePlan, with_enclosable
 from .fallback import Fallback
 from .regroup import Segments
@@ -44,28 +45,6 @@ def _detached(inp):
     if isinstance(inp, tuple):
         return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inp)
     return inp.detach()
-
-
-def _hook_target(output: torch.Tensor) -> torch.Tensor | None:
-    """The tensor on which a hook receives the gradient of ``output`` as the layer returned it, even if the model
-    then modifies ``output`` in place; ``None`` when there is no such tensor (the caller then hooks a copy).
-
-    A hook registered on a tensor that is not a view survives a later in-place operation on it (it stays on the
-    tensor's old autograd node and receives the gradient of the value before the operation). A hook registered on a
-    *view* does not: an in-place operation on a view rebases the view onto ``CopySlices`` of its base, and its old
-    node (with the hook) leaves the graph, so the hook never fires. ``F.linear`` on a 3-D input returns such a view
-    (a 2-D ``addmm`` reshaped), and Longformer's global attention divides the query projection's output in place
-    (``global_query_vectors_only_global /= ...``): its hook was lost. A view that is the whole of a base computed by
-    the layer itself (its autograd node feeds the view's) is hooked on that base, whose gradient is the output's.
-    """
-    base = output._base
-    if base is None:
-        return output
-    node = output.grad_fn
-    if (node is not None and base.grad_fn is not None and base.numel() == output.numel() and output.is_contiguous()
-            and base.is_contiguous() and any(n is base.grad_fn for n, _ in node.next_functions)):
-        return base
-    return None
 
 
 class Recorder(BroadcastPoints):
@@ -103,6 +82,7 @@ class Recorder(BroadcastPoints):
         self._bcast: list | None = None  # the ruled calls inside a broadcast point (see _broadcast_point)
         self._in_vjp = False  # inside a mixing point's batched vector-Jacobian product
         self._shared_live: list[dict] = []  # the shared tensors of the current forward (see _shared_point)
+        self._watch = BackwardWatch()  # a forward after the backward began is a recompute (checkpointing.py)
 
     def use_plan(self, plan: CoveragePlan) -> None:
         """Record for a new plan from now on; what the first step proved is proven again."""
@@ -131,10 +111,12 @@ class Recorder(BroadcastPoints):
         self._layout, self._mapped = dict(layouts), dict(fallback_layouts)
 
     @contextlib.contextmanager
-    def probing(self) -> Iterator[dict]:
+    def probing(self, store: dict | None = None) -> Iterator[dict]:
         """Inside it, :meth:`record` only stores each hooked call's input (the first-step layout probe): yields
-        ``{call key: input}`` (a fallback call's key: its input leaves; a mixing point's: ``(id, call, method)``)."""
-        self._probe = seen = {}
+        ``{call key: input}`` (a fallback call's key: its input leaves; a mixing point's: ``(id, call, method)``).
+        ``store``: where the calls go instead of a new dict (``checks.py`` passes one that judges each call as it
+        arrives and keeps none, so the probe does not hold every layer's input at once)."""
+        self._probe = seen = {} if store is None else store
         try:
             yield seen
         finally:
@@ -149,6 +131,7 @@ class Recorder(BroadcastPoints):
         self._sums.clear()
         self._batch_size = batch_size
         self._calls = {}
+        self._watch = BackwardWatch()  # a forward after the backward began is a recompute (checkpointing.py)
         self._segments = None if segments is None else Segments(segments)
         plan = self._plan
         handles = []
@@ -167,6 +150,7 @@ class Recorder(BroadcastPoints):
                 handles.append(m.register_forward_hook(self.layer_hook(n, m, r), with_kwargs=True))
         handles += [m.register_forward_pre_hook(self._expand_broadcast_ids, with_kwargs=True)
                     for _, m, r in plan.layers if r.name == "embedding"]
+        handles.append(self._watch.attach(self.model))
         self._shared_live = []
         handles += self._install_points()
         buffers = {n: b._version for n, b in _persistent_buffers(self.model).items()}
@@ -280,7 +264,10 @@ class Recorder(BroadcastPoints):
         def hook(inp, output):
             if self._replaying:
                 return output
-            key = self._next_call(module)
+            # A forward during the backward re-runs a checkpointed segment (checkpointing.py): its call was numbered
+            # (and expected, below) in the first forward.
+            recompute = self._watch.started and self._probe is None
+            key = None if recompute else self._next_call(module)
             if self._probe is None and torch.is_grad_enabled() and not isinstance(output, torch.Tensor):
                 # never skip a ruled call silently (also inside a broadcast point)
                 raise with_enclosable(UnsupportedLayerError(
@@ -302,10 +289,12 @@ class Recorder(BroadcastPoints):
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
             if not torch.is_grad_enabled():
+                self._sums.expect(owned)  # reentrant checkpointing records this call when it re-runs it
                 return output
             inp = _detached(inp)
             b = self._batch_size
-            layout = self._layout.get(key)
+            layout = self._layout.get(key) if not recompute else recompute_layout(
+                self._layout, id(module), self._calls.get(id(module), 0), name)
             flat = layout == "flat"
             axis = layout if isinstance(layout, int) else 0
             if flat:
@@ -323,44 +312,35 @@ class Recorder(BroadcastPoints):
                 except UnsupportedLayerError as err:  # not the form its rule assumes: its parent may be re-run
                     raise with_enclosable(err, owned) from None
                 self._verified.add(id(module))
-            target = None
             if not output.requires_grad:
-                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook; the
-                # forward goes on with a copy (not the leaf itself, which the model may modify in place).
-                target = output.detach().requires_grad_(True)
-                output = target.clone()
+                # Nothing upstream is trainable: start the graph here so the output gradient reaches the hook.
+                output = output.detach().requires_grad_(True)
 
-            # The hook must not refer to `output` itself: output -> grad_fn -> hook -> closure -> output would be a
-            # reference cycle through autograd's C++ hook storage that the garbage collector cannot free, leaking
-            # every micro-batch's graph. The input goes to the hook through a one-shot box: autograd keeps the hook
-            # (and its closure) until the whole graph dies, and a captured `inp` would pin every layer's activation
-            # to the end of the step; popped, it lives only as long as the Uses that need it (no rule reads the
-            # output, so none is passed).
-            box = [inp]
-            del inp
-            target = target if target is not None else _hook_target(output)
-            if target is None:  # a partial view: hook a copy, which the model's in-place ops cannot rebase
-                output = target = output.clone()
+            # The input is a saved tensor of the graph (checkpointing.keep_input), not held here: activation
+            # checkpointing drops it in the first forward and recomputes it for the backward. The callback must not
+            # refer to `output` (a tensor -> node -> callback -> tensor cycle the garbage collector cannot free).
+            box = [True]
             shape = output.shape
 
-            def grad_hook(grad: torch.Tensor) -> None:
+            def grad_hook(inp, grad: torch.Tensor) -> None:
                 if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
                     return
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass "
                                        "(a second backward through the same graph is not supported while recording).")
+                box.pop()
                 grad = grad.detach().reshape(shape)
                 if flat:
                     grad = grad.reshape(b, -1, *grad.shape[1:])
                 elif axis:
                     grad = grad.movedim(axis, 0)
-                uses = [u.by_example(b) for u in rule.uses(module, name, box.pop(), None, grad)
+                uses = [u.by_example(b) for u in rule.uses(module, name, inp, None, grad)
                         if self._plan.keeps(u.param)]
                 self._add_uses(name, uses)
 
-            self._sums.expect(owned)
-            target.register_hook(grad_hook)
-            return output
+            if not recompute:
+                self._sums.expect(owned)
+            return keep_input(output, inp, self._watch, grad_hook)
 
         return hook
 
@@ -397,7 +377,7 @@ class Recorder(BroadcastPoints):
             # gradient holds only the uses *after* the module: an output that is also an intermediate of another
             # output (eager attention returns its weights, from which it computes its output) would otherwise pass
             # the other output's gradient twice through the vector-Jacobian product. A copy, not a view: an in-place
-            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook (_hook_target).
+            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook.
             for i, t in enumerate(leaves):
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     leaves[i] = t.clone() if t.requires_grad else t.detach().requires_grad_(True)

@@ -1,0 +1,161 @@
+"""Activation checkpointing under DP: a recorded layer's input lives where autograd keeps activations.
+
+The engine needs, for every hooked call of a layer, its input ``a`` and the gradient ``g`` of its output (``layers.py``:
+``gᵢᵀaᵢ`` and its norm). Kept in a Python box from the forward to the backward, ``a`` outlives everything activation
+checkpointing frees: with every layer's input held to the end of its backward, DP lost the whole saving
+(``benchmarks/RESULTS.md``, issue 24: +840 MiB DP vs +220 MiB non-private at T = 512).
+
+Here ``a`` is a **saved tensor of the autograd graph** (:class:`_RecordedCall`, an identity on the layer's output that
+``save_for_backward``s its input and receives ``g`` in its ``backward``). Whatever policy decides the lifetime of the
+model's own activations then decides the lifetime of ``a`` too, with no case for each:
+
+* no checkpointing: ``a`` lives until its layer's backward, as before;
+* non-reentrant checkpointing (``torch.utils.checkpoint(use_reentrant=False)``, transformers' default): inside a
+  checkpointed segment, torch's pack hook drops ``a`` in the first forward, and the backward gets the **recomputed**
+  ``a`` when the segment is re-run (Chen et al. 2016, "Training deep nets with sublinear memory cost");
+* reentrant checkpointing (``use_reentrant=True``): the first forward runs without grad, so nothing is recorded; the
+  segment's forward re-run inside the backward records ``a`` and gets ``g`` from its own inner backward;
+* ``torch.autograd.graph.save_on_cpu`` / transformers' ``offload=True``: ``a`` is offloaded with the activations.
+
+A forward that runs during the backward is a **recompute**: its hooks must neither number the call again nor count a
+use that will not arrive, but must save the same tensors in the same order as the first forward (non-reentrant
+checkpointing checks that it does). The engine learns that the backward has begun from :class:`BackwardWatch`: a
+tensor hook on each output of the model (every node of the model's forward lies upstream of its outputs, so the
+gradient of an output arrives before any checkpointed segment inside the model can be re-run), and the first
+:class:`_RecordedCall` backward. Nothing here names a transformers class, and torch's own checkpoint internals are not
+read: the mechanism holds for a user's own ``torch.utils.checkpoint`` around a block as for
+``gradient_checkpointing_enable()``.
+
+Dropout inside a checkpointed segment: torch restores the RNG state before the recompute (``preserve_rng_state=True``,
+its default), so the recomputed ``a`` equals the first forward's (tested in ``tests/test_checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .rules import UnsupportedLayerError
+
+__all__ = ["BackwardWatch", "clipped_in_backward", "keep_input", "recompute_layout"]
+
+
+class BackwardWatch:
+    """Whether the backward of the current recording has begun: any forward after that is a recompute.
+
+    :meth:`attach` hooks the model's outputs at the end of its forward; the first gradient that reaches one of them
+    (or a :class:`_RecordedCall`) sets :attr:`started`. One watch per recording (one forward, one backward).
+    """
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def attach(self, model: nn.Module):
+        """Hook ``model``'s outputs in every forward; returns the handle to remove."""
+        watch = self
+
+        def mark(_grad: torch.Tensor) -> None:  # refers to the watch only: no tensor -> hook -> tensor cycle
+            watch.started = True
+
+        def hook(_module, _args, output):
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(mark)
+
+        return model.register_forward_hook(hook)
+
+
+def _tensors(obj, depth: int = 0):
+    """The tensors in a model's output: a tensor, or nested tuples, lists and dicts (``ModelOutput`` is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth + 1)
+
+
+class _RecordedCall(torch.autograd.Function):
+    """Identity on a hooked layer's output ``x`` that saves the layer's input and hands it, with the gradient of
+    ``x``, to ``on_grad(inp, grad)`` in the backward.
+
+    ``inp`` goes through ``save_for_backward``, so activation checkpointing drops and recomputes it like any saved
+    activation. The output is ``x.detach()``: a new tensor on the same storage that is not a view, so the model may
+    modify it in place (a custom Function's view output may not be), and this node still receives the gradient of
+    the value the layer returned. ``stop``: ``x`` is a leaf made for the recording (nothing upstream is trainable);
+    its gradient is not passed on (no ``.grad`` accumulates on it).
+    """
+
+    @staticmethod
+    def forward(ctx, x, watch, on_grad, stop, single, *inp):
+        ctx.save_for_backward(*[t for t in inp if isinstance(t, torch.Tensor)])
+        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inp]  # non-tensor inputs (all_inputs)
+        ctx.watch, ctx.on_grad, ctx.stop, ctx.single = watch, on_grad, stop, single
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.watch.started = True
+        saved = iter(ctx.saved_tensors)  # under non-reentrant checkpointing: the recomputed input
+        inp = [next(saved) if v is None else v for v in ctx.others]
+        ctx.on_grad(inp[0] if ctx.single else tuple(inp), grad)
+        return (None if ctx.stop else grad, None, None, None, None, *([None] * len(ctx.others)))
+
+
+def keep_input(output: torch.Tensor, inp, watch: BackwardWatch,
+               on_grad: Callable[[object, torch.Tensor], None]) -> torch.Tensor:
+    """The tensor the forward continues with in place of a hooked call's ``output`` (which must require grad):
+    ``on_grad(inp, grad)`` is called once in the backward with the call's (detached) input ``inp`` — one tensor, or a
+    tuple with ``Rule.all_inputs`` — and the gradient of ``output``, ``inp`` kept as a saved tensor of the graph."""
+    single = not isinstance(inp, tuple)
+    items = (inp,) if single else inp
+    return _RecordedCall.apply(output, watch, on_grad, output.grad_fn is None, single, *items)
+
+
+def recompute_layout(layouts: dict, module_id: int, calls: int, name: str):
+    """The input layout (``ClippingEngine._layout``: ``None``, ``"flat"`` or a batch axis) of a call of the module
+    re-run by activation checkpointing during the backward, which cannot be told apart from the module's other calls:
+    the one layout all of the module's ``calls`` forward calls share. Modules called once (every layer of a
+    transformer) always qualify."""
+    seen = {layouts.get((module_id, k)) for k in range(max(calls, 1))}
+    if len(seen) == 1:
+        return seen.pop()
+    raise UnsupportedLayerError(
+        f"{name} is re-run by activation checkpointing during the backward, and its calls in the forward have inputs "
+        f"of different layouts ({', '.join(sorted(map(str, seen)))}), so hf_dp cannot tell which call a recomputed "
+        "input belongs to. Keep this module outside the checkpointed blocks, or turn activation checkpointing off.")
+
+
+@contextlib.contextmanager
+def clipped_in_backward(engine, factors: torch.Tensor) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Inside ``engine.record`` (entered first): a recording whose per-example ``factors`` are known before the backward
+    (a check's fixed weights) adds ``Σ_i c_i G_{i,p}`` into ``engine.summed_grads`` parameter by parameter during the
+    backward (``ClippingEngine.set_fused_groups``, one group per parameter) and frees each parameter's factors as
+    it goes. Without it, every layer's input and output gradient would be kept to the end of the backward: the
+    memory of the whole model's activations, which activation checkpointing exists to avoid.
+
+    Yields ``(norms, live)``: ``norms`` is ``{param name: (B,) squared per-example norms}``, filled when the block
+    exits (after the backward); ``live`` is the factors on the parameters' device, read when each parameter is
+    clipped, so an entry zeroed before the backward (an example with a non-finite loss) is honoured. An example
+    whose norm of a parameter is not finite gets factor 0 for that parameter (as ``modes.clip_factors_from_norms``
+    gives it in training; ``0 · NaN`` rows are zeroed by the engine)."""
+    norms: dict[str, torch.Tensor] = {}
+    device = next(iter(engine.params.values())).device if engine.params else factors.device
+    live = factors.to(device, copy=True)
+
+    def handler(_k: int, norms_sq: dict[str, torch.Tensor]) -> torch.Tensor:
+        norms.update(norms_sq)
+        finite = torch.stack([torch.isfinite(v) for v in norms_sq.values()]).all(0)
+        return torch.where(finite, live, torch.zeros_like(live))
+
+    engine.set_fused_groups([[n] for n in engine.params], handler)
+    try:
+        yield norms, live
+        engine.finish_fused()  # a parameter some of whose uses got no gradient
+    finally:
+        engine.set_fused_groups(None, None)
