@@ -278,3 +278,36 @@ def test_recomputed_call_of_ambiguous_layout_is_refused():
     engine = ClippingEngine(model)
     with pytest.raises(UnsupportedLayerError, match="re-run by activation checkpointing"):
         engine.first_step_check(lambda sl: model(x[sl]), 4)
+
+
+class _SqrtBranch(torch.nn.Module):
+    """``L_i = ‖a(x_i)‖² + ‖b(x_i)‖`` (``b`` without bias): for ``x_i = 0`` the loss is finite but ``b.weight``'s
+    gradient is NaN (``d‖z‖/dz`` at ``z = 0``), while ``a.bias``'s is finite."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2)
+        self.b = torch.nn.Linear(3, 2, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).pow(2).sum(1) + self.b(x).pow(2).sum(1).sqrt()
+
+
+def test_counterfactual_check_clipped_in_backward_gives_a_non_finite_parameter_factor_zero():
+    """The counterfactual check clips inside the backward (checkpointing.clipped_in_backward) with its fixed factors:
+    an example whose gradient of one parameter is NaN while its loss is finite gets factor 0 for that parameter (as
+    in training), so the check passes on an honest model instead of refusing with a false cause (NaN difference);
+    a NaN loss (another example) gets factor 0 everywhere."""
+    from hf_dp.clipping.engine import ClippingEngine
+
+    torch.manual_seed(10)
+    model = _SqrtBranch().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    x[1] = 0.0
+    x[3, 0] = math.nan
+    losses = model(x).detach()
+    assert math.isfinite(float(losses[1])) and math.isnan(float(losses[3]))
+    engine = ClippingEngine(model)
+    engine.check_counterfactual(lambda: model(x), 4, 4, {i: (lambda i=i: model(x[i:i + 1])) for i in range(4)})
+    for p in model.parameters():
+        assert p.grad is None
