@@ -204,7 +204,6 @@ def fake_fsdp():
     ({"clipping": "per_layer"}, "clipping='flat' only.*DDP.*per_device"),
     ({"clipping": "per_device"}, "clipping='flat' only"),
     ({"privacy_unit": "user", "user_id_column": "author"}, "privacy_unit='example' only"),
-    ({"gradient_checkpointing": True}, "does not support activation checkpointing"),  # clipping/checkpointing.py
 ])
 def test_fsdp_refuses_all_but_flat_example_level(tmp_path, fake_fsdp, kw, match):
     data = lm_dataset(16).add_column("author", [i % 4 for i in range(16)])
