@@ -280,6 +280,22 @@ def test_recomputed_call_of_ambiguous_layout_is_refused():
         engine.first_step_check(lambda sl: model(x[sl]), 4)
 
 
+@pytest.mark.parametrize("where", ["arguments", "fsdp_plugin"])
+def test_checkpointing_under_fsdp_is_refused(where):
+    """Under FSDP2 the engine's own hooks (clipping/fsdp.py) have not been made to follow recomputed segments."""
+    from types import SimpleNamespace
+
+    from hf_dp.clipping.fsdp import check_fsdp_supported
+
+    args = SimpleNamespace(clipping="flat", privacy_unit="example", activation_checkpointing=where == "arguments",
+                           gradient_checkpointing=False)
+    plugin = SimpleNamespace(fsdp_version=2, activation_checkpointing=where == "fsdp_plugin")
+    with pytest.raises(ValueError, match="does not support activation checkpointing"):
+        check_fsdp_supported(plugin, args)
+    args.activation_checkpointing = plugin.activation_checkpointing = False
+    check_fsdp_supported(plugin, args)  # FSDP2, flat, example level, no checkpointing: accepted
+
+
 class _SqrtBranch(torch.nn.Module):
     """``L_i = ‖a(x_i)‖² + ‖b(x_i)‖`` (``b`` without bias): for ``x_i = 0`` the loss is finite but ``b.weight``'s
     gradient is NaN (``d‖z‖/dz`` at ``z = 0``), while ``a.bias``'s is finite."""
