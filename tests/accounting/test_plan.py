@@ -12,20 +12,17 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import tomllib
 import torch
-from helpers import cls_dataset, tiny_bert
+from helpers import REPO, cls_dataset, tiny_bert, user_args, user_data
 from prv_accountant import PRVAccountant
 from prv_accountant.privacy_random_variables import PoissonSubsampledGaussianMechanism
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.__main__ import main
 from hf_dp.plan import plan_privacy
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def head_only_bert() -> torch.nn.Module:
@@ -43,9 +40,9 @@ def trainer_for(tmp_path, **kw) -> DPTrainer:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.run([sys.executable, "-m", "hf_dp", "plan", *argv], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+                          cwd=REPO, timeout=300)
 
 
 def test_cli_json_is_the_trainers_privacy_plan(tmp_path):
@@ -142,7 +139,7 @@ def test_missing_num_examples_and_help(capsys):
 
 
 def test_console_script_is_declared():
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["hf-dp"] == "hf_dp.__main__:main"
 
 
@@ -153,7 +150,6 @@ def test_world_size_and_user_level(tmp_path, capsys):
                         noise_multiplier=1.0, max_steps=3)
     assert plan["expected_batch_size"] == 64 and plan["sample_rate"] == 0.064 and plan["steps"] == 3
     from helpers import tiny_gpt2
-    from test_user_level import user_args, user_data
 
     trainer = DPTrainer(model=tiny_gpt2(), args=user_args(tmp_path, noise_multiplier=0.7, max_steps=4),
                         train_dataset=user_data())

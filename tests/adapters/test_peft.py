@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import cls_dataset, lm_dataset, seq2seq_dataset, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from helpers import (
+    check_update,
+    cls_dataset,
+    dp_args,
+    lm_dataset,
+    p_tuning,
+    run_group_step,
+    seq2seq_dataset,
+    t5_frozen_bias,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+)
 from peft import (
     AdaLoraConfig,
     LoHaConfig,
     LoKrConfig,
     LoraConfig,
     PrefixTuningConfig,
-    PromptEncoderConfig,
     PromptTuningConfig,
     TaskType,
     get_peft_model,
 )
-from test_groupwise import run_group_step
-from test_oracle import check_update, dp_args
 
 from hf_dp import DPTrainer, UnsupportedLayerError
 
@@ -52,21 +61,6 @@ def prompt_gpt2():
 def prompt_bert():
     return get_peft_model(tiny_bert(num_labels=2), PromptTuningConfig(task_type=TaskType.SEQ_CLS,
                                                                       num_virtual_tokens=3))
-
-
-def p_tuning(base, task_type, reparam="MLP"):
-    cfg = PromptEncoderConfig(task_type=task_type, num_virtual_tokens=3, encoder_hidden_size=8,
-                              encoder_reparameterization_type=reparam, encoder_dropout=0.0)
-    return get_peft_model(base, cfg)
-
-
-def t5_frozen_bias():
-    """T5 whose relative attention bias is frozen (the engine refuses it today; issue 13, another branch)."""
-    model = tiny_t5()
-    for name, p in model.named_parameters():
-        if "relative_attention_bias" in name:
-            p.requires_grad_(False)
-    return model
 
 
 def prompt_t5(submodules: int):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers import load_example
 from scipy import stats
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -356,15 +357,7 @@ def test_metric_module_agrees_with_canary_exposure_on_a_model(runs):
 # ---------------------------------------------------------------------------------------------------------------------
 def test_example_script_runs_end_to_end_with_tiny_settings(tmp_path):
     """examples/dp_audit.py on real fortunes and a BPE trained on Austen, with tiny sizes (a smoke test)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "examples" / "dp_audit.py"
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_audit", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_example("dp_audit.py")
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()

@@ -13,10 +13,39 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import cls_dataset, example_norms, lm_dataset, per_example_grads, tiny_bert, tiny_gpt2, tiny_llama
-from test_guarantee import C, assert_neighbours_within_c, summed_updates
-from test_oracle import dp_args, sampled_indices
-from test_user_level import AUTHORS, user_args, user_data
+from helpers import (
+    AUTHORS,
+    adam_args,
+    assert_updates_close,
+    cls_dataset,
+    dp_args,
+    example_norms,
+    lm_dataset,
+    make_sft_trainer,
+    per_example_grads,
+    sampled_indices,
+    sft_args,
+    sft_dataset,
+    sft_row_grads,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+    user_args,
+    user_data,
+)
+from helpers.neighbours import (
+    C,
+    N,
+    assert_neighbours_within_c,
+    bert,
+    bert_data,
+    distance,
+    neighbour_args,
+    params,
+    regression_data,
+    regression_model,
+    summed_updates,
+)
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.clipping.modes import GroupClipper, clip_factors_from_norms
@@ -129,24 +158,22 @@ def test_dp_sft_packed_automatic_matches_oracle(tmp_path):
     """DP-SFT with packing: each packed segment (row) is one example, scaled by C / (‖g‖ + γ); the oracle is each
     row's own loss (trl's labels) on a batch of one."""
     pytest.importorskip("trl")
-    from test_sft import assert_close, dataset, make_trainer, own_loss_grads, sft_args
 
     torch.manual_seed(0)
-    trainer = make_trainer(tiny_llama().double(), dataset("prompt_completion"),
-                           sft_args(tmp_path, packing=True, clipping_function="automatic",
-                                    per_sample_max_grad_norm=0.7))
-    grads = own_loss_grads(trainer, list(range(4)))
+    trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("prompt_completion"),
+                               sft_args(tmp_path, packing=True, clipping_function="automatic",
+                                        per_sample_max_grad_norm=0.7))
+    grads = sft_row_grads(trainer, list(range(4)))
     expected = {n: -g / 4 for n, g in automatic_sum(grads, 0.7).items()}
     params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     before = {n: p.detach().clone() for n, p in params.items()}
     trainer.train()
-    assert_close({n: p.detach() - before[n] for n, p in params.items()}, expected)
+    assert_updates_close({n: p.detach() - before[n] for n, p in params.items()}, expected, rtol=1e-5, atol=1e-8)
 
 
 def test_neighbouring_datasets_move_the_sum_by_less_than_c(tmp_path):
     """σ = 0, q = 1: removing one example moves Σ by exactly C·‖g‖/(‖g‖+γ) of that example's gradient (< C), however
     large or small its norm — flat and per-layer (there the distance is ‖(C_k‖g_k‖/(‖g_k‖+γ))_k‖ < ‖C‖ = C)."""
-    from test_guarantee import bert, bert_data, distance
 
     removed = per_example_grads(bert(), bert_data(5), [4])[0]
     norm = example_norms([removed])[0]
@@ -189,8 +216,6 @@ def test_argument_errors(tmp_path, kwargs, match):
 def test_nan_example_keeps_factor_zero(tmp_path):
     """A NaN regression label under automatic clipping: σ = 0, q = 1, the update is the automatic oracle over the
     finite examples; the NaN example is counted (factor 0, never C/(NaN + γ))."""
-    from test_guarantee import N, params, regression_data, regression_model
-    from test_guarantee import dp_args as guarantee_dp_args
 
     data = regression_data(N)
     model = regression_model()
@@ -205,7 +230,7 @@ def test_nan_example_keeps_factor_zero(tmp_path):
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     model.zero_grad(set_to_none=True)
     expected = automatic_sum(grads, C)
-    args = guarantee_dp_args(tmp_path, N, dp_self_check=False, clipping_function="automatic")
+    args = neighbour_args(tmp_path, N, dp_self_check=False, clipping_function="automatic")
     trainer = DPTrainer(model=model, args=args, train_dataset=data)
     before = params(model)
     trainer.train()
@@ -215,8 +240,6 @@ def test_nan_example_keeps_factor_zero(tmp_path):
 
 
 def test_model_card_lists_automatic_clipping_and_dp_adam_bc(tmp_path):
-    from test_adam_bc import adam_args
-
     trainer = DPTrainer(model=tiny_bert(num_labels=2), train_dataset=cls_dataset(16, num_labels=2),
                         args=adam_args(tmp_path, max_steps=1, clipping_function="automatic"))
     trainer.train()

@@ -12,8 +12,20 @@ import warnings
 
 import pytest
 import torch
+from helpers import (
+    VOCAB,
+    LossOut,
+    Out,
+    Rows,
+    Toy,
+    check_exact,
+    dp_args,
+    per_example_grads,
+    toy_loss,
+    toy_rows,
+    train_toy,
+)
 from torch import nn
-from torch.utils.data import Dataset as TorchDataset
 
 from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError
 from hf_dp.clipping.engine import ClippingEngine
@@ -39,72 +51,8 @@ def engine_norms_and_loop(model: nn.Module, x: torch.Tensor):
         loop.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     return norms, loop
 
-def dp_args(tmp_path, batch: int, max_norm: float, ga: int = 1, **kw) -> DPTrainingArguments:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=max_norm,
-            per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
-            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
-            save_strategy="no", dp_seed=0, disable_tqdm=True, **kw,
-        )
-
-
-class Rows(TorchDataset):
-    """A map-style dataset of ready tensors (one example per row, no batch axis)."""
-
-    def __init__(self, rows: list[dict[str, torch.Tensor]]):
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return dict(self.rows[i])
-
-
-def oracle_grads(model: nn.Module, rows: Rows) -> list[dict[str, torch.Tensor]]:
-    """Each example's gradient of the model's own loss on a batch of one (dropout off: configs set it to 0)."""
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = []
-    model.train()
-    for i in range(len(rows)):
-        batch = {k: v.unsqueeze(0) for k, v in rows[i].items()}
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def check_exact(model: nn.Module, rows: Rows, tmp_path, ga: int = 1, per_example_loss=None, **kw) -> DPTrainer:
-    """One DP step over all of ``rows`` (q = 1, σ = 0; ``ga`` chunks) equals the oracle's clipped mean; about half the
-    examples are clipped. HF's causal-LM loss computes in float32 even for a float64 model, hence the tolerance."""
-    model = model.double()
-    grads = oracle_grads(model, rows)
-    norms = sorted(float(torch.sqrt(sum(g.pow(2).sum() for g in d.values()))) for d in grads)
-    max_norm = norms[len(norms) // 2]
-    expected = {n: sum(min(1.0, max_norm / (float(torch.sqrt(sum(t.pow(2).sum() for t in d.values()))) + 1e-6))
-                       * d[n] for d in grads) for n in grads[0]}
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    n = len(rows)
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, n // ga, max_norm, ga=ga, **kw), train_dataset=rows,
-                        per_example_loss=per_example_loss)
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    scale = max(float(t.abs().max()) for t in expected.values()) / n  # float32 rounding in HF's loss is relative to it
-    for name, p in model.named_parameters():
-        target = expected[name] / n if name in expected else torch.zeros_like(p)
-        atol = 1e-6 * scale
-        torch.testing.assert_close(before[name] - p.detach(), target, rtol=1e-5, atol=atol,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-    return trainer
-
 
 # ---------------------------------------------------------------------------------------------- tiny models and data
-VOCAB = 61
-
-
 def token_rows(n: int, seq_len: int = 6, seed: int = 0, num_labels: int | None = None) -> Rows:
     """Token ids; labels are the ids (LM / seq2seq targets) or a class per example."""
     g = torch.Generator().manual_seed(seed)
@@ -311,41 +259,6 @@ def test_tiny_index_table_is_instantiated_not_ghost_normed():
 
 
 # ---------------------------------------------------------------------------------------------- refusals
-class Out:
-    def __init__(self, logits):
-        self.logits = logits
-
-
-class Toy(nn.Module):
-    """x (B, T, 3) -> logits (B, 2) through ``body``; loss: cross-entropy per example (``toy_loss``)."""
-
-    def __init__(self, body: nn.Module):
-        super().__init__()
-        self.body = body
-        self.head = nn.Linear(3, 2)
-
-    def forward(self, x, labels=None):
-        return Out(self.head(self.body(x)).mean(1))
-
-
-def toy_loss(outputs, labels):
-    return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
-
-
-def toy_rows(n: int, seq_len: int = 4) -> Rows:
-    g = torch.Generator().manual_seed(0)
-    return Rows([{"x": torch.randn(seq_len, 3, generator=g, dtype=torch.float64), "labels": torch.tensor(i % 2)}
-                 for i in range(n)])
-
-
-def train_toy(body: nn.Module, tmp_path, n: int = 4, ga: int = 1, seq_len: int = 4, **kw) -> DPTrainer:
-    model = Toy(body).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, n // ga, 1.0, ga=ga, **kw),
-                        train_dataset=toy_rows(n, seq_len), per_example_loss=toy_loss)
-    trainer.train()
-    return trainer
-
-
 class ReadsChildWeight(nn.Module):
     """Uses ``lin.weight`` a second time outside ``lin``'s forward (as DeBERTa-v2 reads ``rel_embeddings.weight``)."""
 
@@ -355,12 +268,6 @@ class ReadsChildWeight(nn.Module):
 
     def forward(self, x):
         return self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
-
-
-class LossOut(Out):
-    def __init__(self, logits, loss):
-        super().__init__(logits)
-        self.loss = loss
 
 
 class LossToy(Toy):
@@ -376,7 +283,7 @@ def test_use_outside_the_owning_forward_is_exact_by_the_enclosing_module(tmp_pat
     weight's per-example gradient is then computed by re-running the parent per example (the enclosing-module
     fallback), which the check then accepts; exact against the oracle, and said once in the log with its cost."""
     with caplog.at_level("WARNING", logger="hf_dp.clipping.engine"):
-        check_exact(LossToy(ReadsChildWeight()), toy_rows(4), tmp_path, per_example_loss=toy_loss,
+        check_exact(LossToy(ReadsChildWeight()), toy_rows(4), tmp_path, ga=1, per_example_loss=toy_loss,
                     dp_self_check=False)
     said = [r.getMessage() for r in caplog.records if "enclosing module of lin.weight" in r.getMessage()]
     assert len(said) == 1 and "body (ReadsChildWeight" in said[0] and "one extra forward and backward" in said[0]
@@ -414,7 +321,7 @@ def test_enclosing_module_that_misses_a_use_is_refused(tmp_path):
     uses only, the model's own use of the weight still escapes, and there is no enclosing module left: refused
     (without the re-check, that use would be silently dropped)."""
     model = RootReadsToo(ReadsChildWeight()).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=toy_rows(4),
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, dp_self_check=False), train_dataset=toy_rows(4),
                         per_example_loss=toy_loss)
     with pytest.raises(UnsupportedLayerError, match=r"(?s)body\.lin\.weight \(owned by body\.lin \(Linear\)\).*"
                                                     r"a use outside the forward of the module that owns them"):
@@ -430,7 +337,7 @@ class DoubledLinear(nn.Linear):
 
 def test_layer_that_fails_its_rules_form_check_is_exact_by_the_enclosing_module(tmp_path):
     trainer = check_exact(LossToy(nn.Sequential(DoubledLinear(3, 3), nn.Tanh())), toy_rows(4), tmp_path,
-                          per_example_loss=toy_loss, dp_self_check=False)
+                          ga=1, per_example_loss=toy_loss, dp_self_check=False)
     assert set(trainer.clipping_engine._enclosure.values()) == {"body"}
 
 
@@ -462,7 +369,7 @@ def test_batchless_module_output_in_repeated_blocks_is_exact_by_the_enclosing_bl
     replan = ClippingEngine._replan
     monkeypatch.setattr(ClippingEngine, "_replan", lambda self, names: rounds.append(names) or replan(self, names))
     trainer = check_exact(LossToy(nn.Sequential(TableBlock(), TableBlock())), toy_rows(4), tmp_path,
-                          per_example_loss=toy_loss, dp_self_check=False)
+                          ga=1, per_example_loss=toy_loss, dp_self_check=False)
     assert sorted(trainer.clipping_engine._enclosure.values()) == ["body.0", "body.1"]
     assert len(rounds) == 1
 
@@ -574,7 +481,7 @@ def test_deberta_v2_shared_relative_embeddings_pass_both_checks(tmp_path):
                           pos_att_type=["p2c", "c2p"], num_labels=3, norm_rel_ebd="layer_norm")
     model = DebertaV2ForSequenceClassification(cfg).double()
     before = model.deberta.encoder.rel_embeddings.weight.detach().clone()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=True),
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, dp_self_check=True),
                         train_dataset=token_rows(4, num_labels=3))
     trainer.train()
     assert not torch.equal(before, model.deberta.encoder.rel_embeddings.weight.detach())
@@ -725,8 +632,8 @@ def test_per_layer_clipping_with_broadcast_bias(tmp_path):
     model = tiny_t5().double()
     model.shared.requires_grad_(False)  # keep the test small: the relative biases and the attention/FF layers
     rows = token_rows(4, seq_len=4)
-    grads = oracle_grads(model, rows)
-    args = dp_args(tmp_path, 2, 0.05, ga=2, clipping="per_layer")
+    grads = per_example_grads(model, rows)
+    args = dp_args(tmp_path, 2, ga=2, max_norm=0.05, clipping="per_layer")
     trainer = DPTrainer(model=model, args=args, train_dataset=rows)
     groups = trainer.group_clipper.groups
     thresholds = trainer.group_clipper.thresholds.tolist()
@@ -749,12 +656,11 @@ def test_first_step_checks_turn_dropout_off_inside_attention(tmp_path):
     """BERT's sdpa attention applies `self.dropout.p if self.training` itself: the first-step checks must run with
     every dropout probability at 0 (not only nn.Dropout modules in eval mode), or hooks-vs-autograd compares two
     different dropout draws and refuses an ordinary model (here: the classifier on a frozen encoder, dropout 0.1)."""
-    import warnings
 
     from helpers import cls_dataset
     from transformers import BertConfig, BertForSequenceClassification
 
-    from hf_dp import DPTrainer, DPTrainingArguments
+    from hf_dp import DPTrainer
 
     cfg = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
                      max_position_embeddings=32, num_labels=2, pad_token_id=0, hidden_dropout_prob=0.3,

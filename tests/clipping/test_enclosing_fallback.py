@@ -7,7 +7,7 @@
 * A module given the micro-batch size as a number (Perceiver's ``latents.expand(batch_size, -1, -1)``) and an
   embedding looked up with ``(T,)`` ids broadcast over a ``(B, T, d)`` input (Perceiver's text position embeddings).
 
-Exact cases against the float64 oracle of ``test_coverage.check_exact`` (σ = 0, q = 1, the model's own loss on a batch
+Exact cases against the float64 oracle of ``helpers.check_exact`` (σ = 0, q = 1, the model's own loss on a batch
 of one), flat and per-layer.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_coverage import LossOut, Rows, dp_args
-from test_zoo import N, clipped_sum, group_norms, own_loss_grads, zoo_args
+from helpers import VOCAB, LossOut, Rows, cls_dataset, dp_args, train_toy
+from helpers import check_exact as exact
 from torch import nn
 
 from hf_dp import DPTrainer, UnsupportedLayerError
@@ -41,28 +41,9 @@ def ce_loss(outputs, labels):
 
 
 def check_exact(model: nn.Module, rows: Rows, tmp_path, clipping: str = "flat") -> DPTrainer:
-    """``test_zoo.check_exact`` for a plain module (no HF config): one DP step over ``N`` examples (σ = 0, q = 1, two
-    micro-batches of two) equals the oracle's clipped sum / N, the oracle being the model's own loss on a batch of
-    one; thresholds at the median norm (flat) or each group's median (per-layer)."""
-    model = model.double()
-    grads = own_loss_grads(model, rows)
-    trainable = list(grads[0])
-    args = zoo_args(tmp_path, group_norms(grads, trainable)[N // 2 - 1] + 1e-9, clipping)
-    args.dp_self_check = False  # coverage must not depend on the optional self-check
-    trainer = DPTrainer(model=model, args=args, train_dataset=rows, per_example_loss=ce_loss)
-    if clipping == "flat":
-        groups, thresholds = [trainable], [args.per_sample_max_grad_norm]
-    else:
-        groups = [g.params for g in trainer.group_clipper.groups]
-        thresholds = [group_norms(grads, names)[N // 2 - 1] + 1e-9 for names in groups]
-        trainer.group_clipper.thresholds = torch.tensor(thresholds, dtype=torch.float64)
-    expected = clipped_sum(grads, groups, thresholds)
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    trainer.train()
-    for k, p in model.named_parameters():
-        target = expected[k] / N if p.requires_grad else torch.zeros_like(p)
-        torch.testing.assert_close(before[k] - p.detach(), target, rtol=1e-7, atol=1e-10, msg=k)
-    return trainer
+    """``helpers.check_exact`` for a plain module with ``ce_loss``, without the optional self-check (coverage must
+    not depend on it): one DP step over the 4 rows (σ = 0, q = 1, two micro-batches of two) equals the oracle."""
+    return exact(model, rows, tmp_path, clipping, per_example_loss=ce_loss, dp_self_check=False)
 
 
 class IdModel(nn.Module):
@@ -170,7 +151,7 @@ def test_uncovered_parameter_whose_layer_cannot_be_rerun_is_refused_with_its_cau
     """Data-dependent control flow: neither the layer nor an enclosing module can be re-run per example under vmap;
     the refusal names the parameter, the rule that does not cover it, and the failed re-run."""
     model = IdModel(EmbeddingWithBranch(), nn.Linear(D, D)).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=id_rows(eoi=3),
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, dp_self_check=False), train_dataset=id_rows(eoi=3),
                         per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"(?s)embed \(EmbeddingWithBranch\) owns trainable "
                                                     r"parameters \(extra\) that its 'embedding_calls' rule does not "
@@ -195,7 +176,7 @@ def test_uncovered_parameter_of_a_mixing_layer_is_refused_after_trying_the_enclo
     """The side fallback's verification finds the layer mixes examples; the enclosing module (``embed``, a Sequential)
     is tried and mixes them too; the model itself is never re-run, so the refusal stands, naming both attempts."""
     model = IdModel(nn.Sequential(MixingExtra()), nn.Linear(D, D)).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, 1.0, dp_self_check=False), train_dataset=id_rows(),
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, dp_self_check=False), train_dataset=id_rows(),
                         per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"(?s)embed\.0 \(MixingExtra\) owns trainable parameters "
                                                     r"\(extra\) that its 'embedding_calls' rule does not cover.*"
@@ -306,8 +287,6 @@ def test_fallback_module_with_drop_path_is_refused_in_training(tmp_path):
     be the example's. The first-step checks run with the drop probability at 0, like dropout (LayerDrop's
     ``layerdrop`` too), so the verification passes; every training call is checked, and refused naming the
     attribute (before, the verification ran with the drop on and refused with "it mixes examples, or it is random")."""
-    from test_coverage import train_toy
-
     with pytest.raises(UnsupportedLayerError, match=r"body\.0 \(DropPathScale\) is re-run per example.*scale.*"
                                                     r"applies dropout \(body\.0\.drop_prob=0\.5\)"):
         train_toy(nn.Sequential(DropPathScale(), nn.Linear(3, 3)), tmp_path, dp_self_check=False)
@@ -318,14 +297,12 @@ def test_perceiver_text_classification_is_exact(tmp_path, clipping):
     """The HF model: text position embeddings looked up with ``(T,)`` ids (enclosed by the preprocessor), ``latents``
     expanded to the batch size given as a number, the decoder's trainable query (the same); was refused."""
     import transformers as tf
-    from helpers import VOCAB, cls_dataset
-    from test_zoo import check_exact as zoo_check_exact
 
     torch.manual_seed(0)
     cfg = tf.PerceiverConfig(num_latents=4, d_latents=8, d_model=16, num_blocks=1, num_self_attends_per_block=1,
                              num_self_attention_heads=2, num_cross_attention_heads=2, vocab_size=VOCAB,
                              max_position_embeddings=8, attention_probs_dropout_prob=0.0, num_labels=3)
-    zoo_check_exact(tf.PerceiverForSequenceClassification(cfg), cls_dataset(N, num_labels=3, seq_len=8), tmp_path,
+    exact(tf.PerceiverForSequenceClassification(cfg), cls_dataset(4, num_labels=3, seq_len=8), tmp_path,
                     clipping=clipping)
 
 

@@ -8,50 +8,22 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import lm_dataset, per_example_grads, tiny_bert, tiny_gpt2, tiny_llama
-from test_oracle import dp_args, sampled_indices
+from helpers import (
+    dp_args,
+    group_clipped_sum,
+    group_norms,
+    lm_dataset,
+    per_example_grads,
+    run_group_step,
+    sampled_indices,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning
 from hf_dp.accounting import split_noise_for_quantiles
 from hf_dp.noise import group_noise_stds
-
-
-def group_clipped_sum(grads, groups: list[list[str]], thresholds: list[float]) -> dict[str, torch.Tensor]:
-    """Σ_i Σ_k min(1, C_k / ‖g_{i,k}‖) g_{i,k}: the oracle of group-wise clipping."""
-    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for g in grads:
-        for names, c_k in zip(groups, thresholds):
-            norm = math.sqrt(sum(float(g[n].pow(2).sum()) for n in names))
-            factor = min(1.0, c_k / (norm + 1e-6))
-            for n in names:
-                total[n] += factor * g[n]
-    return total
-
-
-def group_norms(grads, groups) -> np.ndarray:
-    return np.array([[math.sqrt(sum(float(g[n].pow(2).sum()) for n in names)) for names in groups] for g in grads])
-
-
-def run_group_step(model, data, tmp_path, mode: str, per_device=2, ga=3, seed=3, thresholds=None, **kw):
-    model = model.double()
-    n = len(data)
-    expected = per_device * ga
-    indices = sampled_indices(n, expected / n, ga, seed)
-    grads = per_example_grads(model, data, indices)
-    args = dp_args(tmp_path, per_device, ga, 1.0, seed=seed, clipping=mode, **kw)
-    trainer = DPTrainer(model=model, args=args, train_dataset=data)
-    groups = [g.params for g in trainer.group_clipper.groups]
-    if thresholds == "median":  # per-group medians: some examples clipped in every group
-        thresholds = np.median(group_norms(grads, groups), axis=0).tolist()
-        trainer.group_clipper.thresholds = torch.tensor(thresholds, dtype=torch.float64)
-    thresholds = trainer.group_clipper.thresholds.tolist()
-    oracle = group_clipped_sum(grads, groups, thresholds)
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    trainer.train()
-    for k, p in model.named_parameters():
-        target = oracle[k] / expected if p.requires_grad else torch.zeros_like(p)
-        torch.testing.assert_close(before[k] - p.detach(), target, rtol=1e-7, atol=1e-10, msg=k)
-    return trainer, groups
 
 
 @pytest.mark.parametrize("make", [tiny_gpt2, tiny_llama], ids=["gpt2_tied", "llama"])

@@ -4,54 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import Seq, check_engine
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_dp import ClippingEngine, UnsupportedLayerError
-
-
-def loop_grads(model: nn.Module, inputs: list[torch.Tensor], loss_fn) -> list[dict[str, torch.Tensor]]:
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = []
-    for x in inputs:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x.unsqueeze(0))).sum().backward()
-        out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def check_engine(model: nn.Module, batch: torch.Tensor, loss_fn=lambda y: y.pow(2).sum(tuple(range(1, y.dim())))):
-    model = model.double()
-    batch = batch.double() if batch.is_floating_point() else batch
-    grads = loop_grads(model, list(batch), loss_fn)
-    engine = ClippingEngine(model)
-    with engine.record(batch.shape[0]):
-        loss_fn(model(batch)).sum().backward()
-    norms = engine.per_example_norms_sq()
-    for n in engine.params:
-        expected = torch.stack([g[n].pow(2).sum() for g in grads])
-        torch.testing.assert_close(norms.get(n, torch.zeros_like(expected)), expected, rtol=1e-9, atol=1e-12, msg=n)
-    factors = torch.rand(batch.shape[0], dtype=torch.float64)
-    engine.accumulate_clipped(factors)
-    sums = engine.pop_summed_grads()
-    for n in engine.params:
-        expected = sum(f * g[n] for f, g in zip(factors, grads))
-        torch.testing.assert_close(sums[n], expected, rtol=1e-9, atol=1e-12, msg=n)
-    assert all(p.grad is None for p in model.parameters())  # no unclipped gradient was ever formed
-    assert all(p.requires_grad for p in engine.params.values())
-    return engine
-
-
-class Seq(nn.Module):
-    def __init__(self, *mods):
-        super().__init__()
-        self.mods = nn.ModuleList(mods)
-
-    def forward(self, x):
-        for m in self.mods:
-            x = m(x)
-        return x
 
 
 def test_linear_on_sequences_both_norm_paths():

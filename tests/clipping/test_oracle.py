@@ -6,15 +6,13 @@ optimizer, which must be ``(1 / (q N)) Σ_i clip(∇L_i)`` over the examples of 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from helpers import (
     VOCAB,
+    check_update,
     cls_dataset,
-    example_norms,
-    flat_clipped_sum,
+    dp_args,
     lm_dataset,
     per_example_grads,
     tiny_bert,
@@ -23,45 +21,7 @@ from helpers import (
     tiny_roberta,
 )
 
-from hf_dp import DPTrainer, DPTrainingArguments, PoissonBatchSampler
-
-
-def dp_args(tmp_path, per_device: int, ga: int, max_norm: float, seed: int = 0, **kw) -> DPTrainingArguments:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=max_norm,
-            per_device_train_batch_size=per_device, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
-            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
-            save_strategy="no", dp_seed=seed, disable_tqdm=True, **kw,
-        )
-
-
-def sampled_indices(n: int, q: float, ga: int, seed: int) -> list[int]:
-    sampler = PoissonBatchSampler(n, q, steps_per_epoch=1, num_chunks=ga, seed=seed)
-    return [i for chunk in sampler for i in chunk]
-
-
-def check_update(model, dataset, tmp_path, per_device: int, ga: int, clip_quantile: float = 0.5, seed: int = 3):
-    model = model.double()
-    n = len(dataset)
-    expected_batch = per_device * ga
-    q = expected_batch / n
-    indices = sampled_indices(n, q, ga, seed)
-    grads = per_example_grads(model, dataset, indices)
-    norms = sorted(example_norms(grads))
-    max_norm = norms[int(clip_quantile * (len(norms) - 1))]  # some examples clipped, some not
-    expected = flat_clipped_sum(grads, max_norm)
-
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, per_device, ga, max_norm, seed=seed), train_dataset=dataset)
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    for k, p in model.named_parameters():
-        update = before[k] - p.detach()
-        target = expected[k] / expected_batch if p.requires_grad else torch.zeros_like(update)
-        torch.testing.assert_close(update, target, rtol=1e-7, atol=1e-10, msg=k)
-    return indices
+from hf_dp import DPTrainer
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -15,8 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from helpers import VOCAB, per_example_grads, seq2seq_dataset, single_example_loss, tiny_t5
-from test_oracle import check_update, dp_args
+from helpers import VOCAB, check_update, dp_args, per_example_grads, seq2seq_dataset, single_example_loss, tiny_t5
 from transformers import (
     ViTConfig,
     ViTForImageClassification,

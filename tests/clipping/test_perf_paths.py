@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import lm_dataset, tiny_gpt2
-from test_groupwise import run_group_step
+from helpers import check_update, lm_dataset, run_group_step, tiny_gpt2
 
 import hf_dp.clipping.engine as engine_mod
 
@@ -43,7 +42,6 @@ def test_flat_norms_at_arrival_match_oracle(tmp_path, monkeypatch, ratio):
     """Flat clipping computes each layer's norms as its gradient arrives (engine.set_fused_groups with no handler),
     keeping the factors (ghost) or the per-example gradients in their place (ratio 0: every dense layer whose
     instantiation is no larger than its factors); both equal the float64 oracle, over three accumulated chunks."""
-    from test_oracle import check_update
 
     monkeypatch.setattr(engine_mod, "_GHOST_TIME_RATIO", ratio)
     torch.manual_seed(0)
@@ -66,7 +64,6 @@ def test_flat_shared_input_gram_reused_and_exact(tmp_path, monkeypatch):
     """BERT's query, key and value read one input: flat clipping computes its Gram once (engine._self_gram cache)
     and the update still equals the float64 oracle."""
     from helpers import cls_dataset, tiny_bert
-    from test_oracle import check_update
 
     calls = {"hit": 0, "miss": 0}
     orig = engine_mod._self_gram

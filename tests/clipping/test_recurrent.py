@@ -12,13 +12,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import cls_dataset, lm_dataset, seq2seq_dataset, tiny_bert, tiny_gpt2, tiny_llama
+from helpers import (
+    Rows,
+    check_exact,
+    check_update,
+    cls_dataset,
+    dp_args,
+    lm_dataset,
+    p_tuning,
+    run_group_step,
+    seq2seq_dataset,
+    t5_frozen_bias,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+)
 from peft import TaskType
-from test_coverage import Rows, check_exact, dp_args
-from test_groupwise import run_group_step
-from test_oracle import check_update
-from test_peft import p_tuning, t5_frozen_bias
-from test_zoo import check_exact as zoo_check_exact
 from torch import nn
 
 from hf_dp import DPTrainer, UnsupportedLayerError
@@ -93,8 +102,8 @@ def test_recurrent_layer_per_layer_clipping_matches_oracle(tmp_path):
     model = Classifier(RNNS["lstm_2layer_bidirectional"]())
     model.rnn.weight_hh_l0.requires_grad_(False)
     model.rnn.bias_ih_l1_reverse.requires_grad_(False)
-    model.config = SimpleNamespace()  # test_zoo's harness sets config.use_cache
-    trainer = zoo_check_exact(model, rows(), tmp_path, clipping="per_layer", per_example_loss=ce_loss)
+    model.config = SimpleNamespace()
+    trainer = check_exact(model, rows(), tmp_path, clipping="per_layer", per_example_loss=ce_loss)
     assert any(n.startswith("rnn.") for g in trainer.group_clipper.groups for n in g.params)
 
 
@@ -176,8 +185,8 @@ def test_sequence_first_with_dynamic_padding_matches_oracle(tmp_path):
     data = packed_rows()
     assert len({int(r["lengths"]) for r in data.rows}) > 1
     model = LastStep()
-    model.config = SimpleNamespace()  # test_zoo's harness sets config.use_cache
-    zoo_check_exact(model, data, tmp_path, per_example_loss=ce_loss, data_collator=pad_to_longest)
+    model.config = SimpleNamespace()
+    check_exact(model, data, tmp_path, per_example_loss=ce_loss, data_collator=pad_to_longest)
 
 
 # --------------------------------------------------------------------------------------------- P-tuning (LSTM)
@@ -209,7 +218,7 @@ def test_p_tuning_lstm_per_layer_matches_oracle(tmp_path, base):
 def test_dropout_between_layers_is_refused(tmp_path):
     model = Classifier(nn.LSTM(3, 4, num_layers=2, dropout=0.2, batch_first=True)).double()
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) applies dropout between its layers"):
-        DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+        DPTrainer(model=model, args=dp_args(tmp_path, 2), train_dataset=rows(), per_example_loss=ce_loss)
 
 
 def test_p_tuning_lstm_with_encoder_dropout_is_refused(tmp_path):
@@ -218,7 +227,7 @@ def test_p_tuning_lstm_with_encoder_dropout_is_refused(tmp_path):
     cfg = PromptEncoderConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=3, encoder_hidden_size=8,
                               encoder_reparameterization_type="LSTM", encoder_dropout=0.1)
     with pytest.raises(UnsupportedLayerError, match="lstm_head.*dropout.*encoder_dropout=0.0"):
-        DPTrainer(model=get_peft_model(tiny_gpt2(), cfg), args=dp_args(tmp_path, 2, 1.0),
+        DPTrainer(model=get_peft_model(tiny_gpt2(), cfg), args=dp_args(tmp_path, 2),
                   train_dataset=lm_dataset(4))
 
 
@@ -284,7 +293,7 @@ class PackedHalves(Classifier):
 
 def test_packed_sequences_that_are_not_the_examples_are_refused(tmp_path):
     model = PackedHalves().double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0, ga=2, dp_self_check=False),
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, ga=2, dp_self_check=False),
                         train_dataset=rows(seq_len=6), per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\) is called with a PackedSequence of 4 sequences in "
                                                     r"a micro-batch of 2 examples"):
@@ -318,7 +327,7 @@ def test_packed_sequence_sorted_by_the_caller_is_refused(tmp_path):
     """enforce_sorted=True: the sequences are in the caller's length order, which cannot be matched to examples."""
     model = Packed(nn.LSTM(3, 4, batch_first=True), enforce_sorted=True).double()
     data = Rows([dict(r, lengths=torch.tensor(6)) for r in packed_rows().rows])  # equal lengths: PyTorch accepts it
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=data, per_example_loss=ce_loss)
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2), train_dataset=data, per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(LSTM\) is called with a PackedSequence packed with "
                                                     r"enforce_sorted=True"):
         trainer.train()
@@ -336,7 +345,7 @@ class Unbatched(Classifier):
 
 def test_unbatched_input_is_refused(tmp_path):
     model = Unbatched(nn.GRU(3, 4, batch_first=True)).double()
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2), train_dataset=rows(), per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\) is called with an unbatched input"):
         trainer.train()
 
@@ -346,7 +355,7 @@ def test_batch_axis_not_holding_examples_is_refused(tmp_path):
     matches. The first step's probe (1 example vs B) shows its batch axis does not hold the examples."""
     model = Classifier(nn.LSTM(3, 4), swap_axes=True).double()
     data = rows(n=4, seq_len=2)  # micro-batches of 2 examples of 2 tokens
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0, ga=2, dp_self_check=False), train_dataset=data,
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, ga=2, dp_self_check=False), train_dataset=data,
                         per_example_loss=ce_loss)  # the always-on first-step probe alone refuses it
     with pytest.raises(UnsupportedLayerError, match=r"second \(batch_first=False\) axis of its input.*not proven"):
         trainer.train()
@@ -356,7 +365,7 @@ def test_output_changed_by_a_hook_is_refused(tmp_path):
     """A forward hook that rescales the layer's output: the twin no longer reproduces it, so it is refused."""
     model = Classifier(nn.GRU(3, 4, batch_first=True)).double()
     model.rnn.register_forward_hook(lambda m, args, out: (2 * out[0], out[1]))
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 1.0), train_dataset=rows(), per_example_loss=ce_loss)
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2), train_dataset=rows(), per_example_loss=ce_loss)
     with pytest.raises(UnsupportedLayerError, match=r"rnn \(GRU\): hf_dp's functional twin.*does not reproduce"):
         trainer.train()
 

@@ -9,21 +9,19 @@ first-step checks, never trusted. Registration is checked (duplicates, reserved 
 from __future__ import annotations
 
 import logging
-import math
-import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from helpers import VOCAB, cls_dataset, per_example_grads
+from helpers import REPO, VOCAB, cls_dataset, dp_args, group_clipped_sum, per_example_grads, sorted_norms
 from torch import nn
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.pytorch_utils import Conv1D
 
 import hf_dp
-from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError, Use, register_layer_rule
+from hf_dp import DPTrainer, UnsupportedLayerError, Use, register_layer_rule
 from hf_dp.clipping.engine import ClippingEngine
 from hf_dp.clipping.rules import BUILTIN_ORDER, find_rule, layer_rule_names
 
@@ -168,19 +166,8 @@ def per_example_ce(outputs, labels):
     return F.cross_entropy(outputs.logits, labels, reduction="none")
 
 
-def clipped_sum(grads, groups: list[list[str]], thresholds: list[float]) -> dict[str, torch.Tensor]:
-    """``Σ_i Σ_k min(1, C_k / (‖g_{i,k}‖ + 1e-6)) g_{i,k}`` (flat clipping: one group, one threshold)."""
-    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for g in grads:
-        for names, c in zip(groups, thresholds):
-            norm = math.sqrt(sum(float(g[n].pow(2).sum()) for n in names))
-            for n in names:
-                total[n] += min(1.0, c / (norm + 1e-6)) * g[n]
-    return total
-
-
 def median_norm(grads, names: list[str]) -> float:
-    return sorted(math.sqrt(sum(float(g[n].pow(2).sum()) for n in names)) for g in grads)[N // 2 - 1] + 1e-9
+    return sorted_norms(grads, names)[N // 2 - 1] + 1e-9
 
 
 def dp_step(model: nn.Module, tmp_path, clipping: str) -> tuple[DPTrainer, dict, dict]:
@@ -189,13 +176,7 @@ def dp_step(model: nn.Module, tmp_path, clipping: str) -> tuple[DPTrainer, dict,
     data = cls_dataset(N, num_labels=3)
     grads = per_example_grads(model, data, list(range(N)))
     names = list(grads[0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = DPTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=median_norm(grads, names),
-            clipping=clipping, per_device_train_batch_size=2, gradient_accumulation_steps=N // 2, max_steps=1,
-            learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True,
-            report_to="none", save_strategy="no", dp_seed=0, disable_tqdm=True)
+    args = dp_args(tmp_path, 2, N // 2, median_norm(grads, names), clipping=clipping)
     trainer = DPTrainer(model=model, args=args, train_dataset=data, per_example_loss=per_example_ce)
     if clipping == "flat":
         groups, thresholds = [names], [args.per_sample_max_grad_norm]
@@ -203,7 +184,7 @@ def dp_step(model: nn.Module, tmp_path, clipping: str) -> tuple[DPTrainer, dict,
         groups = [g.params for g in trainer.group_clipper.groups]
         thresholds = [median_norm(grads, g) for g in groups]
         trainer.group_clipper.thresholds = torch.tensor(thresholds, dtype=torch.float64)
-    expected = {n: t / N for n, t in clipped_sum(grads, groups, thresholds).items()}
+    expected = {n: t / N for n, t in group_clipped_sum(grads, groups, thresholds).items()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()
     update = {n: before[n] - p.detach() for n, p in model.named_parameters()}
@@ -423,9 +404,8 @@ def test_builtin_rules_dispatch_as_before():
 # -------------------------------------------------------------------------------------------------- the README
 def readme_example() -> str:
     """The code block of the README's section "Your own layers: register a rule"."""
-    import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    path = REPO / "README.md"
     with open(path, encoding="utf-8") as f:
         text = f.read()
     section = text[text.index("## Your own layers: register a rule"):]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
-from helpers import VOCAB, seq2seq_dataset
-from test_layers import Seq, check_engine
-from test_zoo import N, check_exact, decoder_data, image_cls
+from helpers import VOCAB, Seq, check_engine, check_exact, decoder_data, image_cls, seq2seq_dataset
 from torch import nn
 
 from hf_dp import UnsupportedLayerError
 from hf_dp.clipping.engine import ClippingEngine
+
+N = 4  # examples of the exact checks (helpers.check_exact: q = 1, two micro-batches of two)
 
 
 @pytest.fixture(autouse=True)

@@ -3,33 +3,14 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from helpers import lm_dataset, per_example_grads, tiny_gpt2
+from helpers import AUTHORS, per_example_grads, tiny_gpt2, user_args, user_data
 
-from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, group_privacy
+from hf_dp import DPTrainer, DPTrainingArguments, group_privacy
 from hf_dp.sampling import PoissonUserSampler
-
-AUTHORS = ["ann", "bob", "bob", "cy", "ann", "dee", "bob", "eve", "ann", "cy", "bob", "dee"]
-
-
-def user_data():
-    data = lm_dataset(len(AUTHORS), seed=11)
-    return data.add_column("author", AUTHORS)
-
-
-def user_args(tmp_path, **kw) -> DPTrainingArguments:
-    base = dict(output_dir=str(tmp_path), noise_multiplier=0.0, privacy_unit="user", user_id_column="author",
-                per_sample_max_grad_norm=1.0, per_device_train_batch_size=3, gradient_accumulation_steps=1,
-                max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
-                use_cpu=True, report_to="none", save_strategy="no", dp_seed=5, disable_tqdm=True)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotPrivateWarning)
-        return DPTrainingArguments(**base)
 
 
 def user_oracle(grads, owners, contribution: str, max_norm: float):

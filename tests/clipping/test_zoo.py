@@ -10,96 +10,27 @@ Parameters frozen below are those no rule of ``layers.py`` covers yet; each free
 
 from __future__ import annotations
 
-import math
-import warnings
-
 import pytest
 import torch
 import transformers as tf
 from datasets import Dataset
-from helpers import VOCAB, cls_dataset, lm_dataset, seq2seq_dataset
+from helpers import (
+    RTOL,
+    VOCAB,
+    Seq,
+    check_engine,
+    check_exact,
+    cls_dataset,
+    decoder_data,
+    dp_args,
+    image_cls,
+    seq2seq_dataset,
+)
 
-from hf_dp import DPTrainer, DPTrainingArguments
-
-try:  # keeps HF's `.float()` upcast inside the model's own loss from rounding a float64 oracle to float32
-    from helpers import _loss_keeps_float64 as _own_loss_context
-
-    RTOL = 1e-7
-except ImportError:  # an older tests/helpers.py: the oracle's loss is rounded to float32 inside HF's loss function
-    from contextlib import nullcontext as _own_loss_context
-
-    RTOL = 1e-5
+from hf_dp import DPTrainer
 
 N = 4  # examples; q = 1: all of them in the one step, two micro-batches of two
 SMALL = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-
-
-# ------------------------------------------------------------------------------------------------ the oracle harness
-def zoo_args(tmp_path, max_norm: float, clipping: str = "flat") -> DPTrainingArguments:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPTrainingArguments(
-            output_dir=str(tmp_path), noise_multiplier=0.0, per_sample_max_grad_norm=max_norm, clipping=clipping,
-            per_device_train_batch_size=2, gradient_accumulation_steps=N // 2, max_steps=1, learning_rate=1.0,
-            optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
-            save_strategy="no", dp_seed=0, disable_tqdm=True, poisson_sampling=True,
-        )
-
-
-def own_loss_grads(model: torch.nn.Module, data: Dataset) -> list[dict[str, torch.Tensor]]:
-    """Each example's gradient of the model's own ``.loss`` on a batch of one (labels passed to the model)."""
-    model.train()
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = []
-    for row in data:
-        batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items()}
-        model.zero_grad(set_to_none=True)
-        with _own_loss_context():
-            loss = model(**batch).loss
-        loss.backward()
-        out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def clipped_sum(grads, groups: list[list[str]], thresholds: list[float]) -> dict[str, torch.Tensor]:
-    """Σ_i Σ_k min(1, C_k / (‖g_{i,k}‖ + 1e-6)) g_{i,k} (flat clipping: one group, one threshold)."""
-    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for g in grads:
-        for names, c in zip(groups, thresholds):
-            norm = math.sqrt(sum(float(g[n].pow(2).sum()) for n in names))
-            for n in names:
-                total[n] += min(1.0, c / (norm + 1e-6)) * g[n]
-    return total
-
-
-def group_norms(grads, names: list[str]) -> list[float]:
-    return sorted(math.sqrt(sum(float(g[n].pow(2).sum()) for n in names)) for g in grads)
-
-
-def check_exact(model: torch.nn.Module, data: Dataset, tmp_path, clipping: str = "flat", rtol: float = RTOL,
-                **trainer_kw) -> DPTrainer:
-    """One DP step (σ = 0, q = 1) equals the oracle's clipped sum / N; some examples clipped, some not."""
-    model = model.double()
-    model.config.use_cache = False
-    grads = own_loss_grads(model, data)
-    trainable = list(grads[0])
-    args = zoo_args(tmp_path, group_norms(grads, trainable)[N // 2 - 1] + 1e-9, clipping)
-    trainer = DPTrainer(model=model, args=args, train_dataset=data, **trainer_kw)
-    if clipping == "flat":
-        groups, thresholds = [trainable], [args.per_sample_max_grad_norm]
-    else:
-        groups = [g.params for g in trainer.group_clipper.groups]
-        thresholds = [group_norms(grads, names)[N // 2 - 1] + 1e-9 for names in groups]
-        trainer.group_clipper.thresholds = torch.tensor(thresholds, dtype=torch.float64)
-    expected = clipped_sum(grads, groups, thresholds)
-    before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    trainer.train()
-    for k, p in model.named_parameters():
-        target = expected[k] / N if p.requires_grad else torch.zeros_like(p)
-        atol = rtol * 1e-3 if rtol > 1e-7 else 1e-10
-        torch.testing.assert_close(before[k] - p.detach(), target, rtol=rtol, atol=atol, msg=k)
-    return trainer
 
 
 def freeze(model: torch.nn.Module, *fragments: str) -> torch.nn.Module:
@@ -234,14 +165,6 @@ SEQ2SEQ = {
 }
 
 
-def image_cls(n: int = N, size: int = 8, labels: int = 3) -> list[dict[str, torch.Tensor]]:
-    """Random float64 images (a list dataset: HF ``Dataset`` would hand back float32)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 3, size, size, generator=g, dtype=torch.float64)
-    y = torch.randint(0, labels, (n,), generator=g)
-    return [{"pixel_values": x[i], "labels": y[i]} for i in range(n)]
-
-
 VISION = {
     # Conv2d patch embedding; cls_token / position_embeddings are used directly in ViTEmbeddings.forward: the
     # generic torch.func fallback (clipping/fallback.py).
@@ -300,10 +223,6 @@ AUDIO = {
 }
 # The image classifiers' own loss is single-label cross-entropy; hf_dp has no default per-example loss for them yet.
 IMAGE_LOSS = {"per_example_loss": lambda out, y: torch.nn.functional.cross_entropy(out.logits, y, reduction="none")}
-
-
-def decoder_data():
-    return lm_dataset(N, seq_len=6)
 
 
 def encoder_data():
@@ -382,9 +301,8 @@ def test_per_layer_clipping_is_exact(tmp_path, name):
 
 
 # ------------------------------------------------------------------------------- the new rules, layer by layer
-# Each against a loop over single examples (tests/test_layers.py: check_engine), then each run-time check refusing
+# Each against a loop over single examples (``helpers.check_engine``), then each run-time check refusing
 # the case it exists for.
-from test_layers import Seq, check_engine  # noqa: E402
 
 from hf_dp import ClippingEngine, UnsupportedLayerError  # noqa: E402
 
@@ -706,8 +624,7 @@ def test_longformer_batch_dependent_global_rows_are_refused_without_self_check(t
     for i, r in enumerate(rows):
         r["global_attention_mask"] = [1] * (1 + (i in (1, 2))) + [0] * (len(r["input_ids"]) - 1 - (i in (1, 2)))
     model = ENCODERS["longformer"]()
-    args = zoo_args(tmp_path, 1.0, "flat")
-    args.dp_self_check = False
+    args = dp_args(tmp_path, 2, 2, 1.0, poisson_sampling=True, dp_self_check=False)
     trainer = DPTrainer(model=model.double(), args=args, train_dataset=Dataset.from_list(rows))
     with pytest.raises(UnsupportedLayerError, match=r"(?s)query_global \(Linear, call 1 in the forward\): both the "
                                                     r"first axis and axis 1.*cannot tell which axis holds"):

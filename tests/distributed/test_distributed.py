@@ -4,38 +4,41 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import flat_clipped_sum, lm_dataset, per_example_grads, single_example_loss, tiny_gpt2
+from helpers import (
+    SCRIPTS,
+    flat_clipped_sum,
+    free_port,
+    group_clipped_sum,
+    lm_dataset,
+    per_example_grads,
+    single_example_loss,
+    tiny_gpt2,
+)
 
 from hf_dp import PoissonBatchSampler, PrivacyAccountant
 
-WORKER = os.path.join(os.path.dirname(__file__), "scripts", "dist_worker.py")
+WORKER = str(SCRIPTS / "dist_worker.py")
 SIGMA, C, N, SEED = 1.5, 0.5, 24, 17
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(out_dir, sigma: float, clipping: str = "flat", steps: int = 1) -> tuple[list[dict], list[dict]]:
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), WORKER, str(out_dir), str(sigma), clipping, str(steps)]
+           "--main_process_port", str(free_port()), WORKER, str(out_dir), str(sigma), clipping, str(steps)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0 and "received by PID" in proc.stderr and "(exitcode: 1)" not in proc.stderr:
         # A worker killed by a signal with no Python error of its own (seen once in ~10 clean runs: "terminate called
         # without an active exception", SIGABRT in gloo): launch once more on a fresh port. A worker that raised
         # (exit code 1) fails at once.
-        cmd[cmd.index("--main_process_port") + 1] = str(_free_port())
+        cmd[cmd.index("--main_process_port") + 1] = str(free_port())
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     updates = [torch.load(os.path.join(out_dir, f"update_rank{r}.pt")) for r in range(2)]
@@ -103,7 +106,6 @@ def test_torchrun_on_cpu_without_use_cpu_is_one_job(tmp_path):
 @pytest.mark.slow
 def test_two_processes_per_layer_and_adaptive(tmp_path):
     """Per-layer clipping across ranks equals the union oracle; adaptive thresholds stay identical across ranks."""
-    from test_groupwise import group_clipped_sum
 
     clean, info = launch(tmp_path / "per_layer", 0.0, "per_layer")
     for k in clean[0]:

@@ -9,34 +9,28 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
 
 import pytest
 import torch
-from helpers import flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
+from helpers import SCRIPTS, flat_clipped_sum, free_port, lm_dataset, per_example_grads, tiny_gpt2
 from safetensors.torch import load_file
 
 from hf_dp import DPTrainer, DPTrainingArguments, PoissonBatchSampler, PrivacyAccountant
 from hf_dp.clipping.fsdp import fsdp_requested
 
-WORKER = os.path.join(os.path.dirname(__file__), "scripts", "fsdp_worker.py")
+WORKER = str(SCRIPTS / "fsdp_worker.py")
 C, N, SEED, SIGMA = 0.5, 16, 23, 1.5  # as in the worker
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), WORKER, str(out)]
+           str(free_port()), WORKER, str(out)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

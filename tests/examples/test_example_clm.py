@@ -8,30 +8,14 @@ the reason, when that tokenizer cannot be built (no sdist and no access to PyPI)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from helpers import load_example
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load(name: str, filename: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / filename)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load("hf_dp_example_dp_clm", "dp_clm.py")
+script = load_example("dp_clm.py")
 gpt2_tokenizer = script.tokenizer_module()
 
 TINY_MODEL = ["--n_layer", "1", "--n_embd", "32", "--n_head", "2", "--n_positions", "64", "--pretrain_max_steps", "2",

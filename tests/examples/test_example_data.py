@@ -7,30 +7,16 @@ loader that cannot fetch (no apt, unknown package) makes the test fail with the 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import math
 import re
 import struct
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import datasets
 import pytest
+from helpers import load_example
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def _load_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hf_dp_example_data", EXAMPLES / "data.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-data = _load_module()
+data = load_example("data.py")
 
 _COMMON_WORDS = re.compile(r"\b(the|and|of|to|a|is|it|i|you|that|in)\b", re.IGNORECASE)
 

@@ -8,33 +8,17 @@ skipped, with the install command, when that package is not importable.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import load_example
 
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "dp_infilling_classification.py"
-
-
-def _load_script() -> ModuleType:
-    name = "hf_dp_example_dp_infilling_classification"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_example("dp_infilling_classification.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "dp_synthetic_data.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_synthetic_data", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_example
 
 
 def test_default_pipeline_runs_with_tiny_settings(tmp_path):
-    script = _load()
+    script = load_example("dp_synthetic_data.py")
     args = script.SyntheticDataArguments(
         output_dir=str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"), num_private=64, num_test=16,
         max_length=24, dp_batch_size=16, dp_epochs=1.0, generator_layers=1, generator_dim=16,

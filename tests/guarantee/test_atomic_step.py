@@ -11,7 +11,6 @@ the ordinary ones: a ``KeyboardInterrupt`` or an exception between or inside gra
 
 from __future__ import annotations
 
-import gc
 import math
 import warnings
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 from helpers import (
     cls_dataset,
+    dp_args,
     flat_clipped_sum,
     lm_dataset,
     per_example_grads,
@@ -34,25 +34,12 @@ C = 1e-2  # every example is clipped: a gradient counted twice shows as a jump f
 N = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_gc():
-    """``train()`` starts with accelerate's ``free_memory()`` (a full ``gc.collect()``); frozen, the import-time
-    objects are skipped."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
-def dp_args(tmp_path, batch: int, ga: int, sigma: float = 0.0, **kw) -> DPTrainingArguments:
-    """SGD with lr = 1 and a constant schedule: θ₁ = θ₀ − Σ / (expected batch)."""
-    base = dict(output_dir=str(tmp_path), noise_multiplier=sigma, per_sample_max_grad_norm=C,
-                per_device_train_batch_size=batch, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
-                optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
-                save_strategy="no", dp_seed=0, disable_tqdm=True, logging_strategy="no", dp_self_check=False)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPTrainingArguments(**base)
+def step_args(tmp_path, batch: int, ga: int, sigma: float = 0.0, **overrides) -> DPTrainingArguments:
+    """``helpers.dp_args`` with C = ``C``, noise multiplier ``sigma``, nothing logged, no self-check: SGD with lr = 1
+    and a constant schedule, θ₁ = θ₀ − Σ / (expected batch)."""
+    base = dict(noise_multiplier=sigma, logging_strategy="no", dp_self_check=False)
+    base.update(overrides)
+    return dp_args(tmp_path, batch, ga, C, **base)
 
 
 def bert() -> torch.nn.Module:
@@ -143,7 +130,7 @@ def test_interrupted_between_chunks_then_train_again_releases_only_the_new_step(
     """q = 1, GA = 3: the first ``train()`` stops after chunk 1 of step 1 (the exception comes from a callback, not
     from the DP step); ``train()`` again releases exactly the oracle of its own step (every example once)."""
     data = unique_rows(N)
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 2, 3), train_dataset=data,
+    trainer = DPTrainer(model=bert(), args=step_args(tmp_path, 2, 3), train_dataset=data,
                         callbacks=[RaiseAtSubstep(error)])
     before = params(trainer.model)
     with pytest.raises(type(error)):
@@ -163,7 +150,7 @@ def test_exception_inside_a_chunk_discards_the_step(tmp_path):
     data = unique_rows(N)
     model = bert()
     fail = FailNextForward(model, ValueError("boom"))
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 3), train_dataset=data, callbacks=[fail.callback()])
+    trainer = DPTrainer(model=model, args=step_args(tmp_path, 2, 3), train_dataset=data, callbacks=[fail.callback()])
     before = params(model)
     with pytest.raises(ValueError, match="boom"):
         train(trainer)
@@ -183,7 +170,7 @@ def test_refusal_between_chunks_discards_the_step(tmp_path):
 
     model = bert()
     model.bert.embeddings.word_embeddings.requires_grad_(False)
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 3), train_dataset=unique_rows(N),
+    trainer = DPTrainer(model=model, args=step_args(tmp_path, 2, 3), train_dataset=unique_rows(N),
                         callbacks=[UnfreezeBetweenChunks()])
     with pytest.raises(RuntimeError, match="middle of a DP step"):
         train(trainer)
@@ -196,7 +183,7 @@ def test_fsdp_step_discards_its_pass_two_gradients(tmp_path):
     the strategy is built by hand here, as in test_step.py, and a chunk's pass-2 gradient is simulated.)"""
     from hf_dp.clipping.fsdp import FSDPFlatClipping
 
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 2, 3), train_dataset=unique_rows(N))
+    trainer = DPTrainer(model=bert(), args=step_args(tmp_path, 2, 3), train_dataset=unique_rows(N))
     trainer.is_fsdp_enabled = True
     trainer._build_clipping()
     step = trainer._dp_step
@@ -225,7 +212,7 @@ def test_callback_ending_the_epoch_between_chunks_discards_the_step(tmp_path, ca
     """Epoch 1 is cut after chunk 1 of its only step; epoch 2's step is the same DP step (same draw) and releases
     exactly the oracle over every example once (q = 1)."""
     data = unique_rows(N)
-    trainer = RecordDraws(model=bert(), args=dp_args(tmp_path, 2, 3, max_steps=-1, num_train_epochs=2),
+    trainer = RecordDraws(model=bert(), args=step_args(tmp_path, 2, 3, max_steps=-1, num_train_epochs=2),
                           train_dataset=data, callbacks=[StopAtFirstSubstep("should_epoch_stop")])
     before = params(trainer.model)
     summed = oracle_sum(trainer.model, data, list(range(N)))
@@ -240,7 +227,7 @@ def test_callback_ending_the_epoch_between_chunks_discards_the_step(tmp_path, ca
 def test_poisson_draw_after_an_epoch_cut_is_the_same_dp_step(tmp_path):
     """q = 1/2: the step cut by the callback and the step trained in its place are the same draw (DP step 0)."""
     data = unique_rows(16)
-    trainer = RecordDraws(model=bert(), args=dp_args(tmp_path, 2, 2, max_steps=-1, num_train_epochs=2),
+    trainer = RecordDraws(model=bert(), args=step_args(tmp_path, 2, 2, max_steps=-1, num_train_epochs=2),
                           train_dataset=data, callbacks=[StopAtFirstSubstep("should_epoch_stop")])
     train(trainer)
     assert trainer.accountant.steps == 4  # epoch 1: none (cut at its first step); epoch 2: its 4 steps
@@ -250,7 +237,7 @@ def test_poisson_draw_after_an_epoch_cut_is_the_same_dp_step(tmp_path):
 
 def test_callback_ending_the_run_between_chunks_leaves_nothing_behind(tmp_path, caplog):
     data = unique_rows(N)
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 2, 3), train_dataset=data,
+    trainer = DPTrainer(model=bert(), args=step_args(tmp_path, 2, 3), train_dataset=data,
                         callbacks=[StopAtFirstSubstep("should_training_stop")])
     before = params(trainer.model)
     with caplog.at_level("WARNING", logger="hf_dp.clipping.step"):
@@ -275,7 +262,7 @@ def test_out_of_memory_retry_releases_only_the_retried_step(tmp_path, caplog):
     data = unique_rows(N)
     model = bert()
     fail = FailNextForward(model, oom())
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, 3, auto_find_batch_size=True), train_dataset=data,
+    trainer = DPTrainer(model=model, args=step_args(tmp_path, 2, 3, auto_find_batch_size=True), train_dataset=data,
                         callbacks=[fail.callback()])
     before = params(model)
     summed = oracle_sum(model, data, list(range(N)))
@@ -305,7 +292,7 @@ def test_out_of_memory_retry_redraws_the_same_batch_with_a_secret_seed(tmp_path)
                 self.after = params(model)
 
     snap = Snapshot()
-    trainer = RecordDraws(model=model, args=dp_args(tmp_path, 4, 2, dp_seed=None, auto_find_batch_size=True,
+    trainer = RecordDraws(model=model, args=step_args(tmp_path, 4, 2, dp_seed=None, auto_find_batch_size=True,
                                                     max_steps=2), train_dataset=data,
                           callbacks=[fail.callback(), snap])
     train(trainer)
@@ -320,7 +307,7 @@ def test_out_of_memory_retry_redraws_the_same_batch_with_a_secret_seed(tmp_path)
 def test_second_train_on_the_same_model_never_replays_the_first_runs_draws(tmp_path):
     """With a fixed dp_seed, the draws of DP steps 1-3 and 4-6 (two ``train()`` calls on one model) differ: the
     accountant's composition assumes independent draws."""
-    trainer = RecordDraws(model=bert(), args=dp_args(tmp_path, 4, 2, max_steps=3), train_dataset=unique_rows(16))
+    trainer = RecordDraws(model=bert(), args=step_args(tmp_path, 4, 2, max_steps=3), train_dataset=unique_rows(16))
     train(trainer)
     train(trainer)
     assert trainer.accountant.steps == 6 and len(trainer.draws) == 6
@@ -335,13 +322,13 @@ def test_resumed_run_draws_the_steps_it_would_have_drawn(tmp_path, runs_before):
     ``train()`` (its Trainer steps restart at 0, its DP steps do not); with ignore_data_skip as well."""
     data = unique_rows(16)
     args = dict(max_steps=3, save_strategy="steps", save_steps=1)
-    whole = RecordDraws(model=bert(), args=dp_args(tmp_path / "a", 1, 2, **args), train_dataset=data)
+    whole = RecordDraws(model=bert(), args=step_args(tmp_path / "a", 1, 2, **args), train_dataset=data)
     for _ in range(runs_before + 1):
         train(whole)  # the last run's checkpoint-1 holds DP step 3 × runs_before + 1
     assert whole.steps_per_epoch == 8  # checkpoint-1 is inside the first epoch
     done = 3 * runs_before + 1
     for skip in (False, True):
-        resumed = RecordDraws(model=bert(), args=dp_args(tmp_path / "a", 1, 2, max_steps=3, ignore_data_skip=skip),
+        resumed = RecordDraws(model=bert(), args=step_args(tmp_path / "a", 1, 2, max_steps=3, ignore_data_skip=skip),
                               train_dataset=data)
         train(resumed, resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
         assert resumed.accountant.steps == done + 2
@@ -382,7 +369,7 @@ def test_logged_loss_is_the_realised_mean_with_accumulation_and_empty_steps(tmp_
     torch.manual_seed(0)
     model = tiny_gpt2().double()
     data = lm_dataset(8)
-    trainer = RecordDraws(model=model, args=dp_args(tmp_path, 1, 2, sigma=1.0, max_steps=6, learning_rate=0.0,
+    trainer = RecordDraws(model=model, args=step_args(tmp_path, 1, 2, sigma=1.0, max_steps=6, learning_rate=0.0,
                                                     logging_strategy="steps", logging_steps=3, dp_seed=0),
                           train_dataset=data)
     out = train(trainer)
@@ -422,7 +409,7 @@ def test_a_batch_drawn_for_another_step_is_refused_before_training(tmp_path):
         def on_epoch_begin(self, args, state, control, **kwargs):
             trainer._dp_sampler.set_first_step(0)
 
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4, 2, max_steps=2), train_dataset=unique_rows(16))
+    trainer = DPTrainer(model=bert(), args=step_args(tmp_path, 4, 2, max_steps=2), train_dataset=unique_rows(16))
     trainer.add_callback(ReplayDraws())  # after hf_dp's own callback
     train(trainer)
     before = params(trainer.model)

@@ -8,7 +8,6 @@ clear error before anything is released.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import warnings
@@ -16,82 +15,26 @@ import warnings
 import pytest
 import torch
 from datasets import Dataset
-from helpers import cls_dataset, lm_dataset, tiny_bert, tiny_gpt2, tiny_llama
-from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
+from helpers import lm_dataset, tiny_gpt2, tiny_llama
+from helpers.neighbours import (
+    C,
+    N,
+    assert_neighbours_within_c,
+    bert,
+    bert_data,
+    default_build,
+    distance,
+    neighbour_args,
+    params,
+    regression_data,
+    regression_model,
+    summed_updates,
+)
+from transformers import TrainerCallback
 
-from hf_dp import DPTrainer, DPTrainingArguments, UnsupportedLayerError
+from hf_dp import DPTrainer, UnsupportedLayerError
 
-C = 1e-2  # small: every example is clipped, so an unclipped gradient shows as a jump far above C
-N = 5
 HUGE_SIGMA = 1e4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_gc():
-    """Every ``train()`` starts with accelerate's ``free_memory()``, a full ``gc.collect()`` over everything the
-    imports created (~0.9 s here); frozen, those objects are skipped (~0.05 s)."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
-def dp_args(tmp_path, m: int, ga: int = 1, sigma: float = 0.0, **kw) -> DPTrainingArguments:
-    """q = 1: per-device batch × GA = m examples; SGD with lr = 1 and a constant schedule: θ₁ = θ₀ − Σ/m."""
-    base = dict(output_dir=str(tmp_path), noise_multiplier=sigma, per_sample_max_grad_norm=C,
-                per_device_train_batch_size=m // ga, gradient_accumulation_steps=ga, max_steps=1, learning_rate=1.0,
-                optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, use_cpu=True, report_to="none",
-                save_strategy="no", dp_seed=0, disable_tqdm=True, logging_strategy="no")
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPTrainingArguments(**base)
-
-
-def bert() -> BertForSequenceClassification:
-    torch.manual_seed(0)
-    return tiny_bert().double()
-
-
-def bert_data(n: int) -> Dataset:
-    return cls_dataset(N, 3).select(range(n))
-
-
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def default_build(args, data, model_factory=bert):
-    return DPTrainer(model=model_factory(), args=args, train_dataset=data)
-
-
-def train_once(trainer):
-    trainer.train()
-
-
-def summed_updates(tmp_path, build=default_build, data_fn=bert_data, n=N, ga=1, sigma=0.0, train=train_once,
-                   neighbour=True, **kw) -> list[dict[str, torch.Tensor]]:
-    """Train on D (n examples) and D′ (the last one removed), same seed; return ``{param: Σ}`` for both runs, where
-    ``Σ = (θ₀ − θ₁) · m`` is the summed clipped (and noised) gradient of the step (q = 1, SGD, lr = 1)."""
-    out = []
-    for m in (n, n - 1) if neighbour else (n,):
-        ga_m = m if ga == "all" else ga
-        trainer = build(dp_args(tmp_path / f"n{m}", m, ga=ga_m, sigma=sigma, **kw), data_fn(m))
-        before = params(trainer.model)
-        train(trainer)
-        after = params(trainer.model)
-        out.append({k: (before[k] - after[k]) * m for k in after if k in before})
-    return out
-
-
-def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float((a[k] - b[k]).pow(2).sum()) for k in a))
-
-
-def assert_neighbours_within_c(tmp_path, **kw):
-    sigma_d, sigma_d2 = summed_updates(tmp_path, **kw)
-    moved = distance(sigma_d, sigma_d2)
-    assert 0 < moved <= C * (1 + 1e-6), f"‖Σ_D − Σ_D′‖ = {moved:.3g} > C = {C}"
-    return sigma_d
 
 
 def assert_everything_noised(tmp_path, **kw):
@@ -135,7 +78,7 @@ def test_model_init_holds(tmp_path, caplog):
 
 
 def test_model_init_twice_starts_a_fresh_accountant(tmp_path):
-    trainer = build_model_init(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    trainer = build_model_init(neighbour_args(tmp_path, 4, sigma=1.0), bert_data(4))
     trainer.train()
     first = trainer.model
     trainer.train()
@@ -203,7 +146,7 @@ def test_callback_unfreezing_mid_run_holds_for_flat_clipping(tmp_path):
 
 
 def test_callback_unfreezing_mid_run_is_refused_for_group_wise_clipping(tmp_path):
-    trainer = build_gradual_unfreezing(dp_args(tmp_path, 4, max_steps=2), bert_data(4), clipping="per_layer")
+    trainer = build_gradual_unfreezing(neighbour_args(tmp_path, 4, max_steps=2), bert_data(4), clipping="per_layer")
     with pytest.raises(RuntimeError, match="changed during training"):
         trainer.train()
 
@@ -244,7 +187,7 @@ def test_resume_from_checkpoint_holds(tmp_path):
 
     def resume(trainer):
         m, out = len(trainer.train_dataset), trainer.args.output_dir
-        first = DPTrainer(model=bert(), args=dp_args(out, m, save_strategy="steps", save_steps=1, **schedule),
+        first = DPTrainer(model=bert(), args=neighbour_args(out, m, save_strategy="steps", save_steps=1, **schedule),
                           train_dataset=trainer.train_dataset)
         first.train()
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-1"))
@@ -292,7 +235,7 @@ def test_document_level_recipe_holds_the_neighbouring_bound(tmp_path):
     assert_neighbours_within_c(tmp_path / "doc", build=document_trainer, n=n, data_fn=documents_as_chunks, **user)
 
     def block_level(rows, out):  # every chunk its own unit, q = 1 over chunks
-        trainer = document_trainer(dp_args(out, len(rows)), rows)
+        trainer = document_trainer(neighbour_args(out, len(rows)), rows)
         before = params(trainer.model)
         trainer.train()
         return {k: (before[k] - v) * len(rows) for k, v in params(trainer.model).items()}
@@ -322,22 +265,6 @@ def test_callback_that_reads_the_model_holds(tmp_path):
     assert_neighbours_within_c(tmp_path, build=build)
 
 
-def regression_data(m: int, nan_at: int | None = 2) -> Dataset:
-    data = cls_dataset(N, 2).to_dict()
-    data["labels"] = [float(i) - 1.5 for i in range(N)]
-    if nan_at is not None:
-        data["labels"][nan_at] = float("nan")
-    return Dataset.from_dict(data).select(range(m))
-
-
-def regression_model() -> BertForSequenceClassification:
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=61, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
-                     max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     num_labels=1, pad_token_id=0)
-    return BertForSequenceClassification(cfg).double()
-
-
 def test_nan_example_gets_factor_zero_and_the_update_equals_the_finite_oracle(tmp_path, caplog):
     """A NaN regression label: σ = 0, q = 1: the update is the oracle over the finite examples (the model's own loss
     on a batch of one); it is counted, warned about and logged; the logged loss is finite. (The first-step
@@ -358,8 +285,8 @@ def test_nan_example_gets_factor_zero_and_the_update_equals_the_finite_oracle(tm
             oracle[n] += min(1.0, C / (norm + 1e-6)) * grads[n]
     model.zero_grad(set_to_none=True)
 
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, N, dp_self_check=False, logging_strategy="steps",
-                                                  logging_steps=1), train_dataset=data)
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, N, dp_self_check=False, logging_strategy="steps",
+                                                         logging_steps=1), train_dataset=data)
     before = params(model)
     with caplog.at_level("WARNING", logger="hf_dp.trainer"):
         trainer.train()
@@ -380,14 +307,15 @@ def test_nan_example_neighbours_and_noise(tmp_path):
 
 
 def test_nan_example_under_group_wise_clipping_is_finite(tmp_path):
-    trainer = DPTrainer(model=regression_model(), args=dp_args(tmp_path, N, sigma=1.0, clipping="per_layer",
-                                                               dp_self_check=False), train_dataset=regression_data(N))
+    trainer = DPTrainer(model=regression_model(), args=neighbour_args(tmp_path, N, sigma=1.0, clipping="per_layer",
+                                                                      dp_self_check=False),
+                        train_dataset=regression_data(N))
     trainer.train()
     assert all(bool(torch.isfinite(p).all()) for p in trainer.model.parameters())
 
 
 def test_train_twice_continues_the_accountant(tmp_path):
-    trainer = default_build(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    trainer = default_build(neighbour_args(tmp_path, 4, sigma=1.0), bert_data(4))
     trainer.train()
     eps_one = trainer.privacy_spent()["epsilon"]
     with pytest.warns(UserWarning, match="accounting continues"):
@@ -397,7 +325,7 @@ def test_train_twice_continues_the_accountant(tmp_path):
 
 
 def test_train_twice_with_target_epsilon_refuses_when_nothing_is_left(tmp_path):
-    args = dp_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=2)
+    args = neighbour_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=2)
     trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
     trainer.train()
     spent = trainer.privacy_spent()["epsilon"]
@@ -412,7 +340,7 @@ def test_train_twice_with_target_epsilon_refuses_when_nothing_is_left(tmp_path):
 
 
 def test_train_twice_with_target_epsilon_budget_left(tmp_path):
-    args = dp_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=1)
+    args = neighbour_args(tmp_path, 4, sigma=None, target_epsilon=8.0, target_delta=1e-3, max_steps=1)
     trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
     trainer.train()
     sigma_one = trainer.noise_multiplier
@@ -506,7 +434,7 @@ def flattening_build(args, data):
 
 
 def test_padding_free_packing_is_refused_before_training(tmp_path):
-    trainer = flattening_build(dp_args(tmp_path, 4), lm_dataset(4).remove_columns("attention_mask"))
+    trainer = flattening_build(neighbour_args(tmp_path, 4), lm_dataset(4).remove_columns("attention_mask"))
     with pytest.raises(ValueError, match="Packing is not supported by DPTrainer"):
         trainer.get_train_dataloader()  # the collator is probed on two rows when the loader is built
     before = params(trainer.model)
@@ -521,14 +449,15 @@ def test_collator_that_drops_a_row_is_refused(tmp_path):
     def drop_last(features):
         return default_data_collator(features[:-1] if len(features) > 1 else features)
 
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4), data_collator=drop_last)
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4),
+                        data_collator=drop_last)
     with pytest.raises(ValueError, match="one row per example"):
         trainer.train()
     assert trainer.accountant.steps == 0
 
 
 def test_batch_row_check_is_an_overridable_method(tmp_path):
-    trainer = default_build(dp_args(tmp_path, 4), bert_data(4))
+    trainer = default_build(neighbour_args(tmp_path, 4), bert_data(4))
     trainer._check_batch_rows(2, {"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     with pytest.raises(ValueError, match="Packing"):
         trainer._check_batch_rows(2, {"input_ids": torch.zeros(1, 6),
@@ -545,7 +474,7 @@ def test_subclass_train_dataloader_is_refused(tmp_path):
         def get_train_dataloader(self):
             return DataLoader(self.train_dataset, batch_size=2, shuffle=True, collate_fn=default_data_collator)
 
-    trainer = MyLoader(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4))
+    trainer = MyLoader(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
     with pytest.raises(ValueError, match="replaces Poisson sampling"):
         trainer.train()
     assert trainer.accountant.steps == 0
@@ -557,7 +486,7 @@ def test_subclass_that_returns_the_dp_loader_is_accepted(tmp_path):
             self.calls = getattr(self, "calls", 0) + 1
             return super().get_train_dataloader()
 
-    trainer = Wraps(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(4))
+    trainer = Wraps(model=bert(), args=neighbour_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(4))
     trainer.train()
     assert trainer.calls == 1 and trainer.accountant.steps == 1
 
@@ -568,7 +497,7 @@ def test_subclass_compute_loss_is_refused(tmp_path):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch) * 2
 
     with pytest.raises(ValueError, match="per_example_loss"):
-        MyLoss(model=bert(), args=dp_args(tmp_path, 4), train_dataset=bert_data(4))
+        MyLoss(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
 
 
 class PlainBackward(DPTrainer):
@@ -593,7 +522,7 @@ class ExtraBackward(DPTrainer):
 
 @pytest.mark.parametrize("cls, match", [(PlainBackward, "did not write"), (ExtraBackward, "changed in place")])
 def test_subclass_training_step_with_plain_backward_is_refused(tmp_path, cls, match):
-    trainer = cls(model=bert(), args=dp_args(tmp_path, 4, dp_self_check=False), train_dataset=bert_data(4))
+    trainer = cls(model=bert(), args=neighbour_args(tmp_path, 4, dp_self_check=False), train_dataset=bert_data(4))
     before = params(trainer.model)
     with pytest.raises(RuntimeError, match=match):
         trainer.train()
@@ -651,7 +580,7 @@ def test_unfreezing_inside_a_step_is_refused(tmp_path):
 
     model = bert()
     model.bert.embeddings.word_embeddings.requires_grad_(False)
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 4, ga=2), train_dataset=bert_data(4))
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, 4, ga=2), train_dataset=bert_data(4))
     trainer.add_callback(UnfreezeBetweenChunks(trainer))
     with pytest.raises(RuntimeError, match="middle of a DP step"):
         trainer.train()
@@ -675,13 +604,14 @@ def test_unfreezing_inside_a_step_is_refused(tmp_path):
 )
 def test_arguments_that_cannot_be_private_are_refused(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        dp_args(tmp_path, 4, **{"noise_multiplier": 1.0, **kwargs})
+        neighbour_args(tmp_path, 4, **{"noise_multiplier": 1.0, **kwargs})
 
 
 def test_delta_not_below_one_over_n_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not below 1/N"):
-        DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0, target_delta=0.5), train_dataset=bert_data(4))
-    trainer = DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0, target_delta=0.22),
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, sigma=1.0, target_delta=0.5),
+                  train_dataset=bert_data(4))
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, sigma=1.0, target_delta=0.22),
                         train_dataset=bert_data(4))
     trainer.train_dataset = bert_data(5)  # N changed after construction: δ = 0.22 < 1/4 but not < 1/5
     with pytest.raises(ValueError, match="not below 1/N"):
@@ -690,11 +620,11 @@ def test_delta_not_below_one_over_n_is_refused(tmp_path):
 
 def test_empty_training_set_is_refused(tmp_path):
     with pytest.raises(ValueError, match="empty"):
-        DPTrainer(model=bert(), args=dp_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(0))
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, sigma=1.0), train_dataset=bert_data(0))
 
 
 def test_hyperparameter_search_is_noted(tmp_path):
-    trainer = build_model_init(dp_args(tmp_path, 4, sigma=1.0), bert_data(4))
+    trainer = build_model_init(neighbour_args(tmp_path, 4, sigma=1.0), bert_data(4))
     assert "hyperparameter" not in trainer.dp_guarantee
     trainer.call_model_init(trial={"learning_rate": 0.5})  # what hyperparameter_search's train(trial=...) calls
     assert "hyperparameter search" in trainer.dp_guarantee
@@ -820,7 +750,7 @@ def test_transformers_lm_collator_with_a_left_padding_tokenizer_is_refused(tmp_p
     tok = word_tokenizer()
     tok.padding_side = "left"
     collator = DataCollatorForLanguageModeling(tok, mlm=False)
-    trainer = collated_build(collator)(dp_args(tmp_path, N), varlen_lm(N).remove_columns("labels"))
+    trainer = collated_build(collator)(neighbour_args(tmp_path, N), varlen_lm(N).remove_columns("labels"))
     assert_refused_before_release(trainer, ValueError, "Left padding with GPT2LMHeadModel")
 
 
@@ -837,7 +767,7 @@ def test_left_padding_with_positions_from_the_layout_breaks_the_bound_unchecked(
 def test_left_padding_with_positions_from_the_layout_is_refused(tmp_path):
     """GPT-2 takes position_ids = cache_position unless given: left-padded, an example's positions depend on the
     longest row of its batch. Refused at train start, with the ways out."""
-    trainer = collated_build(pad_collator("left"))(dp_args(tmp_path, N), varlen_lm(N))
+    trainer = collated_build(pad_collator("left"))(neighbour_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, ValueError, "Left padding.*padding_side = 'right'.*position_ids")
 
 
@@ -860,7 +790,7 @@ def test_left_padded_causal_lm_predicting_its_first_token_from_padding_is_refuse
     alone does not have, present only when a longer row is in the batch (as with transformers'
     DataCollatorForLanguageModeling and padding_side='left'). Positions are right (Llama: relative): only the
     counterfactual check sees it, at the first step, before anything is released."""
-    trainer = collated_build(pad_collator("left"), model_factory=llama)(dp_args(tmp_path, N), varlen_lm(N))
+    trainer = collated_build(pad_collator("left"), model_factory=llama)(neighbour_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, UnsupportedLayerError,
                                   "loss depends on the other rows.*left-padded.*predicts the first token.*right")
 
@@ -882,7 +812,7 @@ def dynamic_rope_llama(rope_type: str = "dynamic", limit: int = 8) -> torch.nn.M
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
 def test_rope_scaling_from_the_longest_row_is_refused_before_training(tmp_path, rope_type):
     trainer = collated_build(pad_collator("right"), model_factory=lambda: dynamic_rope_llama(rope_type))(
-        dp_args(tmp_path, N), varlen_lm(N))
+        neighbour_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, ValueError, f"rope_type='{rope_type}'.*exceeds 8 .*reach 12 positions"
                                                        ".*fixed rope scaling.*truncate every row to at most 8")
 
@@ -901,7 +831,7 @@ def test_rope_scaling_dependence_is_also_caught_by_the_counterfactual(tmp_path, 
     import hf_dp.trainer
 
     monkeypatch.setattr(hf_dp.trainer, "check_known_dependences", lambda *a, **k: None)
-    trainer = collated_build(pad_collator("right"), model_factory=dynamic_rope_llama)(dp_args(tmp_path, N),
+    trainer = collated_build(pad_collator("right"), model_factory=dynamic_rope_llama)(neighbour_args(tmp_path, N),
                                                                                      varlen_lm(N))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
 
@@ -927,14 +857,14 @@ def mixup_collator(features):
 
 @pytest.mark.parametrize("collator", [next_row_token_collator, mixup_collator], ids=["next_row_token", "mixup"])
 def test_collator_that_mixes_rows_is_refused(tmp_path, collator):
-    trainer = collated_build(collator, model_factory=bert)(dp_args(tmp_path, N), varlen_cls(N))
+    trainer = collated_build(collator, model_factory=bert)(neighbour_args(tmp_path, N), varlen_cls(N))
     assert_refused_before_release(trainer, UnsupportedLayerError, "collator mixes rows")
 
 
 def test_collator_whose_padding_changes_the_loss_is_refused(tmp_path):
     """All-ones attention mask: BERT attends to the padding, so an example's loss depends on its batch's longest
     row."""
-    trainer = collated_build(pad_collator("right", mask=False), model_factory=bert)(dp_args(tmp_path, N),
+    trainer = collated_build(pad_collator("right", mask=False), model_factory=bert)(neighbour_args(tmp_path, N),
                                                                                    varlen_cls(N))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
 
@@ -942,7 +872,7 @@ def test_collator_whose_padding_changes_the_loss_is_refused(tmp_path):
 def test_collator_that_trains_on_its_padding_is_refused(tmp_path):
     """Labels padded with the pad token instead of -100 (labels = input_ids after padding): each example is also
     trained to predict padding, as many tokens as its batch's longest row adds."""
-    trainer = collated_build(pad_collator("right", label_pad=0))(dp_args(tmp_path, N), varlen_lm(N))
+    trainer = collated_build(pad_collator("right", label_pad=0))(neighbour_args(tmp_path, N), varlen_lm(N))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows")
 
 
@@ -959,7 +889,7 @@ def test_lucky_first_batch_of_equal_lengths_is_caught_by_the_hard_batch(tmp_path
     padded length looks right on it); the batch of the training set's shortest and longest rows exposes it."""
     data = varlen_lm(N, lengths=[5, 5, 5, 5, 12])
     trainer = collated_build(pad_collator("right"), per_example_loss=padded_length_mean_loss)(
-        dp_args(tmp_path, 4, ga=2), data)
+        neighbour_args(tmp_path, 4, ga=2), data)
     assert_refused_before_release(trainer, UnsupportedLayerError, "shortest and longest rows")
 
 
@@ -1003,7 +933,7 @@ def test_mlm_masking_collator_is_random_per_row_and_the_update_equals_the_oracle
     start = copy.deepcopy(model)
     collator = Recording(DataCollatorForLanguageModeling(word_tokenizer(), mlm=True, mlm_probability=0.5, seed=seed))
     data = varlen_lm(N).remove_columns("labels")
-    trainer = DPTrainer(model=model, args=dp_args(tmp_path, N), train_dataset=data, data_collator=collator)
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, N), train_dataset=data, data_collator=collator)
     before = params(model)
     trainer.train()
     # the step's batch (q = 1): the first of N rows (the first-step checks collate the same rows again afterwards)
@@ -1036,7 +966,7 @@ def test_mlm_masking_collator_still_catches_a_loss_that_depends_on_padding(tmp_p
         return tokens.sum(1) / labels.shape[1]
 
     torch.manual_seed(0)
-    trainer = DPTrainer(model=tiny_bert_mlm().double(), args=dp_args(tmp_path, N), per_example_loss=padded_mean,
+    trainer = DPTrainer(model=tiny_bert_mlm().double(), args=neighbour_args(tmp_path, N), per_example_loss=padded_mean,
                         train_dataset=varlen_lm(N).remove_columns("labels"),
                         data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm_probability=0.5))
     assert_refused_before_release(trainer, UnsupportedLayerError, "loss depends on the other rows.*collator is random")

@@ -10,7 +10,6 @@ anything is applied or saved, naming the tensor; changes declared with ``hf_dp.p
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 
 import pytest
@@ -21,15 +20,6 @@ from transformers import TrainerCallback
 
 from hf_dp import DPTrainer, UnsupportedLayerError, post_processing
 from hf_dp.guarantee import ReleasedStateGuard
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_gc():
-    """Every ``train()`` starts with accelerate's ``free_memory()`` (a full ``gc.collect()``); frozen, the imports'
-    objects are skipped."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def args(tmp_path, **kw):

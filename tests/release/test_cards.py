@@ -17,7 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import lm_dataset, tiny_gpt2
+from helpers import REPO, lm_dataset, tiny_gpt2
 from huggingface_hub import HfApi, ModelCard
 
 from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, PrivacyRecord
@@ -30,8 +30,6 @@ from hf_dp.cards import (
     privacy_report,
     validate_card,
 )
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures

