@@ -68,7 +68,8 @@ def test_qlora_matches_the_oracle(tmp_path, bits, clipping):
             save_strategy="no", dp_seed=0, disable_tqdm=True)
     trainer = DPTrainer(model=model, args=args, train_dataset=data)
     if clipping == "per_layer":
-        # the groups (a layer's parameters) and C_k = C/√K are configuration, read as tests/test_groupwise.py does;
+        # the groups (a layer's parameters) and C_k = C/√K are configuration, read as
+        # tests/clipping/test_groupwise.py does;
         # the clipping itself is written out here
         groups = [g.params for g in trainer.group_clipper.groups]
         thresholds = trainer.group_clipper.thresholds.tolist()

@@ -472,7 +472,7 @@ def test_batchless_input_is_found_even_when_seq_len_equals_batch_size(tmp_path):
 def test_deberta_v2_shared_relative_embeddings_pass_both_checks(tmp_path):
     """The relative embeddings (read directly, then a LayerNorm, once per batch) and the position projections applied
     to them get per-example gradients (engine: shared and mixing points); both run-time checks agree. Exactness against
-    the oracle: tests/test_zoo.py (deberta_v3, deberta_v2_rel)."""
+    the oracle: tests/clipping/test_zoo.py (deberta_v3, deberta_v2_rel)."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -616,7 +616,7 @@ def test_statically_refused_parameters():
             self.temperature = nn.Parameter(torch.ones(()))
 
     # enclose2: a parameter its rule does not cover is no longer refused statically: the layer gets a side fallback
-    # for it (tests/test_enclose2.py), verified at the first step
+    # for it (tests/clipping/test_enclosing_fallback.py), verified at the first step
     engine = ClippingEngine(Toy(LinearWithTemperature()))
     assert [fb.param_names for fb in engine._fallbacks.values()] == [("temperature",)]
     model = Toy(nn.Identity())

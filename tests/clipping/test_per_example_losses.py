@@ -4,7 +4,7 @@ Two levels, both against ``model(**one_example).loss`` (``helpers.single_example
 
 * loss level: hf_dp's per-example loss on a batch, through DPTrainer's own input building (``_model_inputs``), equals
   the model's own loss of each example run alone;
-* update level: σ = 0, q = 1, SGD lr = 1: update × N == Σ_i clip(∇L_i) (``test_oracle.check_update``).
+* update level: σ = 0, q = 1, SGD lr = 1: update × N == Σ_i clip(∇L_i) (``helpers.check_update``).
 
 Parameters today's engine refuses (learned positional embeddings with an offset, T5's relative attention bias, ViT's
 ``cls_token``/``position_embeddings``, convolutions) are frozen here: other branches make them exact (issue 13).

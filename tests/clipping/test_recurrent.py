@@ -1,8 +1,8 @@
 """Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) and P-tuning's LSTM prompt encoder are exact, or refused
 with their true cause (``hf_dp/clipping/recurrent.py``).
 
-The oracle is the model's own loss on a batch of one (float64, σ = 0, q = 1): ``test_coverage.check_exact`` for the
-small recurrent models here, ``test_oracle.check_update`` / ``test_groupwise.run_group_step`` (PEFT's own loss) for
+The oracle is the model's own loss on a batch of one (float64, σ = 0, q = 1): ``helpers.check_exact`` for the
+small recurrent models here, ``helpers.check_update`` / ``helpers.run_group_step`` (PEFT's own loss) for
 P-tuning.
 """
 

@@ -1,8 +1,8 @@
 """Rules chosen by a layer's form, checked on the first batch (findings of the transformers sweep, tests/scripts).
 
 Minimal modules reproduce each pattern against a per-example loop (``check_engine``, float64); tiny random-init
-transformers models are checked with the oracle harness of ``tests/test_zoo.py`` (the model's own loss on a batch
-of one, σ = 0, q = 1).
+transformers models are checked with the oracle harness of ``tests/clipping/test_zoo.py`` (``helpers.check_exact``: the
+model's own loss on a batch of one, σ = 0, q = 1).
 """
 
 from __future__ import annotations

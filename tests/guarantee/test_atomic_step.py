@@ -3,9 +3,9 @@ or is discarded, and a step drawn again is the same Poisson draw (``sampling.py`
 function of the run's seed and k). Also: the logged loss is the realised mean of the sampled examples' losses.
 
 The updates are checked against the oracle (σ = 0, SGD with lr = 1 and a constant schedule, float64): the model's own
-loss on a batch of one per example, clipped by the rule written out in ``tests/helpers.py``. The interruptions are
-the ordinary ones: a ``KeyboardInterrupt`` or an exception between or inside gradient accumulation chunks followed by
-``train()`` again, a callback ending the epoch or the run between two chunks, and accelerate's
+loss on a batch of one per example, clipped by the rule written out in ``tests/helpers/oracle.py``. The interruptions
+are the ordinary ones: a ``KeyboardInterrupt`` or an exception between or inside gradient accumulation chunks followed
+by ``train()`` again, a callback ending the epoch or the run between two chunks, and accelerate's
 ``find_executable_batch_size`` re-running the loop after an out-of-memory error.
 """
 

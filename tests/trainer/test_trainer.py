@@ -166,7 +166,7 @@ def test_loud_warnings(tmp_path):
         DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=0.0, use_cpu=True)
     with pytest.warns(NotPrivateWarning, match="heuristic"):
         DPTrainingArguments(output_dir=str(tmp_path), target_epsilon=1.0, poisson_sampling=False, use_cpu=True)
-    with pytest.raises(ValueError, match="not below 1/N"):  # refused since issue 12 (tests/test_guarantee.py)
+    with pytest.raises(ValueError, match="not below 1/N"):  # refused since issue 12 (tests/guarantee/test_guarantee.py)
         DPTrainer(model=tiny_gpt2(), args=make_args(tmp_path, target_epsilon=1.0, target_delta=0.1),
                   train_dataset=lm_dataset(16))
 
