@@ -188,7 +188,7 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
                            "top_state": {k: v.clone() for k, v in bert.encoder.layer[cut:].state_dict().items()}}
     for split, n in (("train", n_train), ("test", n_test)):
         ds = data[split].select(range(min(n, len(data[split]))))
-        enc = tok(ds["text"], truncation=True, max_length=seq_len)
+        enc = tok(list(ds["text"]), truncation=True, max_length=seq_len)
         lengths = [len(x) for x in enc["input_ids"]]
         order = np.argsort(lengths)
         states: list[Any] = [None] * len(ds)
@@ -214,7 +214,7 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
                 pooled = (h * m).sum(1) / m.sum(1)
                 for j, i in enumerate(idx):
                     feats[i] = pooled[j].clone()
-        out[split] = {"states": states, "features": feats, "labels": list(ds["label"])}
+        out[split] = {"states": states, "features": feats, "labels": [int(y) for y in ds["label"]]}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)
     return out
