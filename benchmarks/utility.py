@@ -23,11 +23,13 @@ the head: the LoRA / top-2 runs train exactly the model they would train end to 
 cost. The whole-model full fine-tuning of the issue is not run (22.6 M parameters: the noise-to-signal ratio at
 ε = 8 is 1.7, README "Choosing hyperparameters", and ~6 min per epoch here).
 
-Settings: expected batch 256 (64 × 4 accumulated, q = 0.064), C = 1, constant learning rate (head 5e-2, LoRA 5e-3,
-top-2 1e-3; Li et al. 2022 §3 style, not tuned on the test set), head 3 epochs, others 2 epochs (probe: 2 epochs of
-the head, then 2 of the fine-tuning), δ = 1/N^1.1, PRV accountant, Poisson sampling, ``dp_seed`` and ``seed`` fixed.
+Settings: C = 1, constant learning rate (head 5e-2, LoRA 5e-3, top-2 1e-3; Li et al. 2022 §3 style, not tuned on the
+test set), no weight decay; the head: expected batch 256 (64 × 4 accumulated, q = 0.064), 3 epochs (48 steps); LoRA and
+top-2: expected batch 128 (q = 0.032), 1 epoch (32 steps) — what 2 CPU cores shared by 7 jobs allowed; probe: 1 epoch
+of the head on the frozen top layers, then the LoRA / top-2 run; δ = 1/N^1.1, PRV accountant, Poisson sampling,
+``dp_seed`` and ``seed`` fixed (42).
 
-    python benchmarks/utility.py                       # the grid of RESULTS.md (~1 h on 2 shared cores)
+    python benchmarks/utility.py                       # the grid of RESULTS.md (~1 h wall on 2 shared cores)
     python benchmarks/utility.py --quick               # a smoke test: 400 / 200 reviews, 1 epoch, two runs
     python benchmarks/utility.py --only head           # a subset (comma-separated methods)
     python benchmarks/utility.py --plot-only           # re-draw the plot and the table from the JSON
@@ -67,26 +69,36 @@ ROOT = Path(__file__).resolve().parent.parent
 TOP = 2  # trained layers on top of the cached ones
 EPSILONS = (1.0, 3.0, 8.0)
 LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3}
-EPOCHS = {"head": 3.0, "lora": 2.0, "top2": 2.0}
+EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0}
+ACCUM = {"head": 4, "lora": 2, "top2": 2}  # × 64 per micro-batch: expected batch 256 (head), 128 (others)
 VARIANTS = [("clip", "adam"), ("automatic", "adam"), ("clip", "adam_bc"), ("automatic", "adam_bc")]
 
 
 def grid() -> list[dict[str, Any]]:
-    """The runs of RESULTS.md: every method × variant at ε = 3 and 8; at ε = 1 every variant for the head and
-    (clip, adam) + (automatic, adam) for the others; probe-then-fine-tune with (clip, adam) and (automatic, adam) at
-    ε = 3 and 8; each method's non-private counterpart (ε = ∞)."""
-    runs: list[dict[str, Any]] = []
-    for method in ("head", "lora", "top2"):
-        runs.append({"method": method, "epsilon": math.inf, "clipping": "-", "optim": "adam"})
-        for eps in EPSILONS:
-            for clipping, optim in VARIANTS:
-                if eps == 1.0 and method != "head" and optim == "adam_bc":
-                    continue
-                runs.append({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim})
-    for method in ("probe_lora", "probe_top2"):
-        for eps in (3.0, 8.0):
-            for clipping in ("clip", "automatic"):
-                runs.append({"method": method, "epsilon": eps, "clipping": clipping, "optim": "adam"})
+    """The runs of RESULTS.md, in the order they run (the most informative first): the head at every ε × variant;
+    then for LoRA and top-2 the non-private counterparts, (clip | automatic, Adam) at ε = 8 and 3 with
+    probe-then-fine-tune (clip, Adam) beside them, DP-AdamBC at ε = 8 and 3 (LoRA: both clippings; top-2: clip at
+    ε = 8), and (clip, Adam) at ε = 1."""
+    runs: list[dict[str, Any]] = [{"method": "head", "epsilon": math.inf, "clipping": "-", "optim": "adam"}]
+    runs += [{"method": "head", "epsilon": eps, "clipping": c, "optim": o} for eps in EPSILONS for c, o in VARIANTS]
+
+    def add(method: str, eps: float, clipping: str = "clip", optim: str = "adam") -> None:
+        runs.append({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim})
+
+    for method in ("lora", "top2"):
+        add(method, math.inf, "-")
+    for eps in (8.0, 3.0):
+        for method in ("lora", "top2"):
+            add(method, eps, "clip")
+            add(method, eps, "automatic")
+        add("probe_lora", eps)
+        add("probe_top2", eps)
+    for eps in (8.0, 3.0):
+        add("lora", eps, "clip", "adam_bc")
+        add("lora", eps, "automatic", "adam_bc")
+    add("top2", 8.0, "clip", "adam_bc")
+    add("lora", 1.0)
+    add("top2", 1.0)
     return runs
 
 
@@ -121,7 +133,8 @@ class TopLayersForSequenceClassification(BertPreTrainedModel):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None,
                 **_: Any) -> SequenceClassifierOutput:
-        mask4 = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
+        mask4 = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                          attention_mask=attention_mask)
         h = hidden_states
         for layer in self.layer:
             h = layer(h, attention_mask=mask4)
@@ -161,7 +174,8 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------------------------------------- cache
 def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_dp_example_text_cls", ROOT / "examples" / "dp_text_classification.py")
+    spec = importlib.util.spec_from_file_location("hf_dp_example_text_cls",
+                                                  ROOT / "examples" / "dp_text_classification.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -256,10 +270,14 @@ def datasets_for(cache: dict[str, Any], method: str) -> tuple[Rows, Rows]:
 
 
 def common_args(out: Path, method: str, lr: float, epochs: float, seed: int) -> dict[str, Any]:
-    return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=4,
+    return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
                 per_device_eval_batch_size=256, learning_rate=lr, num_train_epochs=epochs, lr_scheduler_type="constant",
                 weight_decay=0.0, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
                 seed=seed, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False)
+
+
+def accum(method: str) -> int:
+    return ACCUM[method.removeprefix("probe_")]
 
 
 def accuracy(trainer: Trainer, test: Rows) -> float:
@@ -274,7 +292,7 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
     kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=1.0,
                               clipping_function=run["clipping"], dp_seed=seed, dp_self_check=False)
     if run["optim"] == "adam_bc":
-        plan = plan_privacy(num_examples=n, per_device_train_batch_size=64, gradient_accumulation_steps=4,
+        plan = plan_privacy(num_examples=n, per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
                             num_train_epochs=epochs, target_epsilon=target_epsilon)
         phi = (plan["noise_multiplier"] * 1.0 / (plan["sample_rate"] * n)) ** 2
         kw.update(dp_adam_bias_correction=True, dp_adam_bc_epsilon=phi)
@@ -305,7 +323,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     elif method.startswith("probe_"):
         total = run["epsilon"]
         share = 0.5
-        probe_args = dp_args(out / "probe", method, run, seed, n, EPOCHS["head"] * epochs_scale * 2 / 3, LR["head"],
+        probe_args = dp_args(out / "probe", method, run, seed, n, epochs, LR["head"],
                              probe_epsilon(total, share))
         ft_args = dp_args(out / "finetune", method, run, seed, n, epochs, lr, total)
         with warnings.catch_warnings():
@@ -342,7 +360,7 @@ LABEL = {"head": "head (frozen features)", "lora": "LoRA r=8 (top 2 layers)", "t
 def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
     by = {key(r): r for r in records}
     eps_cols = [1.0, 3.0, 8.0]
-    lines = ["| method | clipping | optimizer | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable | steps (ε=8) |",
+    lines = ["| method | clipping | optimizer | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable | steps |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for method in ("head", "lora", "top2", "probe_lora", "probe_top2"):
         np_run = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
@@ -369,7 +387,7 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in ("head", "lora", "top2", "probe_lora", "probe_top2") if any(r["method"] == m for r in records)]
+    methods = [m for m in LABEL if any(r["method"] == m for r in records)]
     fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.2), sharey=True, dpi=90)
     axes = np.atleast_1d(axes)
     styles = {("clip", "adam"): ("C0", "o", "-"), ("automatic", "adam"): ("C1", "s", "-"),

@@ -151,3 +151,7 @@ def test_bad_recipes_are_refused_with_the_reason(tmp_path):
                             finetune_args=args(tmp_path, target_epsilon=3.0, target_delta=DELTA / 2), **kw)
     with pytest.raises(ValueError, match="must not set"):
         plan_probe_then_finetune(total_epsilon=TOTAL, num_examples=N, probe={"target_epsilon": 1.0})
+    with pytest.raises(ValueError, match="one δ"):
+        plan_probe_then_finetune(total_epsilon=TOTAL, num_examples=N, accountant="rdp", per_device_train_batch_size=4,
+                                 probe={"max_steps": 1, "target_delta": DELTA},
+                                 finetune={"max_steps": 1, "target_delta": DELTA / 2})
