@@ -313,7 +313,8 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     start = time.perf_counter()
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
-    result: dict[str, Any] = {**run, "n_train": n, "n_test": len(test), "epochs": epochs, "learning_rate": lr}
+    result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test), "epochs": epochs,
+                              "learning_rate": lr}
     kwargs = dict(train_dataset=train, data_collator=collate)
     if math.isinf(run["epsilon"]):
         args = TrainingArguments(**common_args(out, method, lr, epochs, seed))
@@ -357,27 +358,47 @@ LABEL = {"head": "head (frozen features)", "lora": "LoRA r=8 (top 2 layers)", "t
          "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers"}
 
 
+def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per run key: mean test accuracy over seeds, its sample standard deviation (None for one seed), seeds, the
+    first record's other fields."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    out = {}
+    for k, rs in groups.items():
+        acc = np.array([r["accuracy"] for r in rs])
+        out[k] = {**rs[0], "accuracy": float(acc.mean()), "accuracy_sd": float(acc.std(ddof=1)) if len(rs) > 1
+                  else None, "seeds": len(rs)}
+    return out
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "–"
+    sd = f" ± {100 * r['accuracy_sd']:.1f}" if r.get("accuracy_sd") is not None else ""
+    return f"{100 * r['accuracy']:.1f}{sd}"
+
+
 def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
-    by = {key(r): r for r in records}
-    eps_cols = [1.0, 3.0, 8.0]
+    by = summary(records)
     lines = ["| method | clipping | optimizer | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable | steps |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for method in ("head", "lora", "top2", "probe_lora", "probe_top2"):
-        np_run = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
-                             "optim": "adam"}))
+    for method in LABEL:
+        base = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
+                           "optim": "adam"}))
         for clipping, optim in VARIANTS:
-            cells = []
-            for eps in eps_cols:
-                r = by.get(key({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim}))
-                cells.append(f"{100 * r['accuracy']:.1f}" if r else "–")
-            if all(c == "–" for c in cells):
+            runs = [by.get(key({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim}))
+                    for eps in EPSILONS]
+            if not any(runs):
                 continue
-            r8 = by.get(key({"method": method, "epsilon": 8.0, "clipping": clipping, "optim": optim})) or {}
-            lines.append(f"| {LABEL[method]} | {clipping} | {optim.replace('_', '-')} | " + " | ".join(cells)
-                         + f" | {100 * np_run['accuracy']:.1f} | {r8.get('trainable_parameters', '–'):,} | "
-                         f"{r8.get('steps', '–')} |" if np_run else " | – | – | – |")
+            some = next(r for r in runs if r)
+            steps = f"{some['steps']}" + (" (both phases)" if method.startswith("probe_") else "")
+            lines.append(f"| {LABEL[method]} | {clipping} | {optim.replace('_', '-')} | "
+                         + " | ".join(_cell(r) for r in runs)
+                         + f" | {_cell(base)} | {some['trainable_parameters']:,} | {steps} |")
     if majority is not None:
-        lines.append(f"\nMajority class: {100 * majority:.1f} %.")
+        lines.append(f"\nMajority class: {100 * majority:.1f} %. Accuracy in % on the 1,000 test reviews; "
+                     "mean ± standard deviation over seeds where several were run.")
     return "\n".join(lines)
 
 
@@ -387,30 +408,36 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    by = summary(records)
     methods = [m for m in LABEL if any(r["method"] == m for r in records)]
-    fig, axes = plt.subplots(1, len(methods), figsize=(3.2 * len(methods), 3.2), sharey=True, dpi=90)
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.6 * len(methods), 3.0), sharey=True, dpi=80)
     axes = np.atleast_1d(axes)
     styles = {("clip", "adam"): ("C0", "o", "-"), ("automatic", "adam"): ("C1", "s", "-"),
-              ("clip", "adam_bc"): ("C0", "o", ":"), ("automatic", "adam_bc"): ("C1", "s", ":")}
-    xs = {1.0: 0, 3.0: 1, 8.0: 2, math.inf: 3}
+              ("clip", "adam_bc"): ("C2", "^", ":"), ("automatic", "adam_bc"): ("C3", "v", ":")}
     for ax, method in zip(axes, methods):
         for (clipping, optim), (color, marker, ls) in styles.items():
-            pts = sorted((xs[r["epsilon"]], 100 * r["accuracy"]) for r in records
-                         if r["method"] == method and r["clipping"] == clipping and r["optim"] == optim)
+            pts = [(x, by[k]) for x, eps in enumerate(EPSILONS)
+                   if (k := key({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim})) in by]
             if pts:
-                ax.plot(*zip(*pts), color=color, marker=marker, ls=ls, label=f"{clipping}, {optim.replace('_', '-')}")
-        base = [r for r in records if r["method"] == method.removeprefix("probe_") and math.isinf(r["epsilon"])]
+                xs = [x for x, _ in pts]
+                ys = [100 * r["accuracy"] for _, r in pts]
+                err = [100 * (r["accuracy_sd"] or 0) for _, r in pts]
+                ax.errorbar(xs, ys, yerr=err if any(err) else None, color=color, marker=marker, ls=ls, ms=4,
+                            capsize=2, label=f"{clipping}, {optim.replace('_', '-')}")
+        base = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
+                           "optim": "adam"}))
         if base:
-            ax.axhline(100 * base[0]["accuracy"], color="k", lw=1, label="non-private")
+            ax.axhline(100 * base["accuracy"], color="k", lw=1, label="non-private (same steps)")
         if majority is not None:
             ax.axhline(100 * majority, color="grey", lw=1, ls="--", label="majority class")
-        ax.set_xticks(range(4), ["1", "3", "8", "∞"])
+        ax.set_xticks(range(len(EPSILONS)), [f"{e:g}" for e in EPSILONS])
+        ax.set_xlim(-0.3, len(EPSILONS) - 0.7)
         ax.set_xlabel("ε")
-        ax.set_title(LABEL[method], fontsize=9)
+        ax.set_title(LABEL[method], fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test accuracy (%)")
     axes[0].legend(fontsize=6, loc="lower right")
-    fig.suptitle("hf_dp: fine-food reviews, MiniLM-L6, N = 4,000, δ = 1/N^1.1", fontsize=9)
+    fig.suptitle("hf_dp, benchmarks/utility.py: fine-food reviews (N = 4,000), MiniLM-L6, δ = 1/N^1.1", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -424,14 +451,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--markdown", default=None)
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/hf_dp/utility_cache.pt"))
     p.add_argument("--only", default=None, help="Comma-separated methods.")
+    p.add_argument("--runs", default=None, help="Comma-separated run keys (method|ε|clipping|optim), in this order.")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--merge", nargs="*", default=[], help="More result JSONs (other seeds, runs) to add to --out.")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("hf_dp").setLevel(logging.WARNING)
     out = Path(args.out)
     records: list[dict[str, Any]] = json.loads(out.read_text())["runs"] if out.is_file() else []
+    for extra in args.merge:
+        records += json.loads(Path(extra).read_text())["runs"]
     n_train, n_test, seq_len, scale = (400, 200, 64, 0.5) if args.quick else (4000, 1000, 64, 1.0)
     majority = None
     if not args.plot_only:
@@ -441,6 +472,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         runs = grid()
         if args.only:
             runs = [r for r in runs if r["method"] in args.only.split(",")]
+        if args.runs:
+            by_key = {key(r): r for r in runs}
+            runs = [by_key[k] for k in args.runs.split(",")]
         if args.quick:
             wanted = {"head|8.0|clip|adam", "lora|inf|-|adam", "lora|8.0|automatic|adam_bc", "probe_lora|8.0|clip|adam"}
             runs = [r for r in runs if key(r) in wanted]
@@ -455,6 +489,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
     else:
         majority = json.loads(out.read_text()).get("majority")
+        if args.merge:
+            out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
     table = markdown(records, majority)
     print(table)
     if args.markdown:
