@@ -1,4 +1,5 @@
-"""Probe, then fine-tune, under one privacy budget (Ke et al. 2024; Li et al. 2022 §5; Kumar et al. 2022 for LP-FT).
+"""Probe, then fine-tune, under one privacy budget (Ke, Hou, Fanti, Oh 2024, "On the Convergence of
+Differentially-Private Fine-tuning: To Linearly Probe or to Fully Fine-tune?"; Li et al. 2022 §5).
 
 Phase 1 (*probe*) trains the head alone on the frozen model; phase 2 (*fine-tune*) continues from that model with
 LoRA adapters or the whole model. The two phases are two ``DPTrainer`` runs on the same model object, and the model
