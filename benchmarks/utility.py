@@ -58,7 +58,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import BertConfig, BertPreTrainedModel, Trainer, TrainingArguments, set_seed  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertPreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
 from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
@@ -286,6 +293,26 @@ def accuracy(trainer: Trainer, test: Rows) -> float:
     return float((np.asarray(logits).argmax(-1) == np.asarray(pred.label_ids)).mean())
 
 
+class PhaseAccuracy(TrainerCallback):
+    """Test accuracy of the model at the end of each ``train()`` (both phases of probe-then-fine-tune share it)."""
+
+    def __init__(self, test: Rows) -> None:
+        self.test = test
+        self.accuracies: list[float] = []
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        was_training = model.training
+        model.eval()
+        right = 0
+        with torch.no_grad():
+            for s in range(0, len(self.test), 256):
+                batch = collate([self.test[i] for i in range(s, min(s + 256, len(self.test)))])
+                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                right += int((logits.argmax(-1) == batch["labels"]).sum())
+        self.accuracies.append(right / len(self.test))
+        model.train(was_training)
+
+
 def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epochs: float, lr: float,
             target_epsilon: float, **extra: Any) -> DPTrainingArguments:
     base = common_args(out, method, lr, epochs, seed)
@@ -327,15 +354,16 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         probe_args = dp_args(out / "probe", method, run, seed, n, epochs, LR["head"],
                              probe_epsilon(total, share))
         ft_args = dp_args(out / "finetune", method, run, seed, n, epochs, lr, total)
+        phases = PhaseAccuracy(test)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             probe, trainer = probe_then_finetune(
                 model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
-                peft_config=lora_config() if base_method == "lora" else None, **kwargs)
+                peft_config=lora_config() if base_method == "lora" else None, callbacks=[phases], **kwargs)
         spent = trainer.privacy_spent()
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], probe_noise_multiplier=probe.noise_multiplier,
-                      probe_epsilon=probe.privacy_spent()["epsilon"], probe_accuracy=accuracy(probe, test),
+                      probe_epsilon=probe.privacy_spent()["epsilon"], probe_accuracy=phases.accuracies[0],
                       noise_multiplier=trainer.noise_multiplier, probe_share=share)
     else:
         args = dp_args(out, method, run, seed, n, epochs, lr, run["epsilon"])
