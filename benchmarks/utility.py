@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.runs:
             by_key = {key(r): r for r in runs}
             runs = [by_key[k] for k in args.runs.split(",")]
-        if args.quick:
+        if args.quick and not args.runs:
             wanted = {"head|8.0|clip|adam", "lora|inf|-|adam", "lora|8.0|automatic|adam_bc", "probe_lora|8.0|clip|adam"}
             runs = [r for r in runs if key(r) in wanted]
         done = {key(r) for r in records}
