@@ -358,7 +358,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             probe, trainer = probe_then_finetune(
-                model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
+                DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
                 peft_config=lora_config() if base_method == "lora" else None, callbacks=[phases], **kwargs)
         spent = trainer.privacy_spent()
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],

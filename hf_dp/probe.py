@@ -114,8 +114,8 @@ def train_only(model: nn.Module, head: str | Sequence[str] | Callable[[str], boo
     return before
 
 
-def probe_then_finetune(model: nn.Module, *, head: str | Sequence[str] | Callable[[str], bool], probe_args: Any,
-                        finetune_args: Any, peft_config: Any = None, trainer_class: type | None = None,
+def probe_then_finetune(trainer_class: type, model: nn.Module, *, head: str | Sequence[str] | Callable[[str], bool],
+                        probe_args: Any, finetune_args: Any, peft_config: Any = None,
                         **trainer_kwargs: Any) -> tuple[Any, Any]:
     """Runs the recipe: phase 1 trains ``head`` alone, phase 2 continues from it with ``peft_config`` (LoRA: the
     adapters and the config's ``modules_to_save``, e.g. the classifier) or, without one, every parameter that was
@@ -127,16 +127,14 @@ def probe_then_finetune(model: nn.Module, *, head: str | Sequence[str] | Callabl
     phase 1's own trainer's plan), so a split that leaves phase 2 nothing fails before any budget is spent.
 
     Args:
+        trainer_class: ``DPTrainer`` or a subclass (named by the caller: only the package and trainer subclasses
+            import the trainer, ``tests/test_architecture.py``).
         model: The model (a ``PreTrainedModel``); phase 2 trains the same object (or the ``PeftModel`` over it).
         head: What phase 1 trains (:func:`train_only`).
         probe_args, finetune_args: ``DPTrainingArguments`` of each phase, each with ``target_epsilon``.
         peft_config: A ``peft`` config for phase 2 (``None``: the full model).
-        trainer_class: ``DPTrainer`` (default) or a subclass.
         trainer_kwargs: Passed to both trainers (``train_dataset``, ``data_collator``, ``processing_class``, ...).
     """
-    from .trainer import DPTrainer
-
-    trainer_class = trainer_class or DPTrainer
     for name, args in (("probe_args", probe_args), ("finetune_args", finetune_args)):
         if getattr(args, "target_epsilon", None) is None:
             raise ValueError(f"{name} needs target_epsilon (phase 1: its share ε₁, phase 2: the total), so that σ of "

@@ -17,7 +17,7 @@ from helpers import cls_dataset, quick_dp_args, tiny_bert
 from prv_accountant import PoissonSubsampledGaussianMechanism
 from prv_accountant.other_accountants import RDP
 
-from hf_dp import plan_probe_then_finetune, probe_epsilon, probe_then_finetune, train_only
+from hf_dp import DPTrainer, plan_probe_then_finetune, probe_epsilon, probe_then_finetune, train_only
 from hf_dp.cards import privacy_report
 
 N = 16
@@ -44,13 +44,15 @@ def rdp_epsilon(mechanisms, delta=DELTA) -> float:
 def run(tmp_path, peft_config=None, probe_share=SHARE):
     torch.manual_seed(0)
     model = tiny_bert(num_labels=2)
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)  # the user's own choice: frozen in phase 2 too
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     probe_args = args(tmp_path / "probe", target_epsilon=probe_epsilon(TOTAL, probe_share), max_steps=PROBE_STEPS)
     ft_args = args(tmp_path / "ft", target_epsilon=TOTAL, max_steps=FT_STEPS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe, finetune = probe_then_finetune(model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
-                                              peft_config=peft_config, train_dataset=cls_dataset(N, 2))
+        probe, finetune = probe_then_finetune(DPTrainer, model, head="classifier", probe_args=probe_args,
+                                              finetune_args=ft_args, peft_config=peft_config,
+                                              train_dataset=cls_dataset(N, 2))
     return model, start, probe, finetune
 
 
@@ -82,33 +84,25 @@ def test_final_card_states_both_phases_composed_and_meets_the_total(tmp_path, ph
     assert probe_eps == pytest.approx(rdp_epsilon([(s1, Q, PROBE_STEPS)]), rel=1e-5)
     # Phase 1 trained the head alone; phase 2 trained from there.
     base = finetune.model.get_base_model() if phase2 == "lora" else model
-    if phase2 == "full":
+    if phase2 == "full":  # phase 2 trains what was trainable before the probe, the user's frozen embeddings excepted
         moved = {n for n, p in base.named_parameters() if not torch.equal(p, start[n])}
-        assert any(n.startswith("bert.") for n in moved)  # the encoder trained in phase 2
+        trainable = {n for n, p in base.named_parameters() if p.requires_grad}
+        assert "bert.embeddings.word_embeddings.weight" not in moved | trainable
+        assert {"bert.pooler.dense.weight", "bert.encoder.layer.0.attention.self.query.weight"} <= moved & trainable
     else:
         assert all(torch.equal(p, start[n]) for n, p in base.named_parameters() if n in start)  # frozen base
         assert any("lora_" in n for n, p in finetune.model.named_parameters() if p.requires_grad)
 
 
-def test_phase_one_trains_the_head_alone_and_phase_two_restores_the_trainable_set(tmp_path):
-    torch.manual_seed(0)
+def test_train_only_names_the_head_and_returns_the_earlier_trainable_set():
     model = tiny_bert(num_labels=2)
-    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)  # the user's own choice stays in phase 2
+    model.bert.embeddings.word_embeddings.weight.requires_grad_(False)
     before = train_only(model, "classifier")
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {"classifier.weight", "classifier.bias"}
     assert before["bert.embeddings.word_embeddings.weight"] is False and before["bert.pooler.dense.weight"] is True
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    for n, p in model.named_parameters():
-        p.requires_grad_(before[n])
-    probe_args = args(tmp_path / "p", target_epsilon=1.0, max_steps=1)
-    ft_args = args(tmp_path / "f", target_epsilon=3.0, max_steps=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        probe, finetune = probe_then_finetune(model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
-                                              train_dataset=cls_dataset(N, 2))
-    seen = {n for n, p in finetune.model.named_parameters() if p.requires_grad}
-    assert "bert.embeddings.word_embeddings.weight" not in seen and "bert.pooler.dense.weight" in seen
-    assert torch.equal(model.bert.embeddings.word_embeddings.weight, start["bert.embeddings.word_embeddings.weight"])
+    train_only(model, lambda name: name.startswith("bert.pooler."))  # or a predicate on the name
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"bert.pooler.dense.weight",
+                                                                            "bert.pooler.dense.bias"}
 
 
 # ------------------------------------------------------------------------------------------ refused before training
@@ -122,7 +116,7 @@ def test_a_phase_two_that_cannot_run_fails_before_phase_one_spends_anything(tmp_
     ft_args = args(tmp_path / "f", target_epsilon=TOTAL, max_steps=1, gradient_accumulation_steps=8)
     with pytest.raises(ValueError, match="exceeds the training set size"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe_then_finetune(model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
+        probe_then_finetune(DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
                             train_dataset=cls_dataset(N, 2))
     assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # nothing trained, nothing spent
     with pytest.raises(ValueError, match="exceeds the training set size"):
@@ -140,14 +134,14 @@ def test_bad_recipes_are_refused_with_the_reason(tmp_path):
     assert all(p.requires_grad for p in model.parameters())  # a refused head changes nothing
     kw = dict(head="classifier", train_dataset=cls_dataset(N, 2))
     with pytest.raises(ValueError, match="must be below the total"):
-        probe_then_finetune(model, probe_args=args(tmp_path, target_epsilon=3.0),
+        probe_then_finetune(DPTrainer, model, probe_args=args(tmp_path, target_epsilon=3.0),
                             finetune_args=args(tmp_path, target_epsilon=3.0), **kw)
     with pytest.raises(ValueError, match="needs target_epsilon"):
-        probe_then_finetune(model, probe_args=args(tmp_path, target_epsilon=None, noise_multiplier=1.0),
+        probe_then_finetune(DPTrainer, model, probe_args=args(tmp_path, target_epsilon=None, noise_multiplier=1.0),
                             finetune_args=args(tmp_path, target_epsilon=3.0), **kw)
     with pytest.raises(ValueError, match="one δ"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        probe_then_finetune(model, probe_args=args(tmp_path, target_epsilon=1.0),
+        probe_then_finetune(DPTrainer, model, probe_args=args(tmp_path, target_epsilon=1.0),
                             finetune_args=args(tmp_path, target_epsilon=3.0, target_delta=DELTA / 2), **kw)
     with pytest.raises(ValueError, match="must not set"):
         plan_probe_then_finetune(total_epsilon=TOTAL, num_examples=N, probe={"target_epsilon": 1.0})
