@@ -144,25 +144,32 @@ def probe_then_finetune(trainer_class: type, model: nn.Module, *, head: str | Se
                          f"finetune_args.target_epsilon ({finetune_args.target_epsilon}): phase 2 would have nothing "
                          "left.")
     before = train_only(model, head)
-    probe = trainer_class(model=model, args=probe_args, **trainer_kwargs)
-    first = probe.privacy_plan()
-    n = first["num_examples"]
-    delta = default_delta(n) if finetune_args.target_delta is None else float(finetune_args.target_delta)
-    if delta != first["delta"]:
-        raise ValueError(f"Both phases must use one δ: the probe's is {first['delta']:.6g}, the fine-tuning's "
-                         f"{delta:.6g}. Set the same target_delta in probe_args and finetune_args (or in neither).")
-    history = [MechanismRecord(first["noise_multiplier"], first["sample_rate"], first["steps"])]
+    try:  # planned before phase 1 spends anything; a refusal leaves the trainable set as it was
+        probe = trainer_class(model=model, args=probe_args, **trainer_kwargs)
+        n = probe.num_examples_private  # the same training set in both phases
+        deltas = [default_delta(n) if a.target_delta is None else float(a.target_delta)
+                  for a in (probe_args, finetune_args)]
+        if deltas[0] != deltas[1]:
+            raise ValueError(f"Both phases must use one δ: the probe's is {deltas[0]:.6g}, the fine-tuning's "
+                             f"{deltas[1]:.6g}. Set the same target_delta in probe_args and finetune_args (or in "
+                             "neither).")
+        first = probe.privacy_plan()
+        history = [MechanismRecord(first["noise_multiplier"], first["sample_rate"], first["steps"])]
 
-    batch = expected_batch_size(finetune_args.per_device_train_batch_size, finetune_args.gradient_accumulation_steps,
-                                finetune_args.world_size)
-    plan_privacy(num_examples=n, per_device_train_batch_size=finetune_args.per_device_train_batch_size,
-                 gradient_accumulation_steps=finetune_args.gradient_accumulation_steps,
-                 world_size=finetune_args.world_size,
-                 steps=planned_steps(steps_per_epoch(n, batch), finetune_args.max_steps,
-                                     finetune_args.num_train_epochs),
-                 target_epsilon=finetune_args.target_epsilon, target_delta=first["delta"],
-                 accountant=finetune_args.accountant, accountant_eps_error=finetune_args.accountant_eps_error,
-                 privacy_unit=finetune_args.privacy_unit or "example", history=history)  # raises if unreachable
+        batch = expected_batch_size(finetune_args.per_device_train_batch_size,
+                                    finetune_args.gradient_accumulation_steps, finetune_args.world_size)
+        plan_privacy(num_examples=n, per_device_train_batch_size=finetune_args.per_device_train_batch_size,
+                     gradient_accumulation_steps=finetune_args.gradient_accumulation_steps,
+                     world_size=finetune_args.world_size,
+                     steps=planned_steps(steps_per_epoch(n, batch), finetune_args.max_steps,
+                                         finetune_args.num_train_epochs),
+                     target_epsilon=finetune_args.target_epsilon, target_delta=first["delta"],
+                     accountant=finetune_args.accountant, accountant_eps_error=finetune_args.accountant_eps_error,
+                     privacy_unit=finetune_args.privacy_unit or "example", history=history)  # raises if unreachable
+    except Exception:
+        for name, p in model.named_parameters():
+            p.requires_grad_(before[name])
+        raise
     probe.train()
     if peft_config is not None:
         from peft import get_peft_model

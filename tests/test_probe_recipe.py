@@ -143,6 +143,7 @@ def test_bad_recipes_are_refused_with_the_reason(tmp_path):
         warnings.simplefilter("ignore")
         probe_then_finetune(DPTrainer, model, probe_args=args(tmp_path, target_epsilon=1.0),
                             finetune_args=args(tmp_path, target_epsilon=3.0, target_delta=DELTA / 2), **kw)
+    assert all(p.requires_grad for p in model.parameters())  # a refused recipe leaves the trainable set as it was
     with pytest.raises(ValueError, match="must not set"):
         plan_probe_then_finetune(total_epsilon=TOTAL, num_examples=N, probe={"target_epsilon": 1.0})
     with pytest.raises(ValueError, match="one δ"):
