@@ -29,7 +29,7 @@ top-2: expected batch 128 (q = 0.032), 1 epoch (32 steps) — what 2 CPU cores s
 of the head on the frozen top layers, then the LoRA / top-2 run; δ = 1/N^1.1, PRV accountant, Poisson sampling,
 ``dp_seed`` and ``seed`` fixed (42).
 
-    python benchmarks/utility.py                       # the grid of RESULTS.md (~1 h wall on 2 shared cores)
+    python benchmarks/utility.py                       # all of grid() (RESULTS.md lists the subset it ran)
     python benchmarks/utility.py --quick               # a smoke test: 400 / 200 reviews, 1 epoch, two runs
     python benchmarks/utility.py --only head           # a subset (comma-separated methods)
     python benchmarks/utility.py --plot-only           # re-draw the plot and the table from the JSON
