@@ -16,6 +16,7 @@ from .history import attach_privacy_history, read_privacy_history
 from .losses import causal_lm_loss, default_per_example_loss, sequence_classification_loss, token_loss
 from .optim import DPAdamBC
 from .plan import plan_privacy
+from .probe import plan_probe_then_finetune, probe_epsilon, probe_then_finetune, train_only
 from .record import PrivacyRecord
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 from .sharpness import loss_landscape, sharpness
@@ -54,6 +55,10 @@ __all__ = [
     "audit_report",
     "make_canaries",
     "plan_privacy",
+    "plan_probe_then_finetune",
+    "probe_epsilon",
+    "probe_then_finetune",
+    "train_only",
     "ClippingEngine",
     "CrossLayerFlattening",
     "CrossModelFlattening",

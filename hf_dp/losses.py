@@ -8,7 +8,8 @@ per-example objective of DP-SGD), computed from the model's logits.
 Each default equals **the model's own loss on a batch of one** (``model(**one_example, labels=...).loss``: what the
 plain ``Trainer``, PEFT or trl train for that example), head by head: the causal shift (and, under prompt learning,
 PEFT's -100 labels for the virtual tokens), the seq2seq decoder inputs the model builds from ``labels``,
-``config.problem_type`` for classification heads. The tests check each against exactly that (``tests/helpers.py``).
+``config.problem_type`` for classification heads. The tests check each against exactly that
+(``tests/helpers/oracle.py``).
 
 A per-example loss function has the signature ``fn(outputs, labels) -> Tensor[B]``.
 """

@@ -27,7 +27,7 @@ read: the mechanism holds for a user's own ``torch.utils.checkpoint`` around a b
 ``gradient_checkpointing_enable()``.
 
 Dropout inside a checkpointed segment: torch restores the RNG state before the recompute (``preserve_rng_state=True``,
-its default), so the recomputed ``a`` equals the first forward's (tested in ``tests/test_checkpointing.py``).
+its default), so the recomputed ``a`` equals the first forward's (tested in ``tests/clipping/test_checkpointing.py``).
 """
 
 from __future__ import annotations

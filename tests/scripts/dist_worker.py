@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py: one short DP run per process; writes what each rank ended with.
+"""Worker for tests/distributed/test_distributed.py: one short DP run per process; writes what each rank ended with.
 
 Run under `accelerate launch --cpu --num_processes 2 tests/scripts/dist_worker.py OUT SIGMA`.
 """

@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from helpers import close_distributed, tiny_llama  # noqa: E402
-from test_dpo import distributed_pairs, dpo_args, make_trainer  # noqa: E402
+from helpers.preference import distributed_pairs, dpo_args  # noqa: E402
+from helpers.preference import make_dpo_trainer as make_trainer  # noqa: E402
 
 # N = 8 rows = per_device 2 × GA 2 × 2 processes: q = 1.
 PER_DEVICE, GA = 2, 2

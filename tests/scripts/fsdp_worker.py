@@ -1,4 +1,5 @@
-"""Worker for tests/test_fsdp.py: DPTrainer under FSDP2 on CPU (2 processes, gloo), through the test-only shim.
+"""Worker for tests/distributed/test_fsdp.py: DPTrainer under FSDP2 on CPU (2 processes, gloo), through the test-only
+shim.
 
 Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_worker.py OUT``. In one process:
 

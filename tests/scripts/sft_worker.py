@@ -1,4 +1,5 @@
-"""Worker for tests/test_sft.py: one packed DP-SFT step per process, for each given σ; writes what each rank ended with.
+"""Worker for tests/trl_trainers/test_sft.py: one packed DP-SFT step per process, for each given σ; writes what each
+rank ended with.
 
 Run under `accelerate launch --num_processes 2 tests/scripts/sft_worker.py OUT C SIGMA [SIGMA ...]`. Each σ is one
 run from the same initial model (so σ = 0 and σ > 0 share one launch: the launch, not the step, costs the time).
@@ -11,8 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from helpers import close_distributed, tiny_llama  # noqa: E402
-from test_sft import make_trainer, sft_args, sft_distributed_dataset  # noqa: E402
+from helpers import close_distributed, make_sft_trainer, sft_args, sft_distributed_dataset, tiny_llama  # noqa: E402
 
 # N = 8 rows = per_device 2 × GA 2 × 2 processes: q = 1.
 PER_DEVICE, GA = 2, 2
@@ -26,7 +26,7 @@ def main(out_dir: str, clip: float, sigmas: list[float]) -> None:
         model = tiny_llama().double()
         args = sft_args(run_dir, per_device=PER_DEVICE, ga=GA, packing=True, assistant_only_loss=True,
                         per_sample_max_grad_norm=clip, noise_multiplier=sigma)
-        trainer = make_trainer(model, sft_distributed_dataset(), args)
+        trainer = make_sft_trainer(model, sft_distributed_dataset(), args)
         before = {k: p.detach().clone() for k, p in model.named_parameters()}
         trainer.train()
         rank = trainer.args.process_index

