@@ -327,3 +327,66 @@ def test_counterfactual_check_clipped_in_backward_gives_a_non_finite_parameter_f
     engine.check_counterfactual(lambda: model(x), 4, 4, {i: (lambda i=i: model(x[i:i + 1])) for i in range(4)})
     for p in model.parameters():
         assert p.grad is None
+
+
+class _ScaledBlocks(_Blocks):
+    """``_Blocks`` whose block also multiplies by a trainable vector inside a module without a rule: its parameter is
+    computed by the generic fallback (``fallback.py``, re-run per example), inside the checkpointed segment."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__(reentrant)
+        self.scalers = torch.nn.ModuleList(_Scale() for _ in range(2))
+
+    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.blocks[k]
+        return h + m["b"](torch.tanh(m["norm"](self.scalers[k](m["a"](h)))))
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.s
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_generic_fallback_inside_a_checkpointed_block_is_exact(clipping, reentrant):
+    """A module without a rule re-run per example by the generic fallback inside a checkpointed segment: the clipped
+    sum (flat: after the backward; per-layer: fused into it, factors 1/2) equals the per-example oracle."""
+    from hf_dp.clipping.engine import ClippingEngine
+    from hf_dp.clipping.modes import build_groups
+
+    torch.manual_seed(11)
+    model = _ScaledBlocks(None).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    grads = []
+    for i in range(4):
+        model.zero_grad()
+        model(x[i:i + 1]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    norms = torch.tensor(example_norms(grads), dtype=torch.float64)
+    c = float(norms.median())
+    model.reentrant = reentrant
+    engine = ClippingEngine(model)
+    engine.first_step_check(lambda sl: model(x[sl]), 4)
+    assert engine._fallbacks  # the scales are computed by the fallback
+    if clipping == "per_layer":
+        groups = [g.params for g in build_groups(engine, "per_layer")]
+        engine.set_fused_groups(groups, lambda k, norms_sq: torch.full((4,), 0.5, dtype=torch.float64))
+        expected = {n: sum(0.5 * g[n] for g in grads) for n in grads[0]}
+    else:
+        expected = flat_clipped_sum(grads, c)
+    with engine.record(4):
+        model(x).sum().backward()
+    if clipping == "per_layer":
+        engine.finish_fused()
+    else:
+        total = torch.stack(list(engine.per_example_norms_sq().values())).sum(0).sqrt()
+        torch.testing.assert_close(total, norms, rtol=1e-10, atol=1e-12)
+        engine.accumulate_clipped((c / (total + 1e-6)).clamp(max=1.0))
+    for n in expected:
+        torch.testing.assert_close(engine.summed_grads[n], expected[n], rtol=1e-10, atol=1e-12, msg=n)
