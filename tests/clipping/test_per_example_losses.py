@@ -101,9 +101,9 @@ def test_seq2seq_update_matches_oracle(tmp_path, name):
 
 def test_seq2seq_without_a_shift_function_lets_the_model_build_decoder_inputs(tmp_path, monkeypatch):
     """A model with none of the known shift functions gets ``labels=`` and builds its decoder inputs itself."""
-    import hf_dp.trainer
+    import hf_dp.losses
 
-    monkeypatch.setattr(hf_dp.trainer, "decoder_input_ids_from_labels", lambda model, labels: None)
+    monkeypatch.setattr(hf_dp.losses, "decoder_input_ids_from_labels", lambda model, labels: None)
     torch.manual_seed(2)
     trainer = check_losses(freeze_refused(SEQ2SEQ["mbart"]()), seq2seq_dataset(3), tmp_path)
     batch = batch_of(seq2seq_dataset(3))
