@@ -51,3 +51,16 @@ def distributed_pairs() -> Dataset:
     """8 rows: per_device 2 × GA 2 × 2 processes = N, so q = 1."""
     extra = [("good day", " the dog sat on the mat", " hi"), ("what ran", " a cat ran", " my name is bot")]
     return Dataset.from_list([{"prompt": p, "chosen": c, "rejected": r} for p, c, r in ROWS + extra])
+
+
+def padding_dependent(model) -> None:
+    """The model's logits (a DPO policy's, a reward model's scores) scaled by the batch's padded length: a row's loss
+    depends on the other rows of its batch, which the counterfactual check must refuse."""
+    forward = model.forward
+
+    def leaky(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
+        return out
+
+    model.forward = leaky

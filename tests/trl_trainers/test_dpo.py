@@ -26,7 +26,7 @@ from helpers import (
     tiny_gpt2,
     tiny_llama,
 )
-from helpers.preference import ROWS, distributed_pairs, dpo_args, pairs  # noqa: F401
+from helpers.preference import ROWS, distributed_pairs, dpo_args, padding_dependent, pairs  # noqa: F401
 from helpers.preference import make_dpo_trainer as make_trainer
 
 pytest.importorskip("trl")
@@ -391,18 +391,6 @@ def batch_min_completion_collator():
             return batch
 
     return BatchMin(pad_token_id=0)
-
-
-def padding_dependent(model) -> None:
-    """The model's logits scaled by the batch's padded length: a sequence's score depends on the other rows."""
-    forward = model.forward
-
-    def leaky(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
-        return out
-
-    model.forward = leaky
 
 
 @pytest.mark.parametrize("leak", [None, "collator", "model"])

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from helpers import VOCAB, assert_updates_close, chat_tokenizer, example_norms, flat_clipped_sum
+from helpers.preference import padding_dependent
 
 pytest.importorskip("trl")
 
@@ -187,18 +188,6 @@ def mean_margin_collator():
             return batch
 
     return MeanMargin(pad_token_id=0)
-
-
-def padding_dependent(model) -> None:
-    """The rewards scaled by the batch's padded length: a row's loss depends on the other rows."""
-    forward = model.forward
-
-    def leaky(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = out.logits * (1 + 0.05 * kwargs["input_ids"].shape[1])
-        return out
-
-    model.forward = leaky
 
 
 @pytest.mark.parametrize("leak", [None, "collator", "model"])
