@@ -10,7 +10,8 @@ For each cell of T × {no checkpointing, activation checkpointing} × {full, LoR
   bitsandbytes nf4, bf16 compute, ``peft.prepare_model_for_kbit_training``; LoRA r = 8 on every attention and MLP
   projection, as in memory.py);
 * checkpointing, when on, is turned on on the model (``gradient_checkpointing_enable``, non-reentrant), for both
-  trainers, as memory.py does (``gradient_checkpointing=True`` in the arguments is refused by hf_dp);
+  trainers, as memory.py does (the same as ``gradient_checkpointing=True`` in the arguments; the model, LoRA and
+  QLoRA set-up are memory.py's ``llama_config``, ``quantized_base`` and ``adapt``);
 * the HF ``Trainer`` (non-private) or ``hf_dp.DPTrainer`` (``clipping=<mode>``, σ = 1, C = 1, fixed batches, no
   self-check) runs ``--warmup`` + ``--steps`` optimizer steps on B fixed-length rows of random tokens (AdamW,
   ``bf16=True`` mixed precision by default on CUDA);
@@ -54,20 +55,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from memory import adapt, llama_config, quantized_base  # noqa: E402
 from run import ListDataset, environment  # noqa: E402
 
 MODES = ("nonprivate", "flat", "per_layer")
 VARIANTS = ("full", "lora", "qlora")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def llama_config(args: argparse.Namespace, seq_len: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width,
-                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                       max_position_embeddings=max(seq_len, 4096), tie_word_embeddings=False, bos_token_id=0,
-                       eos_token_id=0, pad_token_id=0, use_cache=False)
 
 
 def save_base(args: argparse.Namespace, path: str) -> None:
@@ -76,39 +68,23 @@ def save_base(args: argparse.Namespace, path: str) -> None:
 
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM(llama_config(args, max(args.seq_lens)))
+        model = LlamaForCausalLM(llama_config(args, max(args.seq_lens), min_positions=4096))
     model.to(torch.bfloat16).save_pretrained(path)
     del model
 
 
 def build_model(args: argparse.Namespace, variant: str, checkpointing: bool, seq_len: int, base_path: str):
+    """memory.py's cell model, built directly on the device (QLoRA: the base saved once by :func:`save_base`)."""
     from transformers import LlamaForCausalLM
 
     device = torch.device(args.device)
     if variant == "qlora":
-        from peft import prepare_model_for_kbit_training
-        from transformers import BitsAndBytesConfig
-
-        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-        device_map = {"": device.index or 0} if device.type == "cuda" else "cpu"
-        model = LlamaForCausalLM.from_pretrained(base_path, quantization_config=quant, device_map=device_map,
-                                                 dtype=torch.float32)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        model = quantized_base(base_path, device)
     else:
         torch.manual_seed(0)
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(args, seq_len))
-    if variant in ("lora", "qlora"):
-        from peft import LoraConfig, TaskType, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
-                                                 target_modules=LORA_TARGETS))
-        model.enable_input_require_grads()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
+            model = LlamaForCausalLM(llama_config(args, seq_len, min_positions=4096))
+    return adapt(model, variant, checkpointing)
 
 
 def make_data(args: argparse.Namespace, seq_len: int, batch_size: int) -> ListDataset:

@@ -63,40 +63,59 @@ PRESETS = {
 
 
 # ====================================================================== one cell, in its own process
-def build_model(args: argparse.Namespace, variant: str, checkpointing: bool, device: torch.device, tmp: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=max(args.seq_len, 1024), tie_word_embeddings=False, bos_token_id=0,
-                      eos_token_id=0, pad_token_id=0, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    if variant == "qlora":
-        from peft import prepare_model_for_kbit_training
-        from transformers import BitsAndBytesConfig
 
-        model.save_pretrained(tmp)
-        del model
-        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
-        device_map = {"": device.index or 0} if device.type == "cuda" else "cpu"
-        model = LlamaForCausalLM.from_pretrained(tmp, quantization_config=quant, device_map=device_map,
-                                                 dtype=torch.float32)
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    else:
-        model = model.to(device)
+def llama_config(args: argparse.Namespace, seq_len: int, min_positions: int = 1024):
+    """The Llama-style causal LM of a cell (also ``benchmarks/gpu_llm.py``'s)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width,
+                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                       max_position_embeddings=max(seq_len, min_positions), tie_word_embeddings=False,
+                       bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+
+
+def quantized_base(path: str, device: torch.device):
+    """The saved base reloaded with bitsandbytes nf4 (bf16 compute on CUDA) and prepared for k-bit training."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    compute = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    device_map = {"": device.index or 0} if device.type == "cuda" else "cpu"
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=quant, device_map=device_map,
+                                             dtype=torch.float32)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def adapt(model, variant: str, checkpointing: bool):
+    """LoRA r = 8 on every attention and MLP projection (``lora``, ``qlora``); activation checkpointing turned on on
+    the model (non-reentrant) when asked; train mode."""
     if variant in ("lora", "qlora"):
         from peft import LoraConfig, TaskType, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=8, lora_alpha=16, lora_dropout=0.0,
+                                                 target_modules=LORA_TARGETS))
         model.enable_input_require_grads()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
+
+
+def build_model(args: argparse.Namespace, variant: str, checkpointing: bool, device: torch.device, tmp: str):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(args, args.seq_len))
+    if variant == "qlora":
+        model.save_pretrained(tmp)
+        del model
+        model = quantized_base(tmp, device)
+    else:
+        model = model.to(device)
+    return adapt(model, variant, checkpointing)
 
 
 def dataset(args: argparse.Namespace) -> ListDataset:
