@@ -11,7 +11,7 @@ import warnings
 import torch
 from datasets import Dataset
 
-from .oracle import example_norms, flat_clipped_sum
+from .runs import one_step_against_oracle
 
 WORDS = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"] + (
     "hello hi how are you fine thanks what is your name my bot good day the cat sat on mat a dog ran").split()
@@ -110,13 +110,4 @@ def sft_row_grads(trainer, indices: list[int]) -> list[dict[str, torch.Tensor]]:
 
 def sft_dp_update(trainer, indices: list[int], expected_batch: int, quantile: float = 0.5):
     """Train one step with C at a quantile of the oracle's norms; return (update, oracle update)."""
-    grads = sft_row_grads(trainer, indices)
-    norms = sorted(example_norms(grads))
-    trainer.args.per_sample_max_grad_norm = norms[int(quantile * (len(norms) - 1))]  # some clipped, some not
-    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
-    expected = {n: -g / expected_batch for n, g in clipped.items()}
-    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in params.items()}
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    return {n: p.detach() - before[n] for n, p in params.items()}, expected
+    return one_step_against_oracle(trainer, sft_row_grads(trainer, indices), expected_batch, quantile)

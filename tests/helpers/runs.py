@@ -235,3 +235,19 @@ def close_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def one_step_against_oracle(trainer, grads: list[dict[str, torch.Tensor]], expected_batch: int,
+                            quantile: float = 0.5) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One DP step (σ = 0) with C at a ``quantile`` of the oracle's per-example (per-row, per-user) norms, so some
+    are clipped and some not; returns ``(update, oracle update)`` keyed by the oracle's parameter names, the oracle's
+    being ``-Σ clip_C(g_i) / expected_batch`` from ``grads`` (the oracle's own per-example gradients)."""
+    norms = sorted(example_norms(grads))
+    trainer.args.per_sample_max_grad_norm = norms[int(quantile * (len(norms) - 1))]
+    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
+    expected = {n: -g / expected_batch for n, g in clipped.items()}
+    params = dict(trainer.model.named_parameters())
+    before = {n: params[n].detach().clone() for n in expected}
+    trainer.train()
+    assert trainer.accountant.steps == 1
+    return {n: params[n].detach() - before[n] for n in expected}, expected

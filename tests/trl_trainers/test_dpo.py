@@ -21,11 +21,10 @@ from helpers import (
     SCRIPTS,
     assert_updates_close,
     chat_tokenizer,
-    example_norms,
-    flat_clipped_sum,
     tiny_gpt2,
     tiny_llama,
 )
+from helpers import one_step_against_oracle as dp_update  # noqa: E402
 from helpers.preference import ROWS, distributed_pairs, dpo_args, padding_dependent, pairs  # noqa: F401
 from helpers.preference import make_dpo_trainer as make_trainer
 
@@ -33,7 +32,7 @@ pytest.importorskip("trl")
 
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
-from hf_dp import DPDPOConfig, DPDPOTrainer, DPTrainingArguments  # noqa: E402
+from hf_dp import DPDPOConfig, DPTrainingArguments  # noqa: E402
 
 
 # ---------------------------------------------------------------------- the oracle (trl's own loss, one row)
@@ -86,20 +85,6 @@ def row_grads(oracle: DPOTrainer, indices: list[int]) -> list[dict[str, torch.Te
         out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
     model.zero_grad(set_to_none=True)
     return out
-
-
-def dp_update(trainer: DPDPOTrainer, grads: list[dict[str, torch.Tensor]], expected_batch: int):
-    """One DP step with C at the median of the oracle's norms; return (update, oracle update) keyed by the oracle's
-    parameter names."""
-    norms = sorted(example_norms(grads))
-    trainer.args.per_sample_max_grad_norm = norms[(len(norms) - 1) // 2]  # some rows clipped, some not
-    clipped = flat_clipped_sum(grads, trainer.args.per_sample_max_grad_norm)
-    expected = {n: -g / expected_batch for n, g in clipped.items()}
-    params = dict(trainer.model.named_parameters())
-    before = {n: params[n].detach().clone() for n in expected}
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    return {n: params[n].detach() - before[n] for n in expected}, expected
 
 
 # ---------------------------------------------------------------------- configuration

@@ -14,7 +14,8 @@ import warnings
 
 import pytest
 import torch
-from helpers import VOCAB, assert_updates_close, chat_tokenizer, example_norms, flat_clipped_sum
+from helpers import VOCAB, assert_updates_close, chat_tokenizer
+from helpers import one_step_against_oracle as dp_update  # noqa: E402
 from helpers.preference import padding_dependent
 
 pytest.importorskip("trl")
@@ -89,17 +90,6 @@ def row_grads(model, data, args: DPRewardConfig, tmp_path, **kw) -> list[dict[st
         oracle.compute_loss(model, oracle.data_collator([oracle.train_dataset[i]])).backward()
         out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
     return out
-
-
-def dp_update(trainer: DPRewardTrainer, grads, expected_batch: int):
-    norms = sorted(example_norms(grads))
-    c = trainer.args.per_sample_max_grad_norm = norms[(len(norms) - 1) // 2]  # some rows clipped, some not
-    expected = {n: -g / expected_batch for n, g in flat_clipped_sum(grads, c).items()}
-    params = dict(trainer.model.named_parameters())
-    before = {n: params[n].detach().clone() for n in expected}
-    trainer.train()
-    assert trainer.accountant.steps == 1
-    return {n: params[n].detach() - before[n] for n in expected}, expected
 
 
 def test_config_is_rewardconfig_plus_dp_arguments(tmp_path):
