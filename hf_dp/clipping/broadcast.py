@@ -202,6 +202,10 @@ class BroadcastPoints:
                 stand_ins = [(m, k, m._parameters[k], p) for m, k, p in swapped]
                 for module, k, p in swapped:
                     module._parameters[k] = p
+            if self._probe is None and not torch.is_grad_enabled():
+                # reentrant checkpointing re-runs this point with gradients in the backward: the groups of the
+                # parameters it may read directly wait for it (over-waiting only defers them to the end of the step)
+                self._sums.expect([self._names[id(p)] for p in owner.parameters() if id(p) in self._names])
             if not live or not isinstance(result, torch.Tensor) or not result.requires_grad:
                 return result
             called = {id(c[1]) for c in captured}

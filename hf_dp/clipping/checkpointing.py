@@ -118,17 +118,19 @@ def keep_input(output: torch.Tensor, inp, watch: BackwardWatch,
 
 
 def recompute_layout(layouts: dict, module_id: int, calls: int, name: str):
-    """The input layout (``ClippingEngine._layout``: ``None``, ``"flat"`` or a batch axis) of a call of the module
+    """The input layout (a ruled call's: ``None``, ``"flat"`` or a batch axis; a fallback's: its inputs' layouts) of a
+    call of the module
     re-run by activation checkpointing during the backward, which cannot be told apart from the module's other calls:
     the one layout all of the module's ``calls`` forward calls share. Modules called once (every layer of a
     transformer) always qualify."""
-    seen = {layouts.get((module_id, k)) for k in range(max(calls, 1))}
-    if len(seen) == 1:
-        return seen.pop()
+    seen = [layouts.get((module_id, k)) for k in range(max(calls, 1))]
+    if all(repr(s) == repr(seen[0]) for s in seen):  # repr: a fallback's layout is a list of its inputs' layouts
+        return seen[0]
     raise UnsupportedLayerError(
         f"{name} is re-run by activation checkpointing during the backward, and its calls in the forward have inputs "
-        f"of different layouts ({', '.join(sorted(map(str, seen)))}), so hf_dp cannot tell which call a recomputed "
-        "input belongs to. Keep this module outside the checkpointed blocks, or turn activation checkpointing off.")
+        f"of different layouts ({', '.join(sorted(set(map(str, seen))))}), so hf_dp cannot tell which call a "
+        "recomputed input belongs to. Keep this module outside the checkpointed blocks, or turn activation "
+        "checkpointing off.")
 
 
 @contextlib.contextmanager

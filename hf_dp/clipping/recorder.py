@@ -276,6 +276,8 @@ class Recorder(BroadcastPoints):
                     "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
                     "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
+                if self._probe is None and not torch.is_grad_enabled():
+                    self._sums.expect(owned)  # as below: a call re-run in the backward is waited for
                 if self._probe is not None or not torch.is_grad_enabled():
                     return output
                 if not output.requires_grad:
@@ -353,13 +355,19 @@ class Recorder(BroadcastPoints):
         def hook(mod, args, kwargs, output):
             if self._replaying:
                 return None
-            key = self._next_call(counter)
+            # As for a ruled call (_attach): a forward during the backward re-runs a checkpointed segment; its call
+            # was numbered and expected in the first forward, and its layout is the one its calls were proven to share.
+            recompute = self._watch.started and self._probe is None
+            key = None if recompute else self._next_call(counter)
             if self._probe is not None:
                 leaves, _ = tree_flatten((args, kwargs))
                 self._probe[key] = [x.detach().clone() if isinstance(x, torch.Tensor) and x.dim() > 0 else
                                     (x if isinstance(x, int) and not isinstance(x, bool) else None) for x in leaves]
                 return None
             if not torch.is_grad_enabled():
+                # reentrant checkpointing runs this call again, with gradients, in the backward: its group must wait
+                # for it (a group clipped before all its uses arrive would clip an example's gradient in parts)
+                self._sums.expect(owned)
                 return None
             leaves, spec = tree_flatten(output)
             if not any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
@@ -368,7 +376,9 @@ class Recorder(BroadcastPoints):
             if type(fb) is Fallback:  # every call: the first-step checks run with dropout off, training does not
                 fb.check_dropout()  # (recurrent.py refuses recurrent dropout itself)
             saved_args = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            mapped = fb.mapped_leaves(*saved_args, b, self._mapped.get(key))
+            proven = self._mapped.get(key) if not recompute else recompute_layout(
+                self._mapped, id(counter), self._calls.get(id(counter), 0), name)
+            mapped = fb.mapped_leaves(*saved_args, b, proven)
             if id(module) not in self._verified:
                 with self._replay():
                     fb.verify(*saved_args, output, b, mapped)
@@ -398,7 +408,8 @@ class Recorder(BroadcastPoints):
                     Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
-            self._sums.expect(owned)
+            if not recompute:
+                self._sums.expect(owned)
             torch.autograd.graph.register_multi_grad_hook(outs, grads_hook, mode="all")
             return tree_unflatten(leaves, spec)
 
