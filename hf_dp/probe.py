@@ -154,7 +154,9 @@ def probe_then_finetune(trainer_class: type, model: nn.Module, *, head: str | Se
                              f"{deltas[1]:.6g}. Set the same target_delta in probe_args and finetune_args (or in "
                              "neither).")
         first = probe.privacy_plan()
-        history = [MechanismRecord(first["noise_multiplier"], first["sample_rate"], first["steps"])]
+        # what phase 2's accountant will start from: the earlier DP runs the model carries, then phase 1
+        history = [*probe.accountant.history,
+                   MechanismRecord(first["noise_multiplier"], first["sample_rate"], first["steps"])]
 
         batch = expected_batch_size(finetune_args.per_device_train_batch_size,
                                     finetune_args.gradient_accumulation_steps, finetune_args.world_size)
@@ -165,7 +167,8 @@ def probe_then_finetune(trainer_class: type, model: nn.Module, *, head: str | Se
                                          finetune_args.num_train_epochs),
                      target_epsilon=finetune_args.target_epsilon, target_delta=first["delta"],
                      accountant=finetune_args.accountant, accountant_eps_error=finetune_args.accountant_eps_error,
-                     privacy_unit=finetune_args.privacy_unit or "example", history=history)  # raises if unreachable
+                     privacy_unit=finetune_args.privacy_unit or "example",
+                     poisson_sampling=finetune_args.poisson_sampling, history=history)  # raises if unreachable
     except Exception:
         for name, p in model.named_parameters():
             p.requires_grad_(before[name])

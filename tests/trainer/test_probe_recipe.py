@@ -150,3 +150,32 @@ def test_bad_recipes_are_refused_with_the_reason(tmp_path):
         plan_probe_then_finetune(total_epsilon=TOTAL, num_examples=N, accountant="rdp", per_device_train_batch_size=4,
                                  probe={"max_steps": 1, "target_delta": DELTA},
                                  finetune={"max_steps": 1, "target_delta": DELTA / 2})
+
+
+def test_phase_two_is_planned_after_the_earlier_runs_the_model_carries(tmp_path, monkeypatch):
+    """A model already DP-trained once: phase 2's early plan composes that earlier run AND phase 1 (what phase 2's
+    accountant will start from, the model's privacy history), not phase 1 alone."""
+    from hf_dp import probe as probe_module
+
+    torch.manual_seed(0)
+    model = tiny_bert(num_labels=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        DPTrainer(model=model, args=args(tmp_path / "earlier", noise_multiplier=2.0, max_steps=1),
+                  train_dataset=cls_dataset(N, 2)).train()
+    seen = []
+
+    def spy(**kw):
+        seen.append(kw["history"])
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(probe_module, "plan_privacy", spy)
+    probe_args = args(tmp_path / "p", target_epsilon=probe_epsilon(TOTAL, SHARE), max_steps=PROBE_STEPS)
+    ft_args = args(tmp_path / "f", target_epsilon=TOTAL, max_steps=FT_STEPS)
+    with pytest.raises(RuntimeError, match="planned"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        probe_then_finetune(DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
+                            train_dataset=cls_dataset(N, 2))
+    (history,) = seen
+    assert [(r.noise_multiplier, r.sample_rate, r.steps) for r in history[:1]] == [(2.0, Q, 1)]  # the earlier run
+    assert len(history) == 2 and history[1].steps == PROBE_STEPS  # then phase 1
