@@ -128,7 +128,7 @@ def probe_then_finetune(trainer_class: type, model: nn.Module, *, head: str | Se
 
     Args:
         trainer_class: ``DPTrainer`` or a subclass (named by the caller: only the package and trainer subclasses
-            import the trainer, ``tests/test_architecture.py``).
+            import the trainer, ``tests/architecture/test_architecture.py``).
         model: The model (a ``PreTrainedModel``); phase 2 trains the same object (or the ``PeftModel`` over it).
         head: What phase 1 trains (:func:`train_only`).
         probe_args, finetune_args: ``DPTrainingArguments`` of each phase, each with ``target_epsilon``.
