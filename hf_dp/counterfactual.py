@@ -621,8 +621,7 @@ def example_losses(hooks: StepHooks, net: nn.Module, batch: dict, labels: torch.
     """Per-example losses of a batch exactly as the DP step computes them (loss context, model inputs,
     ``per_example_loss``; per packed example with ``segments``)."""
     with hooks.loss_context():
-        outputs = net(**hooks.model_inputs(net, batch, labels))
-        return hooks.per_example_loss(outputs, labels, **({} if segments is None else {"segments": segments}))
+        return hooks.example_losses(net, batch, labels, **({} if segments is None else {"segments": segments}))
 
 
 def hard_batch(rows: Any, collate: Callable, size: int, hooks: StepHooks) -> tuple[list, dict, torch.Tensor] | None:

@@ -391,7 +391,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     def _norms(self, net, inputs: dict, labels: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         extra = {} if segments is None else {"segments": segments}
         return self.clipping_engine.recorded_norms(
-            lambda: self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **extra),
+            lambda: self._example_losses(net, inputs, labels, **extra),
             labels.shape[0], segments, context=self.compute_loss_context_manager)
 
     # ------------------------------------------------------------------ isolation of packed examples

@@ -203,6 +203,9 @@ class _StepHooks:
     def model_inputs(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
         return self._trainer._model_inputs(model, inputs, labels)
 
+    def example_losses(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._trainer._example_losses(*args, **kwargs)
+
     def micro_batches(self, *args: Any) -> list:
         return self._trainer._micro_batches(*args)
 
@@ -718,6 +721,10 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         if seq2seq is None:
             seq2seq = self._seq2seq_lm = is_seq2seq_lm(model)
         return seq2seq_model_inputs(model, inputs, labels) if seq2seq else dict(inputs)
+
+    def _example_losses(self, net: torch.nn.Module, inputs: dict, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Each example's own loss on a micro-batch (``clipping.step.StepHooks.example_losses``)."""
+        return self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each

@@ -329,8 +329,7 @@ class FSDPFlatClipping(DPStep):
     def _forward_losses(self, model: nn.Module, batch: dict, labels: torch.Tensor) -> torch.Tensor:
         hooks = self.pieces.hooks
         b = labels.shape[0]
-        outputs = model(**hooks.model_inputs(model, batch, labels))
-        losses = hooks.per_example_loss(outputs, labels)
+        losses = hooks.example_losses(model, batch, labels)
         if losses.shape != (b,):
             raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
         return losses

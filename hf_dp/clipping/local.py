@@ -74,10 +74,9 @@ class LocalDPStep(DPStep):
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
                 with hooks.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):
-                    outputs = net(**hooks.model_inputs(net, micro, micro_labels))
-                    losses = hooks.per_example_loss(outputs, micro_labels,
-                                                 **({} if segments is None else {"segments": segments}))
-                    del outputs  # the logits are freed during the backward pass, not kept to the end of the step
+                    # (no reference to the outputs is kept: the logits are freed during the backward pass)
+                    losses = hooks.example_losses(net, micro, micro_labels,
+                                                  **({} if segments is None else {"segments": segments}))
                     if losses.shape != (b,):
                         raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
                     if losses.requires_grad:
@@ -160,7 +159,7 @@ def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: n
     def run_losses(sl: slice) -> torch.Tensor:
         part, part_labels = slice_batch(micro, sl, b), labels[sl]
         with hooks.loss_context():
-            return hooks.per_example_loss(net(**hooks.model_inputs(net, part, part_labels)), part_labels)
+            return hooks.example_losses(net, part, part_labels)
 
     rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
     was_training = net.training

@@ -151,6 +151,12 @@ class StepHooks(Protocol):
     def model_inputs(self, model: nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
         """The model's inputs for a micro-batch."""
 
+    def example_losses(self, net: nn.Module, inputs: dict, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Each example's own loss on a micro-batch, ``Tensor[B]``: the model's forward on :meth:`model_inputs`, then
+        :meth:`per_example_loss` (``kwargs``: ``segments=`` for packed rows) — or, with ``lm_loss_chunk_size``, the
+        backbone's forward and the LM head in chunks of positions (``hf_dp/chunked_loss.py``). The one place a DP
+        step's forward runs."""
+
     def micro_batches(self, inputs: dict, labels: torch.Tensor, units: torch.Tensor | None = None) -> list:
         """A chunk split into ``(inputs, labels, units)`` micro-batches (memory only; a unit is never split)."""
 
