@@ -23,6 +23,8 @@ Examples::
     python benchmarks/memory.py --seq-lens 512 --variants full --modes nonprivate flat    # one slice
     python benchmarks/memory.py --preset gpu --max-batch --budget-mib 20000             # one GPU
     python benchmarks/memory.py --tiny                # every code path in seconds (harness check)
+    python benchmarks/memory.py --layers 2 --vocab 128000 --batch-size 2 --seq-lens 1024 --variants full \
+        --checkpointing-options on --lm-loss-chunk-size 128   # large vocabularies (issue 24, item 3)
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def build_trainer(args: argparse.Namespace, mode: str, model, data, outdir: str,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dp = DPTrainingArguments(**common, noise_multiplier=1.0, per_sample_max_grad_norm=1.0, clipping=mode,
-                                 poisson_sampling=False, dp_self_check=False, target_delta=1e-5)
+                                 poisson_sampling=False, dp_self_check=False, target_delta=1e-5,
+                                 lm_loss_chunk_size=args.lm_loss_chunk_size)
     return DPTrainer(model=model, args=dp, train_dataset=data)
 
 
@@ -186,7 +189,8 @@ def run_cell(args: argparse.Namespace, mode: str, variant: str, checkpointing: b
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--variant", variant,
            "--seq-len", str(seq_len), "--device", args.device, "--layers", str(args.layers), "--width",
            str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab), "--batch-size",
-           str(batch_size or args.batch_size)] + (["--checkpointing"] if checkpointing else [])
+           str(batch_size or args.batch_size)] + (["--checkpointing"] if checkpointing else []) + (
+        ["--lm-loss-chunk-size", str(args.lm_loss_chunk_size)] if args.lm_loss_chunk_size else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -221,7 +225,8 @@ def _mib(x: float | None) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [f"Llama-style {args.layers} × {args.width}, vocabulary {args.vocab:,}, B = {args.batch_size}, "
+    chunked = f", DP loss in chunks of {args.lm_loss_chunk_size} positions" if args.lm_loss_chunk_size else ""
+    lines = [f"Llama-style {args.layers} × {args.width}, vocabulary {args.vocab:,}, B = {args.batch_size}{chunked}, "
              f"{'CPU live tensor bytes' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}: "
              "MiB the two steps add to the built model (DP ÷ non-private in the same cell)", "",
              "| T | checkpointing | variant | non-private | flat | per-layer | largest B (non-private / flat / "
@@ -260,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lm-loss-chunk-size", type=int, default=None,
+                   help="DP modes: DPTrainingArguments.lm_loss_chunk_size (the LM head in chunks of positions)")
     p.add_argument("--tiny", action="store_true", help="2 × 64, vocabulary 128, B = 2, T = 32: a harness check")
     p.add_argument("--max-batch", action="store_true", help="also the largest B within --budget-mib")
     p.add_argument("--budget-mib", type=float, default=4096)

@@ -74,6 +74,12 @@ class DPTrainingArguments(TrainingArguments):
         automatic_clipping_gamma (`float`, defaults to 0.01):
             γ > 0 of automatic clipping: the stability constant in C/(‖g‖ + γ); the smaller γ, the closer every
             scaled gradient's norm is to C (a gradient with ‖g‖ ≪ γ gets norm ≈ C‖g‖/γ ≪ C).
+        lm_loss_chunk_size (`int`, *optional*):
+            Causal LMs (the default next-token loss, DP-SFT's loss): each example's loss is computed with the LM head
+            applied to this many positions at a time and recomputed in the backward, so the batch × length ×
+            vocabulary logits and their float32 copies are never held whole (`hf_dp/chunked_loss.py`). Exact (the
+            head's per-example norm includes the cross terms between chunks) and checked against the model's own
+            loss before the first update. Not under FSDP or with a prompt-learning adapter. Default: off.
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
             groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).
@@ -231,6 +237,13 @@ class DPTrainingArguments(TrainingArguments):
                           "norms alone (train and eval mode). Coverage checks (static, batch axes, hooks vs autograd) "
                           "always run."},
     )
+    lm_loss_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "Causal LMs: compute each example's next-token loss with the LM head applied to this many "
+                          "positions at a time, recomputed in the backward, so the (batch x length x vocabulary) "
+                          "logits are never held whole (large vocabularies). Exact; checked against the model's own "
+                          "loss at the first step. Default: off (the model's full logits)."},
+    )
     max_grad_norm: float = field(
         default=0.0,
         metadata={"help": "Global clipping of the already-privatized gradient (post-processing). Off by default. "
@@ -320,6 +333,11 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(f"automatic_clipping_gamma (γ) must be > 0, got {self.automatic_clipping_gamma}.")
         if not self.dp_adam_bc_epsilon > 0:
             raise ValueError(f"dp_adam_bc_epsilon (γ′) must be > 0, got {self.dp_adam_bc_epsilon}.")
+        if self.lm_loss_chunk_size is not None and (isinstance(self.lm_loss_chunk_size, bool)
+                                                    or int(self.lm_loss_chunk_size) != self.lm_loss_chunk_size
+                                                    or self.lm_loss_chunk_size < 1):
+            raise ValueError(f"lm_loss_chunk_size must be a positive number of positions (or None: off), got "
+                             f"{self.lm_loss_chunk_size!r}.")
         if self.dp_adam_bias_correction and self.max_grad_norm > 0:
             raise ValueError(
                 f"dp_adam_bias_correction=True with max_grad_norm={self.max_grad_norm}: the Trainer's global clipping "

@@ -31,6 +31,9 @@ from transformers.models.auto import modeling_auto as auto
 __all__ = [
     "PerExampleLoss",
     "causal_lm_loss",
+    "causal_lm_targets",
+    "mean_over_targets",
+    "token_cross_entropy",
     "token_loss",
     "sequence_classification_loss",
     "cross_entropy_classification_loss",
@@ -51,14 +54,32 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy ``(B, T)`` of ``(B, T, V)`` logits (upcast to at least float32) against ``targets``;
+    0 where the target is ``IGNORE_INDEX``."""
+    return F.cross_entropy(_upcast(logits.reshape(-1, logits.shape[-1])), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none").view(targets.shape[0], -1)
+
+
+def mean_over_targets(per_token: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``(B,)``: each row's per-token losses averaged over its own labelled targets; a row with none has loss 0."""
+    b = targets.shape[0]
+    counts = targets.reshape(b, -1).ne(IGNORE_INDEX).sum(1)
+    return per_token.reshape(b, -1).sum(1) / counts.clamp(min=1)
+
+
 def _mean_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy averaged over each example's own labelled tokens; an example with none has loss 0."""
-    b = labels.shape[0]
-    per_token = F.cross_entropy(
-        _upcast(logits.reshape(-1, logits.shape[-1])), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
-    ).view(b, -1)
-    counts = labels.reshape(b, -1).ne(IGNORE_INDEX).sum(1)
-    return per_token.sum(1) / counts.clamp(min=1)
+    return mean_over_targets(token_cross_entropy(logits, labels), labels)
+
+
+def causal_lm_targets(labels: torch.Tensor, virtual: int = 0) -> torch.Tensor:
+    """The target of each position of a causal LM: ``labels[t + 1]`` (``IGNORE_INDEX`` at the last position), after
+    ``virtual`` ignored positions (prompt learning's virtual tokens, see :func:`causal_lm_loss`)."""
+    if virtual > 0:
+        labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
+    # Shift the labels, not the logits (as HF's ForCausalLMLoss does): slicing (B, T, V) logits would copy them.
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def _logits(outputs: Any) -> torch.Tensor:
@@ -81,12 +102,7 @@ def causal_lm_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     is part of the objective PEFT and the plain ``Trainer`` train, and it is kept here.
     """
     logits = _logits(outputs)
-    virtual = logits.shape[1] - labels.shape[1]
-    if virtual > 0:
-        labels = F.pad(labels, (virtual, 0), value=IGNORE_INDEX)
-    # Shift the labels, not the logits (as HF's ForCausalLMLoss does): slicing (B, T, V) logits would copy them.
-    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return _mean_token_loss(logits, shifted)
+    return _mean_token_loss(logits, causal_lm_targets(labels, logits.shape[1] - labels.shape[1]))
 
 
 def token_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,10 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, TrlOverridesUnderDP
+from .chunked_loss import register_token_loss
 from .clipping.engine import train_without_dropout
 from .clipping.rules import UnsupportedLayerError
-from .losses import IGNORE_INDEX, causal_lm_loss
+from .losses import IGNORE_INDEX, causal_lm_loss, causal_lm_targets, mean_over_targets, token_cross_entropy
 from .peft_support import is_peft_model
 from .trainer import DPTrainer
 
@@ -136,13 +137,28 @@ def causal_lm_segment_loss(outputs: Any, labels: torch.Tensor, segments: torch.T
     if segments is None:
         return causal_lm_loss(outputs, labels)
     logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-    logits = logits if logits.dtype == torch.float64 else logits.float()
+    targets = segment_targets(labels, segments)
+    return segment_means(token_cross_entropy(logits, targets), targets, segments)
+
+
+def segment_targets(labels: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The target of each position of a (packed) causal LM row: ``labels[t + 1]``, ignored where it lies in
+    another packed example or in padding (``segments < 0``). ``segments=None``: :func:`hf_dp.losses.causal_lm_targets`.
+    """
+    if segments is None:
+        return causal_lm_targets(labels)
     seg = segments.reshape(-1)
     target = F.pad(labels.reshape(-1)[1:], (0, 1), value=IGNORE_INDEX)
     same = F.pad(seg[1:] == seg[:-1], (0, 1), value=False)
-    target = target.masked_fill(~same | (seg < 0), IGNORE_INDEX)
-    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target, ignore_index=IGNORE_INDEX,
-                                reduction="none")
+    return target.masked_fill(~same | (seg < 0), IGNORE_INDEX).view(labels.shape)
+
+
+def segment_means(per_token: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Each packed example's per-token losses averaged over its own trained targets, ``(S,)``; ``segments=None``:
+    per row (:func:`hf_dp.losses.mean_over_targets`)."""
+    if segments is None:
+        return mean_over_targets(per_token, targets)
+    per_token, target, seg = per_token.reshape(-1), targets.reshape(-1), segments.reshape(-1)
     num = int(seg.max()) + 1
     index = seg.clamp(min=0)
     trained = (target != IGNORE_INDEX).to(per_token.dtype)
@@ -150,6 +166,9 @@ def causal_lm_segment_loss(outputs: Any, labels: torch.Tensor, segments: torch.T
     counts = per_token.new_zeros(num).index_add(0, index, trained)
     return sums / counts.clamp(min=1)
 
+
+
+register_token_loss(causal_lm_segment_loss, segment_targets, segment_means)
 
 class _OneExamplePerSegment:
     """The training collator, checked: a padding-free batch must hold exactly one segment per sampled row (a row
@@ -252,6 +271,12 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 "Packing is not supported under FSDP (its two-pass ghost clipping has no per-segment split); use "
                 "packing=False and padding_free=False, or DDP."
             )
+        if self.args.lm_loss_chunk_size:
+            raise ValueError(
+                "lm_loss_chunk_size with padding-free packing is not supported yet: each chunk of a packed row holds "
+                "positions of several examples, and hf_dp splits a layer's gradient per packed example only over the "
+                "whole row. Use packing=False (each row one example; the chunked loss is exact there) or "
+                "lm_loss_chunk_size=None.")
         columns = getattr(self.train_dataset, "column_names", None) or []
         if "seq_lengths" in columns:
             raise ValueError(
@@ -359,6 +384,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         segments = self._segment_ids(micro)
         if segments is None:
             return super()._self_check(net, micro, labels)
+        self._check_chunked_loss(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
         self._first_step_checks(net, padded, padded_labels)
         engine = self.clipping_engine

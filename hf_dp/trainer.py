@@ -34,7 +34,8 @@ from transformers.trainer_utils import TrainOutput, get_last_checkpoint
 from .accounting import PrivacyAccountant
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
-from .clipping.engine import ClippingEngine
+from .chunked_loss import ChunkedLMLoss
+from .clipping.engine import ClippingEngine, train_without_dropout
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep, first_step_check
 from .clipping.modes import GroupClipper, build_groups, group_clipper_from_args
@@ -492,6 +493,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         if not self._custom_loss:
             self.per_example_loss, self.task = default_per_example_loss(self.model)
         fsdp = self.is_fsdp_enabled
+        self._chunked = None if not self.args.lm_loss_chunk_size else ChunkedLMLoss(
+            self.model, self.args.lm_loss_chunk_size, fsdp)
         with adapter_advice(self.model):
             # FSDP: built on the unwrapped model (accelerator.prepare wraps it in train()), hooks keyed by attribute.
             self.clipping_engine = FSDPClippingEngine(self.model) if fsdp else ClippingEngine(self.model)
@@ -694,6 +697,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         """Once per run, before the first update (the DP step's first-step hook): the engine's checks on the real
         model and data (:meth:`_first_step_checks`) and each example against itself alone. Subclasses extend it
         (``DPSFTTrainer`` checks packed rows)."""
+        self._check_chunked_loss(net, micro, labels)
         self._first_step_checks(net, micro, labels)
         self._check_examples_alone(net, micro, labels)
 
@@ -724,7 +728,23 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
 
     def _example_losses(self, net: torch.nn.Module, inputs: dict, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Each example's own loss on a micro-batch (``clipping.step.StepHooks.example_losses``)."""
-        return self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **kwargs)
+        if self._chunked is None:
+            return self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **kwargs)
+        return self._chunked(net, self._model_inputs(net, inputs, labels), labels, self.per_example_loss,
+                             on_output=self.clipping_engine.recorder.backward_starts_at, **kwargs)
+
+    def _check_chunked_loss(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """With ``lm_loss_chunk_size``, before the first update: the chunked loss of the micro-batch's first row equals
+        the per-example loss of the model's own forward on it (``ChunkedLMLoss.check_against_model``)."""
+        if self._chunked is None:
+            return
+        one, one_labels = self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1]
+        extra = {} if (seg := self._segment_ids(one)) is None else {"segments": seg}
+        rtol = 2e-2 if (self.args.bf16 or self.args.fp16) else 1e-4
+        with self.compute_loss_context_manager(), train_without_dropout(net):
+            self._chunked.check_against_model(
+                lambda: self.per_example_loss(net(**self._model_inputs(net, one, one_labels)), one_labels, **extra),
+                lambda: self._example_losses(net, one, one_labels, **extra), rtol, type(net).__name__)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each
@@ -753,6 +773,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
     # ------------------------------------------------------------------ accounting
     def _dp_on_train_begin(self, state, train_dataloader: Any = None) -> None:
         check_train_loader(train_dataloader, self._dp_sampler)  # a subclass's loader must not bypass Poisson sampling
+        if self._chunked is not None:
+            self._chunked.check_loss(self.per_example_loss)
         self._check_known_dependences(train_dataloader)  # refused before training: see hf_dp/counterfactual.py
         if getattr(self, "_trial", None) is not None and self._fsdp is None:
             # hyperparameter_search set this trial's arguments after call_model_init built the engine.

@@ -53,6 +53,17 @@ class BackwardWatch:
     def __init__(self) -> None:
         self.started = False
 
+    def watch(self, tensor: torch.Tensor) -> None:
+        """The first gradient reaching ``tensor`` (an output computed from the model's layers outside the model's own
+        forward, e.g. a chunk of the LM head's loss, ``hf_dp/chunked_loss.py``) marks the start of the backward."""
+        watch = self
+
+        def mark(_grad: torch.Tensor) -> None:
+            watch.started = True
+
+        if tensor.requires_grad:
+            tensor.register_hook(mark)
+
     def attach(self, model: nn.Module):
         """Hook ``model``'s outputs in every forward; returns the handle to remove."""
         watch = self

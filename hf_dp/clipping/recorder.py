@@ -90,6 +90,12 @@ class Recorder(BroadcastPoints):
         self._verified = set()
         self._layout, self._mapped = {}, {}
 
+    def backward_starts_at(self, tensor: torch.Tensor) -> None:
+        """In a recording: ``tensor`` is computed from the model's layers outside the model's own forward (a chunk of
+        the LM head's loss, ``hf_dp/chunked_loss.py``); the first gradient reaching it marks the backward's start,
+        after which a forward is a recompute (``checkpointing.BackwardWatch``)."""
+        self._watch.watch(tensor)
+
     @property
     def packed(self) -> bool:
         """Whether the micro-batch being recorded is padding-free packed rows (several examples per row)."""

@@ -1,0 +1,153 @@
+"""Large vocabularies (issue #24, item 3): ``lm_loss_chunk_size`` applies the LM head to a few positions at a time.
+
+Oracle: the model's own loss on a batch of one, differentiated by autograd in float64 (σ = 0, q = 1, SGD lr 1: the
+update is minus the released gradient) — the chunked loss must change nothing but memory. Memory is tested by what
+the autograd graph keeps (no saved tensor of batch × length × vocabulary elements), never by a measurement.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import VOCAB, check_exact, dp_args, lm_dataset, tiny_gpt2, tiny_llama
+from helpers.chat import make_sft_trainer, sft_args, sft_dataset, sft_dp_update
+
+from hf_dp import DPTrainer, DPTrainingArguments, causal_lm_loss
+
+CHUNK = 3  # does not divide the length (10): the last chunk is shorter
+
+
+class HeadCalls:
+    """The positions each call of the LM head saw (a forward hook: the head's own calls, not the engine's)."""
+
+    def __init__(self, head):
+        self.lengths: list[int] = []
+        head.register_forward_hook(lambda _m, args, _out: self.lengths.append(args[0].shape[1]))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2_tied"])
+def test_chunked_loss_is_exact(tmp_path, arch, clipping, checkpointing):
+    """GPT-2's head is tied to its token embedding: one parameter used by the embedding and by every chunk."""
+    torch.manual_seed(0)
+    model = tiny_llama() if arch == "llama" else tiny_gpt2(tied=True)
+    calls = HeadCalls(model.get_output_embeddings())
+    extra = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}) \
+        if checkpointing else {}
+    check_exact(model, lm_dataset(6, seed=3), tmp_path, clipping=clipping, lm_loss_chunk_size=CHUNK, **extra)
+    assert sorted(calls.lengths).count(1) >= 2  # chunks of 3, 3, 3, 1 (the oracle's calls see all 10 positions)
+
+
+def test_chunked_loss_exact_with_lora(tmp_path):
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    torch.manual_seed(2)
+    model = get_peft_model(tiny_llama().double(), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+        modules_to_save=["lm_head"]))
+    with torch.no_grad():  # LoRA's B starts at 0 (A would get no gradient): randomise it
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    check_exact(model, lm_dataset(6, seed=2), tmp_path, lm_loss_chunk_size=4)
+
+
+def test_chunked_loss_exact_with_logit_softcapping(tmp_path):
+    """Gemma 2 caps its logits (``final_logit_softcapping``) between the head and the loss."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(3)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=32, final_logit_softcapping=0.5,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    check_exact(model, lm_dataset(4, seed=5), tmp_path, lm_loss_chunk_size=CHUNK, rtol=1e-4)  # float32 norms inside
+
+
+def test_dp_sft_with_chunked_loss_is_exact(tmp_path):
+    """DP-SFT (trl's completion-only labels) unpacked; with padding-free packing the chunked loss is refused (a
+    chunk of a packed row is not split per packed example yet)."""
+    torch.manual_seed(0)
+    trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("prompt_completion"),
+                               sft_args(tmp_path, lm_loss_chunk_size=5))
+    calls = HeadCalls(trainer.model.get_output_embeddings())
+    update, expected = sft_dp_update(trainer, list(range(4)), expected_batch=4)
+    for k in expected:
+        torch.testing.assert_close(update[k], expected[k], rtol=1e-5, atol=1e-8, msg=k)
+    assert calls.lengths and min(calls.lengths) <= 5
+    with pytest.raises(ValueError, match="lm_loss_chunk_size with padding-free packing is not supported"):
+        make_sft_trainer(tiny_llama(), sft_dataset("messages"),
+                         sft_args(tmp_path, packing=True, lm_loss_chunk_size=5))
+
+
+def _saved_sizes(trainer) -> list[int]:
+    """The sizes of every tensor the autograd graph saved for the backward during training."""
+    sizes: list[int] = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train()
+    return sizes
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["full_logits", "chunked"])
+def test_no_batch_by_length_by_vocabulary_tensor_is_kept_for_the_backward(tmp_path, chunk):
+    """The memory regression test: unchunked, the log-softmax of the whole (B, T, V) logits is saved for the
+    backward; chunked, each chunk's are recomputed, and nothing of B·T·V elements is kept."""
+    torch.manual_seed(0)
+    data = lm_dataset(4, seed=1)
+    trainer = DPTrainer(model=tiny_llama().double(), train_dataset=data,
+                        args=dp_args(tmp_path, 4, 1, 1.0, lm_loss_chunk_size=chunk))
+    full = 4 * 10 * VOCAB
+    largest = max(_saved_sizes(trainer))
+    assert (largest >= full) if chunk is None else (largest < full)
+
+
+# ---------------------------------------------------------------------- refused, with the reason
+def test_a_model_whose_forward_transforms_the_logits_is_refused_before_any_release(tmp_path):
+    """Cohere scales its logits by ``logit_scale`` between the head and the loss, which the chunked loss does not
+    reproduce: the first-step check compares it with the model's own forward and refuses."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    model = CohereForCausalLM(CohereConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, logit_scale=0.25, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)).double()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    trainer = DPTrainer(model=model, train_dataset=lm_dataset(4, seed=1),
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+    with pytest.raises(ValueError, match="differs from the loss of the model's own forward"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]), k
+
+
+def test_a_loss_of_your_own_is_refused_at_train_start(tmp_path):
+    def my_loss(outputs, labels):
+        return causal_lm_loss(outputs, labels) * 2
+
+    trainer = DPTrainer(model=tiny_llama(), train_dataset=lm_dataset(4), per_example_loss=my_loss,
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+    with pytest.raises(ValueError, match="not the causal-LM next-token loss"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_prompt_learning_and_bad_sizes_are_refused(tmp_path):
+    from peft import PromptTuningConfig, TaskType, get_peft_model
+
+    model = get_peft_model(tiny_llama(), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=2))
+    with pytest.raises(ValueError, match="prompt-learning adapter"):
+        DPTrainer(model=model, train_dataset=lm_dataset(4), args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="lm_loss_chunk_size must be a positive"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, lm_loss_chunk_size=bad)
