@@ -27,6 +27,7 @@ checks, on one example, that the chunked loss equals the loss computed from the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -71,14 +72,18 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
 
 def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_size: int,
                            softcap: float | None = None,
-                           on_output: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                           on_output: Callable[[torch.Tensor], None] | None = None,
+                           window: Callable[[int, int], Any] | None = None) -> torch.Tensor:
     """``(B, T)`` per-token cross-entropy of ``head(hidden)`` against ``targets`` (0 where ignored), computed
     ``chunk_size`` positions at a time, each chunk checkpointed (its logits are not kept for the backward).
     ``on_output`` is called with each chunk's output (the engine marks the start of the backward there: a chunk
-    re-run by the backward is a recompute, ``clipping/checkpointing.py``)."""
+    re-run by the backward is a recompute, ``clipping/checkpointing.py``); ``window(start, stop)``, a context
+    manager entered around each call of the head, tells the engine which positions the call sees (packed rows are
+    split per packed example over them, ``Recorder.positions``)."""
 
-    def chunk_loss(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        logits = head(h)
+    def chunk_loss(h: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
+        with window(start, start + h.shape[1]) if window is not None else contextlib.nullcontext():
+            logits = head(h)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return token_cross_entropy(logits, t)
@@ -86,7 +91,8 @@ def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch
     parts = []
     for start in range(0, hidden.shape[1], chunk_size):
         h, t = hidden[:, start:start + chunk_size], targets[:, start:start + chunk_size]
-        out = checkpoint(chunk_loss, h, t, use_reentrant=False) if torch.is_grad_enabled() else chunk_loss(h, t)
+        out = checkpoint(chunk_loss, h, t, start, use_reentrant=False) if torch.is_grad_enabled() \
+            else chunk_loss(h, t, start)
         if on_output is not None:
             on_output(out)
         parts.append(out)
@@ -125,7 +131,8 @@ class ChunkedLMLoss:
                 "computed from the full logits, which the chunked head never forms. Set `lm_loss_chunk_size=None`.")
 
     def __call__(self, net: nn.Module, model_inputs: dict, labels: torch.Tensor, loss: PerExampleLoss,
-                 on_output: Callable[[torch.Tensor], None] | None = None, **kwargs: Any) -> torch.Tensor:
+                 on_output: Callable[[torch.Tensor], None] | None = None,
+                 window: Callable[[int, int], Any] | None = None, **kwargs: Any) -> torch.Tensor:
         self.check_loss(loss)
         backbone, head, softcap = lm_parts(net)
         inputs = {k: v for k, v in model_inputs.items() if k not in ("labels", "logits_to_keep")}
@@ -136,7 +143,7 @@ class ChunkedLMLoss:
         if targets.shape != hidden.shape[:2]:
             raise ValueError(f"lm_loss_chunk_size: the chunked loss needs one target per position: labels "
                              f"{tuple(labels.shape)}, hidden states {tuple(hidden.shape)}.")
-        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output)
+        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window)
         return reduce(per_token, targets, **kwargs)
 
     def check_against_model(self, run_model: Callable[[], torch.Tensor], run_chunked: Callable[[], torch.Tensor],

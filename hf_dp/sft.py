@@ -271,12 +271,6 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 "Packing is not supported under FSDP (its two-pass ghost clipping has no per-segment split); use "
                 "packing=False and padding_free=False, or DDP."
             )
-        if self.args.lm_loss_chunk_size:
-            raise ValueError(
-                "lm_loss_chunk_size with padding-free packing is not supported yet: each chunk of a packed row holds "
-                "positions of several examples, and hf_dp splits a layer's gradient per packed example only over the "
-                "whole row. Use packing=False (each row one example; the chunked loss is exact there) or "
-                "lm_loss_chunk_size=None.")
         columns = getattr(self.train_dataset, "column_names", None) or []
         if "seq_lengths" in columns:
             raise ValueError(

@@ -730,8 +730,9 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         """Each example's own loss on a micro-batch (``clipping.step.StepHooks.example_losses``)."""
         if self._chunked is None:
             return self.per_example_loss(net(**self._model_inputs(net, inputs, labels)), labels, **kwargs)
+        recorder = self.clipping_engine.recorder
         return self._chunked(net, self._model_inputs(net, inputs, labels), labels, self.per_example_loss,
-                             on_output=self.clipping_engine.recorder.backward_starts_at, **kwargs)
+                             on_output=recorder.backward_starts_at, window=recorder.positions, **kwargs)
 
     def _check_chunked_loss(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """With ``lm_loss_chunk_size``, before the first update: the chunked loss of the micro-batch's first row equals

@@ -68,6 +68,7 @@ class Recorder(BroadcastPoints):
         self._plan = plan
         self._sums = sums
         self._segments: Segments | None = None
+        self._window: tuple[int, int] | None = None  # positions of the packed rows the current calls see
         self._verified: set[int] = set()
         self._captures: list[tuple[int, contextlib.AbstractContextManager]] = []  # open Rule.capture contexts
         self._batch_size: int | None = None
@@ -89,6 +90,18 @@ class Recorder(BroadcastPoints):
         self._plan = plan
         self._verified = set()
         self._layout, self._mapped = {}, {}
+
+    @contextlib.contextmanager
+    def positions(self, start: int, stop: int) -> Iterator[None]:
+        """The ruled calls made inside see positions ``start:stop`` of the micro-batch's rows, not all of them (the LM
+        head on one chunk of the sequence, ``hf_dp/chunked_loss.py``): with padding-free packed rows their uses are
+        split per packed example over those positions (``regroup.Segments.window``). Entered around the call itself,
+        so a recompute by activation checkpointing sees the same window."""
+        saved, self._window = self._window, (int(start), int(stop))
+        try:
+            yield
+        finally:
+            self._window = saved
 
     def backward_starts_at(self, tensor: torch.Tensor) -> None:
         """In a recording: ``tensor`` is computed from the model's layers outside the model's own forward (a chunk of
@@ -210,7 +223,7 @@ class Recorder(BroadcastPoints):
             return None
         return (ids.expand(b, *ids.shape[1:]), *args[1:]), kwargs
 
-    def _add_uses(self, name: str, uses: list[Use]) -> None:
+    def _add_uses(self, name: str, uses: list[Use], window: tuple[int, int] | None = None) -> None:
         """Check and store one hooked call's uses (called from the gradient hooks; :meth:`ClippedSums.add_uses`)."""
         b = self._batch_size
         for u in uses:
@@ -229,7 +242,8 @@ class Recorder(BroadcastPoints):
                     f"{name} saw a batch of {u.batch_size} in a micro-batch of {b} examples: {cause}."),
                     [self._names[id(v.param)] for v in uses if id(v.param) in self._names])
         if self._segments is not None:  # padding-free packed rows: one block per example
-            uses = [self._segments.split_use(u) for u in uses]
+            segments = self._segments if window is None else self._segments.window(*window)
+            uses = [segments.split_use(u) for u in uses]
         self._sums.add_uses(uses)
 
     def layer_hook(self, name: str, module: nn.Module, rule: Rule):
@@ -329,6 +343,7 @@ class Recorder(BroadcastPoints):
             # refer to `output` (a tensor -> node -> callback -> tensor cycle the garbage collector cannot free).
             box = [True]
             shape = output.shape
+            window = self._window
 
             def grad_hook(inp, grad: torch.Tensor) -> None:
                 if self._in_vjp:  # a mixing point's batched product passes by (gated: no gradient here)
@@ -344,7 +359,7 @@ class Recorder(BroadcastPoints):
                     grad = grad.movedim(axis, 0)
                 uses = [u.by_example(b) for u in rule.uses(module, name, inp, None, grad)
                         if self._plan.keeps(u.param)]
-                self._add_uses(name, uses)
+                self._add_uses(name, uses, window)
 
             if not recompute:
                 self._sums.expect(owned)

@@ -11,9 +11,9 @@ from .rules import UnsupportedLayerError, Use
 __all__ = ["Segments", "Units"]
 
 
-def _slots(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _slots(ids: torch.Tensor, minlength: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per entry of ``ids`` (group ids ``0..K-1``): its position inside its group, in order; and each group's size."""
-    counts = torch.bincount(ids)
+    counts = torch.bincount(ids, minlength=minlength)
     order = torch.argsort(ids, stable=True)  # members of a group keep their order
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(ids)
@@ -23,17 +23,31 @@ def _slots(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Segments:
     """Padding-free packed rows: ``segments`` ``(B, T)`` gives the example ``0..S-1`` each token belongs to (``-1``
-    for padding). :meth:`split_use` turns one use of the ``B`` rows into per-example uses over ``S`` examples."""
+    for padding). :meth:`split_use` turns one use of the ``B`` rows into per-example uses over ``S`` examples.
 
-    def __init__(self, segments: torch.Tensor):
+    ``num``: the number of examples ``S`` of the whole micro-batch when ``segments`` is a window of its positions
+    (:meth:`window`), where an example may have no token."""
+
+    def __init__(self, segments: torch.Tensor, num: int | None = None):
         flat = segments.reshape(-1)
         tokens = (flat >= 0).nonzero().flatten()
         example = flat[tokens]
-        slot, counts = _slots(example)
-        if bool((counts == 0).any()):
+        slot, counts = _slots(example, num or 0)
+        if num is None and bool((counts == 0).any()):
             raise ValueError("segments must number the examples of a micro-batch 0..S-1 without gaps.")
+        self.segments = segments
         #: ``((rows, length), tokens, example, slot, number of examples, longest example)``
-        self.layout = (tuple(segments.shape), tokens, example, slot, len(counts), int(counts.max()))
+        self.layout = (tuple(segments.shape), tokens, example, slot, len(counts),
+                       int(counts.max()) if counts.numel() else 0)
+        self._windows: dict[tuple[int, int], Segments] = {}
+
+    def window(self, start: int, stop: int) -> Segments:
+        """The same examples over positions ``start:stop`` of the rows only (a call that sees those positions: the
+        LM head on one chunk of the sequence); an example without a token there gets an empty block."""
+        key = (start, stop)
+        if key not in self._windows:
+            self._windows[key] = Segments(self.segments[:, start:stop], num=self.layout[4])
+        return self._windows[key]
 
     def to_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, k·T, ...)`` packed rows → ``(S, k·T_max, ...)``: each example's positions, in order, zero-padded.

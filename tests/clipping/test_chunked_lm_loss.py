@@ -67,20 +67,20 @@ def test_chunked_loss_exact_with_logit_softcapping(tmp_path):
     check_exact(model, lm_dataset(4, seed=5), tmp_path, lm_loss_chunk_size=CHUNK, rtol=1e-4)  # float32 norms inside
 
 
-def test_dp_sft_with_chunked_loss_is_exact(tmp_path):
-    """DP-SFT (trl's completion-only labels) unpacked; with padding-free packing the chunked loss is refused (a
-    chunk of a packed row is not split per packed example yet)."""
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_dp_sft_with_chunked_loss_is_exact(tmp_path, packing):
+    """DP-SFT (trl's completion-only labels). Packed: the chunks of a padding-free row cut across its examples, and
+    most chunks hold tokens of some examples only; each call of the head is split per packed example over the
+    positions it sees."""
     torch.manual_seed(0)
     trainer = make_sft_trainer(tiny_llama().double(), sft_dataset("prompt_completion"),
-                               sft_args(tmp_path, lm_loss_chunk_size=5))
+                               sft_args(tmp_path, packing=packing, lm_loss_chunk_size=5))
+    assert trainer.padding_free is packing
     calls = HeadCalls(trainer.model.get_output_embeddings())
     update, expected = sft_dp_update(trainer, list(range(4)), expected_batch=4)
     for k in expected:
         torch.testing.assert_close(update[k], expected[k], rtol=1e-5, atol=1e-8, msg=k)
     assert calls.lengths and min(calls.lengths) <= 5
-    with pytest.raises(ValueError, match="lm_loss_chunk_size with padding-free packing is not supported"):
-        make_sft_trainer(tiny_llama(), sft_dataset("messages"),
-                         sft_args(tmp_path, packing=True, lm_loss_chunk_size=5))
 
 
 def _saved_sizes(trainer) -> list[int]:
