@@ -79,7 +79,8 @@ class DPTrainingArguments(TrainingArguments):
             applied to this many positions at a time and recomputed in the backward, so the batch × length ×
             vocabulary logits and their float32 copies are never held whole (`hf_dp/chunked_loss.py`). Exact (the
             head's per-example norm includes the cross terms between chunks) and checked against the model's own
-            loss before the first update. DP-SFT packed or not. Not under FSDP or with a prompt-learning adapter. Default: off.
+            loss before the first update. DP-SFT packed or not. Not under FSDP or with a prompt-learning adapter.
+            Default: off.
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
             groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).

@@ -146,6 +146,27 @@ class ChunkedLMLoss:
         per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window)
         return reduce(per_token, targets, **kwargs)
 
+    def check_batch(self, batch: dict, labels: torch.Tensor, longest: int = 1024) -> tuple[dict, torch.Tensor]:
+        """The row(s) the first-step check compares on: ``batch`` itself, or its first ``max(longest, 2 · chunk + 1)``
+        positions when it is longer (the model's full logits of a long row are what the chunked loss exists to avoid
+        holding) — if every per-position tensor can be cut there and some target remains to compare."""
+        t = labels.shape[1] if labels.dim() >= 2 else 0
+        n = max(longest, 2 * self.chunk_size + 1)
+        if t <= n:
+            return batch, labels
+        cut = {}
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == t:
+                if t in v.shape[2:]:  # e.g. a (B, 1, T, T) mask: not cut along one axis only
+                    return batch, labels
+                cut[k] = v[:, :n]
+            elif isinstance(v, torch.Tensor) and t in v.shape[1:]:
+                return batch, labels
+            else:
+                cut[k] = v
+        short = labels[:, :n]
+        return (cut, short) if bool((short[:, 1:] != -100).any()) else (batch, labels)
+
     def check_against_model(self, run_model: Callable[[], torch.Tensor], run_chunked: Callable[[], torch.Tensor],
                             rtol: float, model_name: str) -> None:
         """Before the first update: the chunked per-example losses of a batch (``run_chunked()``) equal those of the

@@ -739,7 +739,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         the per-example loss of the model's own forward on it (``ChunkedLMLoss.check_against_model``)."""
         if self._chunked is None:
             return
-        one, one_labels = self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1]
+        one, one_labels = self._chunked.check_batch(self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1])
         extra = {} if (seg := self._segment_ids(one)) is None else {"segments": seg}
         rtol = 2e-2 if (self.args.bf16 or self.args.fp16) else 1e-4
         with self.compute_loss_context_manager(), train_without_dropout(net):

@@ -151,3 +151,21 @@ def test_prompt_learning_and_bad_sizes_are_refused(tmp_path):
         with pytest.raises(ValueError, match="lm_loss_chunk_size must be a positive"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, lm_loss_chunk_size=bad)
+
+
+def test_the_first_step_check_compares_a_long_row_on_its_first_positions(tmp_path):
+    """The check's full logits of a long row would be what chunking avoids holding: it compares the first positions
+    (where a target remains), and the whole row otherwise."""
+    from hf_dp.chunked_loss import ChunkedLMLoss
+
+    chunked = ChunkedLMLoss(tiny_llama(), chunk_size=4)
+    ids = torch.arange(40).view(1, 40)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    labels = ids.clone()
+    cut, cut_labels = chunked.check_batch(batch, labels, longest=16)
+    assert cut["input_ids"].shape == (1, 16) and cut["attention_mask"].shape == (1, 16) and cut_labels.shape == (1, 16)
+    assert cut["use_cache"] is False
+    masked = labels.clone()
+    masked[:, :30] = -100  # only the end is trained: compared on the whole row
+    assert chunked.check_batch(batch, masked, longest=16)[1].shape == (1, 40)
+    assert chunked.check_batch(batch, labels, longest=64)[1].shape == (1, 40)
