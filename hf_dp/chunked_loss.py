@@ -167,13 +167,18 @@ class ChunkedLMLoss:
         short = labels[:, :n]
         return (cut, short) if bool((short[:, 1:] != -100).any()) else (batch, labels)
 
-    def check_against_model(self, run_model: Callable[[], torch.Tensor], run_chunked: Callable[[], torch.Tensor],
-                            rtol: float, model_name: str) -> None:
-        """Before the first update: the chunked per-example losses of a batch (``run_chunked()``) equal those of the
-        model's own forward on the same batch (``run_model()``: the trainer's per-example loss of its outputs), or
-        ``ValueError`` (nothing has been released)."""
+    def check_against_model(self, row: dict, labels: torch.Tensor, segment_ids: Callable[[dict], Any],
+                            run_model: Callable[..., torch.Tensor], run_chunked: Callable[..., torch.Tensor],
+                            half: bool, model: nn.Module) -> None:
+        """Before the first update: on a micro-batch's first ``row`` (:meth:`check_batch`; its packed examples by
+        ``segment_ids``), the chunked per-example losses (``run_chunked(row, labels, **kw)``) equal those of the
+        model's own forward (``run_model``: the trainer's per-example loss of its outputs), to 1e-4 (2e-2 in half
+        precision), or ``ValueError`` (nothing has been released)."""
+        row, labels = self.check_batch(row, labels)
+        extra = {} if (seg := segment_ids(row)) is None else {"segments": seg}
+        rtol, model_name = (2e-2 if half else 1e-4), type(model).__name__
         with torch.no_grad():
-            expected, got = run_model().double(), run_chunked().double()
+            expected, got = run_model(row, labels, **extra).double(), run_chunked(row, labels, **extra).double()
         if expected.shape != got.shape or not torch.allclose(got, expected, rtol=rtol, atol=rtol):
             raise ValueError(
                 f"lm_loss_chunk_size: the loss hf_dp computes from {model_name}'s backbone and LM head in chunks "

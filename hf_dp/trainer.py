@@ -283,7 +283,18 @@ class _ExamplesAloneWiring:
     """``DPTrainer``'s side of DESIGN invariant 12, "an example's loss is its own" (``hf_dp/counterfactual.py``):
     where the training collator, the rows, the hard batch and the example layout come from, for the check at the
     first step and the refusal of known dependences at train start. Subclasses override the collators
-    (``DPSFTTrainer``) and the layout (``PreferencePairsDP``)."""
+    (``DPSFTTrainer``) and the layout (``PreferencePairsDP``). Also the chunked loss's comparison with the model's
+    own (invariant 2: an example's loss is the model's own on it)."""
+
+    def _check_chunked_loss(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """With ``lm_loss_chunk_size``, before the first update: the chunked loss of the micro-batch's first row equals
+        the per-example loss of the model's own forward on it (``ChunkedLMLoss.check_against_model``)."""
+        if self._chunked is not None:
+            with self.compute_loss_context_manager(), train_without_dropout(net):
+                self._chunked.check_against_model(
+                    self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1], self._segment_ids,
+                    lambda b, y, **kw: self.per_example_loss(net(**self._model_inputs(net, b, y)), y, **kw),
+                    lambda b, y, **kw: self._example_losses(net, b, y, **kw), self.args.bf16 or self.args.fp16, net)
 
     def _training_collator(self, loader: Any = None) -> Any:
         """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
@@ -733,19 +744,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         recorder = self.clipping_engine.recorder
         return self._chunked(net, self._model_inputs(net, inputs, labels), labels, self.per_example_loss,
                              on_output=recorder.backward_starts_at, window=recorder.positions, **kwargs)
-
-    def _check_chunked_loss(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """With ``lm_loss_chunk_size``, before the first update: the chunked loss of the micro-batch's first row equals
-        the per-example loss of the model's own forward on it (``ChunkedLMLoss.check_against_model``)."""
-        if self._chunked is None:
-            return
-        one, one_labels = self._chunked.check_batch(self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1])
-        extra = {} if (seg := self._segment_ids(one)) is None else {"segments": seg}
-        rtol = 2e-2 if (self.args.bf16 or self.args.fp16) else 1e-4
-        with self.compute_loss_context_manager(), train_without_dropout(net):
-            self._chunked.check_against_model(
-                lambda: self.per_example_loss(net(**self._model_inputs(net, one, one_labels)), one_labels, **extra),
-                lambda: self._example_losses(net, one, one_labels, **extra), rtol, type(net).__name__)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> torch.Tensor:
         """One chunk of a logical DP step, run by the step strategy chosen in :meth:`_build_clipping`: clip each
