@@ -101,6 +101,23 @@ def _patch(owner: nn.Module, method: str, wrapped: Callable):
 
 
 
+def _reentrant_refusal(mixing: str, shared: list[dict]) -> UnsupportedLayerError:
+    """The refusal of a mixing point run without gradients while a shared tensor computed with gradients is live:
+    reentrant activation checkpointing (``torch.utils.checkpoint(use_reentrant=True)``) runs a checkpointed layer's
+    first forward without gradients and differentiates its re-run in the backward by a backward pass of its own, so the
+    shared tensor's gradient arrives in one part per checkpointed layer (or not at all through the layer's own ops,
+    when the layer receives it detached), and its per-example gradients cannot be assembled from the layers' parts."""
+    points = ", ".join(sorted({r["what"] for r in shared}))
+    params = ", ".join(dict.fromkeys(n for r in shared for n in r["params"]))
+    return UnsupportedLayerError(
+        f"{mixing} ran without gradients during a recorded forward pass, with the tensor {points} computes once per "
+        "batch outside it: this is activation checkpointing with use_reentrant=True, which re-runs each checkpointed "
+        "layer in the backward and differentiates it by a separate backward pass, so the gradient of that shared "
+        "tensor arrives in one part per layer and hf_dp cannot form the per-example gradients of " + params + " from "
+        "them. Use non-reentrant checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' "
+        "default), or freeze " + params + " (requires_grad_(False)) or train with LoRA.")
+
+
 class BroadcastPoints:
     """The broadcast points of :class:`~hf_dp.clipping.recorder.Recorder` (a mixin: see the module docstring)."""
 
@@ -212,11 +229,15 @@ class BroadcastPoints:
             reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
             direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
                       if id(m) not in called and id(s) in reached and self._plan.keeps(p)]
-            self._sums.expect([n for n, _p, _s in direct])
+            if not self._watch.started:  # expected once, in the first forward (a recompute's call was expected)
+                self._sums.expect([n for n, _p, _s in direct])
             targets = [c[4] for c in captured] + [s for _n, _p, s in direct]
             result = result.view_as(result)  # its own node, which the mixing points find their inputs from
             targets.append(result)  # its per-example gradients must add up to its gradient (checked in the hook)
-            record = {"targets": targets, "acc": [None] * len(targets), "result": result}
+            record = {"targets": targets, "acc": [None] * len(targets), "result": result,
+                      "what": f"{type(owner).__name__}.{method}",
+                      "params": [n for c in captured for n in self._plan.owned(c[1], c[2])]
+                      + [n for n, _p, _s in direct]}
             self._shared_live.append(record)
             b = self._batch_size
 
@@ -272,6 +293,8 @@ class BroadcastPoints:
             if self._replaying or self._bcast is not None:
                 return orig(*args, **kwargs)
             shared = [r for r in self._shared_live if "targets" in r]
+            if shared and not torch.is_grad_enabled() and self._probe is None:
+                raise _reentrant_refusal(f"{type(owner).__name__}.{method}", shared)
             if shared and torch.is_grad_enabled() and self._probe is None:
                 # Inputs that carry the examples (not derived from a shared tensor) are gated: the batched product
                 # below must reach the shared tensors only through this method's own ops, not through the examples'

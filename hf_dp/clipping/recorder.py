@@ -276,14 +276,18 @@ class Recorder(BroadcastPoints):
                     "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
                     "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
-                if self._probe is None and not torch.is_grad_enabled():
-                    self._sums.expect(owned)  # as below: a call re-run in the backward is waited for
-                if self._probe is not None or not torch.is_grad_enabled():
+                if self._probe is not None:
+                    return output
+                if not recompute:  # as below: expected once, in the first forward (with or without gradients)
+                    self._sums.expect(owned)
+                if not torch.is_grad_enabled():
+                    # reentrant checkpointing's first forward: the point learns that a ruled call ran inside it (its
+                    # result must have the shape it will have when the segment is re-run with gradients)
+                    self._bcast.append((name, module, rule, None, None))
                     return output
                 if not output.requires_grad:
                     output = output.detach().requires_grad_(True)
                 self._bcast.append((name, module, rule, _detached(inp), output))
-                self._sums.expect(owned)
                 # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
                 # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
                 return output.clone()
