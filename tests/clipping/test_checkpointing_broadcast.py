@@ -129,3 +129,116 @@ def test_deberta_position_projections_exact_under_checkpointing(tmp_path, ckpt):
     check_exact(model, cls_dataset(4, num_labels=3, seq_len=6), tmp_path, clipping="per_layer", rtol=2e-4,
                 **_ckpt(ckpt))
     assert calls.inner > calls.model
+
+
+class _Scale(torch.nn.Module):
+    """No rule covers ``s`` (not a weight/bias pair): the generic fallback re-runs it per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.tanh(self.s) + torch.sin(h * self.s)
+
+
+class _ScaledBlocks(torch.nn.Module):
+    """Two blocks under the user's own ``torch.utils.checkpoint`` (``reentrant``: ``None`` for none), each with a
+    fallback module whose input is a fresh activation of the block."""
+
+    def __init__(self, reentrant: bool | None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = torch.nn.Linear(3, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "scale": _Scale()})
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.blocks[k]
+        return h + m["scale"](m["a"](h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3) -> per-example losses (B,)
+        h = self.embed(x)
+        for k in range(len(self.blocks)):
+            h = self.block(k, h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
+                self.block, k, h, use_reentrant=self.reentrant)
+        return self.head(h).pow(2).mean((1, 2))
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "nonreentrant", "reentrant"])
+def test_fallback_inputs_are_the_recomputed_ones(checkpointing):
+    """Memory regression (a spy, not a measurement): the generic fallback's re-run per example needs the module's
+    inputs in the backward. They are saved tensors of the graph (``checkpointing.keep_inputs``), so with checkpointing
+    none of the first forward's survives the forward (they were kept in a closure, which undid the checkpoint), while
+    without it autograd keeps them, as it keeps every activation. Counted by the storages of the fallback module's
+    inputs (finalizers: alive while any tensor on them is). The step stays exact against the per-example loop."""
+    import weakref
+
+    torch.manual_seed(12)
+    model = _ScaledBlocks(None).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    grads = []
+    for i in range(4):
+        model.zero_grad()
+        model(x[i:i + 1]).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad()
+    model.reentrant = None if checkpointing == "off" else checkpointing == "reentrant"
+    engine = ClippingEngine(model)
+    engine.first_step_check(lambda sl: model(x[sl]), 4)
+    live: set = set()
+
+    def track(_mod, args):
+        if not torch.is_grad_enabled() or torch._C._functorch.is_functorch_wrapped_tensor(args[0]):
+            return  # the first forward of reentrant checkpointing; the fallback's own re-run under vmap
+        key = object()
+        live.add(key)
+        weakref.finalize(args[0].untyped_storage(), live.discard, key)
+
+    for block in model.blocks:
+        block["scale"].register_forward_pre_hook(track)
+    with engine.record(4):
+        losses = model(x)
+        after_forward = len(live)
+        losses.sum().backward()
+    assert after_forward == (2 if checkpointing == "off" else 0)
+    norms_sq = engine.per_example_norms_sq()
+    for n in engine.params:
+        expected = torch.stack([g[n].pow(2).sum() for g in grads])
+        torch.testing.assert_close(norms_sq[n], expected, rtol=1e-10, atol=1e-12, msg=n)
+    factors = torch.tensor([0.3, 1.0, 0.7, 0.5], dtype=torch.float64)
+    engine.accumulate_clipped(factors)
+    for n in engine.params:
+        expected = sum(float(c) * g[n] for c, g in zip(factors, grads))
+        torch.testing.assert_close(engine.summed_grads[n], expected, rtol=1e-10, atol=1e-12, msg=n)
+
+
+class _GatedNorm(torch.nn.Module):
+    """A gated normalisation ``w ⊙ x/‖x‖ ⊙ silu(gate)`` called with ``gate=None``: its affine rule records every
+    input of the call (``Rule.all_inputs``), ``None`` among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        y = x / x.norm(dim=-1, keepdim=True) * self.weight
+        return y if gate is None else y * torch.nn.functional.silu(gate)
+
+
+def test_a_none_input_of_a_recorded_call_stays_none():
+    """A ruled call's inputs are saved in the graph (``checkpointing.keep_input``): a ``None`` among them was taken
+    for a saved tensor in the backward (StopIteration). Exact against the per-example loop."""
+    from helpers import check_engine
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.norm, self.b = torch.nn.Linear(3, 4), _GatedNorm(), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(self.norm(self.a(x), None))
+
+    torch.manual_seed(13)
+    check_engine(Net(), torch.randn(3, 5, 3))
