@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_map
 
 from .coverage import with_enclosable
 from .rules import UnsupportedLayerError, Use
 
-__all__ = ["ALL_POINTS", "BROADCAST_METHODS", "BroadcastPoints", "MIXING_METHODS", "SHARED_METHODS"]
+__all__ = ["ALL_POINTS", "BROADCAST_METHODS", "BroadcastPoints", "GraphTarget", "MIXING_METHODS", "SHARED_METHODS"]
 
 
 BROADCAST_METHODS = ("compute_bias",)
@@ -34,6 +35,29 @@ SHARED_METHODS = ("get_rel_embedding",)
 #: inside the method); see _mixing_point
 MIXING_METHODS = ("disentangled_attention_bias", "disentangled_att_bias", "compute_position_bias")
 ALL_POINTS = BROADCAST_METHODS + SHARED_METHODS + MIXING_METHODS
+
+
+class GraphTarget:
+    """A tensor of the graph that a point's batched vector-Jacobian product differentiates to, held without its
+    storage: its gradient edge (``torch.autograd.graph.get_gradient_edge``: the node that produced it and which of its
+    outputs it is) and its shape. The points' gradient hooks hold these, and the edge of the tensor their product
+    starts from, never the tensors: under activation checkpointing a tensor held from the first forward outlives the
+    checkpoint (a mixing point's result is ``B·H × T × 2P`` scores per layer), while the graph's own nodes keep only
+    what autograd's policy keeps (their saved tensors are recomputed with the segment)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.edge = get_gradient_edge(t)
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    def zeros(self, b: int) -> torch.Tensor:
+        """``(b, *shape)`` zeros: the per-example gradients of a target that the product did not reach."""
+        return torch.zeros(b, *self.shape, dtype=self.dtype, device=self.device)
+
+
+def _batched_grads(start, targets: list[GraphTarget], grads: torch.Tensor) -> tuple:
+    """``autograd.grad`` from the edge ``start`` to the targets' edges, ``grads`` batched on the first axis."""
+    return torch.autograd.grad([start], [t.edge for t in targets], grads, retain_graph=True, is_grads_batched=True,
+                               allow_unused=True)
 
 
 class _VjpGate(torch.autograd.Function):
@@ -167,15 +191,15 @@ class BroadcastPoints:
             if not result.requires_grad:
                 return expanded
             box = [captured]
+            start = get_gradient_edge(result)  # the hook refers to no tensor of the forward (see GraphTarget)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:
                     return
                 for name, module, rule, inp, out in box.pop():
-                    per_example = torch.autograd.grad(result, out, grad.unsqueeze(1), retain_graph=True,
-                                                      is_grads_batched=True, allow_unused=True)[0]
+                    per_example = _batched_grads(start, [out], grad.unsqueeze(1))[0]
                     if per_example is None:
-                        per_example = out.new_zeros(b, *out.shape)
+                        per_example = out.zeros(b)
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, per_example)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
 
@@ -231,9 +255,9 @@ class BroadcastPoints:
                       if id(m) not in called and id(s) in reached and self._plan.keeps(p)]
             if not self._watch.started:  # expected once, in the first forward (a recompute's call was expected)
                 self._sums.expect([n for n, _p, _s in direct])
-            targets = [c[4] for c in captured] + [s for _n, _p, s in direct]
+            targets = [c[4] for c in captured] + [GraphTarget(s) for _n, _p, s in direct]
             result = result.view_as(result)  # its own node, which the mixing points find their inputs from
-            targets.append(result)  # its per-example gradients must add up to its gradient (checked in the hook)
+            targets.append(GraphTarget(result))  # its per-example gradients must add up to its gradient (the hook)
             record = {"targets": targets, "acc": [None] * len(targets), "result": result,
                       "what": f"{type(owner).__name__}.{method}",
                       "params": [n for c in captured for n in self._plan.owned(c[1], c[2])]
@@ -252,7 +276,7 @@ class BroadcastPoints:
                 record.pop("targets")
                 record.pop("result")
                 for (name, module, rule, inp, out), g in zip(captured, acc):
-                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    g = out.zeros(b) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
                 for (name, p, _s), g in zip(direct, acc[len(captured):]):
@@ -328,6 +352,7 @@ class BroadcastPoints:
                     "Freeze " + ", ".join([c[0] for c in captured] or ["the parameters it uses"]) + ".")
             targets = [c[4] for c in captured] + [t for r in shared for t in r["targets"]]
             box = [captured]
+            start = get_gradient_edge(result)  # the hook refers to no tensor of the forward (see GraphTarget)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:  # this hook is on the tensor the batched product below starts from
@@ -338,12 +363,11 @@ class BroadcastPoints:
                 masked = (eye.unsqueeze(-1) * rows.unsqueeze(0)).reshape(b, *grad.shape)  # example i's rows only
                 self._in_vjp = True
                 try:
-                    per = torch.autograd.grad(result, targets, masked, retain_graph=True, is_grads_batched=True,
-                                              allow_unused=True)
+                    per = _batched_grads(start, targets, masked)
                 finally:
                     self._in_vjp = False
                 for (name, module, rule, inp, out), g in zip(calls, per):
-                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    g = out.zeros(b) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
                 k = len(calls)

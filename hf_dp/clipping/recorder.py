@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .broadcast import BroadcastPoints
+from .broadcast import BroadcastPoints, GraphTarget
 from .checkpointing import BackwardWatch, keep_input, keep_inputs, recompute_layout
 from .coverage import CoveragePlan, with_enclosable
 from .fallback import Fallback
@@ -291,10 +291,12 @@ class Recorder(BroadcastPoints):
                     return output
                 if not output.requires_grad:
                     output = output.detach().requires_grad_(True)
-                self._bcast.append((name, module, rule, _detached(inp), output))
                 # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
-                # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
-                return output.clone()
+                # `pos_query_layer /= scale` on a view), which rebases the copy in the graph but not the edge its
+                # gradient enters by, which is what the point differentiates to (GraphTarget: no tensor is held).
+                copy = output.clone()
+                self._bcast.append((name, module, rule, _detached(inp), GraphTarget(copy)))
+                return copy
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output

@@ -242,3 +242,61 @@ def test_a_none_input_of_a_recorded_call_stays_none():
 
     torch.manual_seed(13)
     check_engine(Net(), torch.randn(3, 5, 3))
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "nonreentrant", "reentrant"])
+def test_mixing_point_results_are_not_held_from_the_forward(checkpointing):
+    """Memory regression (a spy): a mixing point's result (DeBERTa's position scores, ``B·H × T × 2P`` per layer) is
+    where its batched product starts in the backward; the point's hook holds the result's gradient edge, not the
+    tensor, so no result of the forward is alive after it (the hook's closure kept one per layer, with or without
+    checkpointing, where the model itself frees them). Counted by the storages of ``disentangled_attention_bias``'s
+    results; per-example norms exact against the loop over single examples."""
+    import weakref
+
+    torch.manual_seed(14)
+    model = _deberta(max_relative_positions=4, share_att_key=False).double()
+    model.deberta.encoder.rel_embeddings.requires_grad_(False)
+    ids = torch.randint(2, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 2, 1])
+
+    def losses(sl=slice(None)):
+        logits = model(input_ids=ids[sl]).logits
+        return torch.nn.functional.cross_entropy(logits, labels[sl], reduction="none")
+
+    model.train()
+    grads = []
+    for i in range(4):
+        model.zero_grad()
+        losses(slice(i, i + 1)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    model.zero_grad()
+    if checkpointing != "off":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing ==
+                                                                           "reentrant"})
+    live: set = set()
+    for layer in model.deberta.encoder.layer:
+        attn = layer.attention.self
+        orig = attn.disentangled_attention_bias
+
+        def spy(*args, orig=orig, **kwargs):
+            out = orig(*args, **kwargs)
+            if torch.is_grad_enabled():
+                key = object()
+                live.add(key)
+                weakref.finalize(out.untyped_storage(), live.discard, key)
+            return out
+
+        attn.disentangled_attention_bias = spy
+    engine = ClippingEngine(model)
+    engine.first_step_check(losses, 4)
+    live.clear()
+    with engine.record(4):
+        out = losses()
+        after_forward = len(live)
+        out.sum().backward()
+    assert after_forward == 0
+    norms_sq = engine.per_example_norms_sq()
+    for n in engine.params:
+        expected = torch.stack([g[n].pow(2).sum() if n in g else torch.zeros((), dtype=torch.float64) for g in grads])
+        torch.testing.assert_close(norms_sq.get(n, torch.zeros_like(expected)), expected, rtol=1e-8, atol=1e-12,
+                                   msg=n)
