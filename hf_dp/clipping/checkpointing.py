@@ -17,6 +17,16 @@ model's own activations then decides the lifetime of ``a`` too, with no case for
   segment's forward re-run inside the backward records ``a`` and gets ``g`` from its own inner backward;
 * ``torch.autograd.graph.save_on_cpu`` / transformers' ``offload=True``: ``a`` is offloaded with the activations.
 
+The generic fallback's module inputs (``fallback.py``: its per-example re-run needs them in the backward) are saved the
+same way (:func:`keep_inputs`). The broadcast points (``broadcast.py``) hold gradient edges, not tensors, of the
+graph they differentiate through (``GraphTarget``), and batch-less inputs only.
+
+Broadcast points under reentrant checkpointing: a point whose ruled calls run in a segment's no-grad first forward
+returns what it will return in the re-run (T5's bias expanded to the batch, which block 0 returns to the next blocks:
+the re-run's output must have the first forward's shape). A tensor computed once per batch *outside* the segments and
+consumed inside them (DeBERTa's relative embeddings) is refused there (``broadcast._reentrant_refusal``): each
+segment's re-run is differentiated by a backward pass of its own, so its gradient arrives in one part per segment.
+
 A forward that runs during the backward is a **recompute**: its hooks must neither number the call again nor count a
 use that will not arrive, but must save the same tensors in the same order as the first forward (non-reentrant
 checkpointing checks that it does). The engine learns that the backward has begun from :class:`BackwardWatch`: a
