@@ -24,7 +24,7 @@ graph they differentiate through (``GraphTarget``), and batch-less inputs only.
 Broadcast points under reentrant checkpointing: a point whose ruled calls run in a segment's no-grad first forward
 returns what it will return in the re-run (T5's bias expanded to the batch, which block 0 returns to the next blocks:
 the re-run's output must have the first forward's shape). A tensor computed once per batch *outside* the segments and
-consumed inside them (DeBERTa's relative embeddings) is refused there (``broadcast._reentrant_refusal``): each
+consumed inside them (DeBERTa's relative embeddings) is refused there (by the mixing point, in the first forward): each
 segment's re-run is differentiated by a backward pass of its own, so its gradient arrives in one part per segment.
 
 A forward that runs during the backward is a **recompute**: its hooks must neither number the call again nor count a
