@@ -16,12 +16,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_map
 
 from .coverage import with_enclosable
 from .rules import UnsupportedLayerError, Use
 
-__all__ = ["ALL_POINTS", "BROADCAST_METHODS", "BroadcastPoints", "MIXING_METHODS", "SHARED_METHODS"]
+__all__ = ["ALL_POINTS", "BROADCAST_METHODS", "BroadcastPoints", "GraphTarget", "MIXING_METHODS", "SHARED_METHODS"]
 
 
 BROADCAST_METHODS = ("compute_bias",)
@@ -34,6 +35,29 @@ SHARED_METHODS = ("get_rel_embedding",)
 #: inside the method); see _mixing_point
 MIXING_METHODS = ("disentangled_attention_bias", "disentangled_att_bias", "compute_position_bias")
 ALL_POINTS = BROADCAST_METHODS + SHARED_METHODS + MIXING_METHODS
+
+
+class GraphTarget:
+    """A tensor of the graph that a point's batched vector-Jacobian product differentiates to, held without its
+    storage: its gradient edge (``torch.autograd.graph.get_gradient_edge``: the node that produced it and which of its
+    outputs it is) and its shape. The points' gradient hooks hold these, and the edge of the tensor their product
+    starts from, never the tensors: under activation checkpointing a tensor held from the first forward outlives the
+    checkpoint (a mixing point's result is ``B·H × T × 2P`` scores per layer), while the graph's own nodes keep only
+    what autograd's policy keeps (their saved tensors are recomputed with the segment)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.edge = get_gradient_edge(t)
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    def zeros(self, b: int) -> torch.Tensor:
+        """``(b, *shape)`` zeros: the per-example gradients of a target that the product did not reach."""
+        return torch.zeros(b, *self.shape, dtype=self.dtype, device=self.device)
+
+
+def _batched_grads(start, targets: list[GraphTarget], grads: torch.Tensor) -> tuple:
+    """``autograd.grad`` from the edge ``start`` to the targets' edges, ``grads`` batched on the first axis."""
+    return torch.autograd.grad([start], [t.edge for t in targets], grads, retain_graph=True, is_grads_batched=True,
+                               allow_unused=True)
 
 
 class _VjpGate(torch.autograd.Function):
@@ -101,6 +125,23 @@ def _patch(owner: nn.Module, method: str, wrapped: Callable):
 
 
 
+def _reentrant_refusal(mixing: str, shared: list[dict]) -> UnsupportedLayerError:
+    """The refusal of a mixing point run without gradients while a shared tensor computed with gradients is live:
+    reentrant activation checkpointing (``torch.utils.checkpoint(use_reentrant=True)``) runs a checkpointed layer's
+    first forward without gradients and differentiates its re-run in the backward by a backward pass of its own, so the
+    shared tensor's gradient arrives in one part per checkpointed layer (or not at all through the layer's own ops,
+    when the layer receives it detached), and its per-example gradients cannot be assembled from the layers' parts."""
+    points = ", ".join(sorted({r["what"] for r in shared}))
+    params = ", ".join(dict.fromkeys(n for r in shared for n in r["params"]))
+    return UnsupportedLayerError(
+        f"{mixing} ran without gradients during a recorded forward pass, with the tensor {points} computes once per "
+        "batch outside it: this is activation checkpointing with use_reentrant=True, which re-runs each checkpointed "
+        "layer in the backward and differentiates it by a separate backward pass, so the gradient of that shared "
+        "tensor arrives in one part per layer and hf_dp cannot form the per-example gradients of " + params + " from "
+        "them. Use non-reentrant checkpointing (gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' "
+        "default), or freeze " + params + " (requires_grad_(False)) or train with LoRA.")
+
+
 class BroadcastPoints:
     """The broadcast points of :class:`~hf_dp.clipping.recorder.Recorder` (a mixin: see the module docstring)."""
 
@@ -150,15 +191,15 @@ class BroadcastPoints:
             if not result.requires_grad:
                 return expanded
             box = [captured]
+            start = get_gradient_edge(result)  # the hook refers to no tensor of the forward (see GraphTarget)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:
                     return
                 for name, module, rule, inp, out in box.pop():
-                    per_example = torch.autograd.grad(result, out, grad.unsqueeze(1), retain_graph=True,
-                                                      is_grads_batched=True, allow_unused=True)[0]
+                    per_example = _batched_grads(start, [out], grad.unsqueeze(1))[0]
                     if per_example is None:
-                        per_example = out.new_zeros(b, *out.shape)
+                        per_example = out.zeros(b)
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, per_example)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
 
@@ -212,11 +253,15 @@ class BroadcastPoints:
             reached = _graph_leaves(result)  # a stand-in the result does not depend on is not used here
             direct = [(self._names[id(p)], p, s) for m, _k, s, p in stand_ins
                       if id(m) not in called and id(s) in reached and self._plan.keeps(p)]
-            self._sums.expect([n for n, _p, _s in direct])
-            targets = [c[4] for c in captured] + [s for _n, _p, s in direct]
+            if not self._watch.started:  # expected once, in the first forward (a recompute's call was expected)
+                self._sums.expect([n for n, _p, _s in direct])
+            targets = [c[4] for c in captured] + [GraphTarget(s) for _n, _p, s in direct]
             result = result.view_as(result)  # its own node, which the mixing points find their inputs from
-            targets.append(result)  # its per-example gradients must add up to its gradient (checked in the hook)
-            record = {"targets": targets, "acc": [None] * len(targets), "result": result}
+            targets.append(GraphTarget(result))  # its per-example gradients must add up to its gradient (the hook)
+            record = {"targets": targets, "acc": [None] * len(targets), "result": result,
+                      "what": f"{type(owner).__name__}.{method}",
+                      "params": [n for c in captured for n in self._plan.owned(c[1], c[2])]
+                      + [n for n, _p, _s in direct]}
             self._shared_live.append(record)
             b = self._batch_size
 
@@ -231,7 +276,7 @@ class BroadcastPoints:
                 record.pop("targets")
                 record.pop("result")
                 for (name, module, rule, inp, out), g in zip(captured, acc):
-                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    g = out.zeros(b) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
                 for (name, p, _s), g in zip(direct, acc[len(captured):]):
@@ -272,6 +317,8 @@ class BroadcastPoints:
             if self._replaying or self._bcast is not None:
                 return orig(*args, **kwargs)
             shared = [r for r in self._shared_live if "targets" in r]
+            if shared and not torch.is_grad_enabled() and self._probe is None:
+                raise _reentrant_refusal(f"{type(owner).__name__}.{method}", shared)
             if shared and torch.is_grad_enabled() and self._probe is None:
                 # Inputs that carry the examples (not derived from a shared tensor) are gated: the batched product
                 # below must reach the shared tensors only through this method's own ops, not through the examples'
@@ -305,6 +352,7 @@ class BroadcastPoints:
                     "Freeze " + ", ".join([c[0] for c in captured] or ["the parameters it uses"]) + ".")
             targets = [c[4] for c in captured] + [t for r in shared for t in r["targets"]]
             box = [captured]
+            start = get_gradient_edge(result)  # the hook refers to no tensor of the forward (see GraphTarget)
 
             def grad_hook(grad: torch.Tensor) -> None:
                 if self._in_vjp:  # this hook is on the tensor the batched product below starts from
@@ -315,12 +363,11 @@ class BroadcastPoints:
                 masked = (eye.unsqueeze(-1) * rows.unsqueeze(0)).reshape(b, *grad.shape)  # example i's rows only
                 self._in_vjp = True
                 try:
-                    per = torch.autograd.grad(result, targets, masked, retain_graph=True, is_grads_batched=True,
-                                              allow_unused=True)
+                    per = _batched_grads(start, targets, masked)
                 finally:
                     self._in_vjp = False
                 for (name, module, rule, inp, out), g in zip(calls, per):
-                    g = out.new_zeros(b, *out.shape) if g is None else g
+                    g = out.zeros(b) if g is None else g
                     uses = rule.uses(module, name, inp.unsqueeze(0).expand(b, *inp.shape), None, g)
                     self._add_uses(name, [u for u in uses if self._plan.keeps(u.param)])
                 k = len(calls)

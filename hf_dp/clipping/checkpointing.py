@@ -17,6 +17,16 @@ model's own activations then decides the lifetime of ``a`` too, with no case for
   segment's forward re-run inside the backward records ``a`` and gets ``g`` from its own inner backward;
 * ``torch.autograd.graph.save_on_cpu`` / transformers' ``offload=True``: ``a`` is offloaded with the activations.
 
+The generic fallback's module inputs (``fallback.py``: its per-example re-run needs them in the backward) are saved the
+same way (:func:`keep_inputs`). The broadcast points (``broadcast.py``) hold gradient edges, not tensors, of the
+graph they differentiate through (``GraphTarget``), and batch-less inputs only.
+
+Broadcast points under reentrant checkpointing: a point whose ruled calls run in a segment's no-grad first forward
+returns what it will return in the re-run (T5's bias expanded to the batch, which block 0 returns to the next blocks:
+the re-run's output must have the first forward's shape). A tensor computed once per batch *outside* the segments and
+consumed inside them (DeBERTa's relative embeddings) is refused there (by the mixing point, in the first forward): each
+segment's re-run is differentiated by a backward pass of its own, so its gradient arrives in one part per segment.
+
 A forward that runs during the backward is a **recompute**: its hooks must neither number the call again nor count a
 use that will not arrive, but must save the same tensors in the same order as the first forward (non-reentrant
 checkpointing checks that it does). The engine learns that the backward has begun from :class:`BackwardWatch`: a
@@ -40,7 +50,7 @@ from torch import nn
 
 from .rules import UnsupportedLayerError
 
-__all__ = ["BackwardWatch", "clipped_in_backward", "keep_input", "recompute_layout"]
+__all__ = ["BackwardWatch", "clipped_in_backward", "keep_input", "keep_inputs", "recompute_layout"]
 
 
 class BackwardWatch:
@@ -91,6 +101,10 @@ def _tensors(obj, depth: int = 0):
             yield from _tensors(x, depth + 1)
 
 
+#: stands for a saved tensor among a call's inputs (``None`` is an input of its own, e.g. a gated norm's ``gate=None``)
+_SAVED = object()
+
+
 class _RecordedCall(torch.autograd.Function):
     """Identity on a hooked layer's output ``x`` that saves the layer's input and hands it, with the gradient of
     ``x``, to ``on_grad(inp, grad)`` in the backward.
@@ -105,7 +119,7 @@ class _RecordedCall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, watch, on_grad, stop, single, *inp):
         ctx.save_for_backward(*[t for t in inp if isinstance(t, torch.Tensor)])
-        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inp]  # non-tensor inputs (all_inputs)
+        ctx.others = [_SAVED if isinstance(t, torch.Tensor) else t for t in inp]  # non-tensor inputs (all_inputs)
         ctx.watch, ctx.on_grad, ctx.stop, ctx.single = watch, on_grad, stop, single
         return x.detach()
 
@@ -113,7 +127,7 @@ class _RecordedCall(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.watch.started = True
         saved = iter(ctx.saved_tensors)  # under non-reentrant checkpointing: the recomputed input
-        inp = [next(saved) if v is None else v for v in ctx.others]
+        inp = [next(saved) if v is _SAVED else v for v in ctx.others]  # a None input stays None
         ctx.on_grad(inp[0] if ctx.single else tuple(inp), grad)
         return (None if ctx.stop else grad, None, None, None, None, *([None] * len(ctx.others)))
 
@@ -126,6 +140,42 @@ def keep_input(output: torch.Tensor, inp, watch: BackwardWatch,
     single = not isinstance(inp, tuple)
     items = (inp,) if single else inp
     return _RecordedCall.apply(output, watch, on_grad, output.grad_fn is None, single, *items)
+
+
+class _FallbackCall(torch.autograd.Function):
+    """Copies of a fallback module's float outputs (``outs``), saving the tensors among the module's inputs and
+    handing them, with the gradients of the outputs, to ``on_grads(inputs, grads)`` in the backward (one call for all
+    outputs; an output that gets no gradient gets zeros, as ``register_multi_grad_hook`` would give ``None``).
+
+    As :class:`_RecordedCall` does for a ruled layer's input, the inputs the per-example re-run needs
+    (``fallback.py``: ``B × T × d`` activations, typically) are saved tensors of the graph, so activation checkpointing
+    drops and recomputes them; kept in a Python closure from the first forward, they outlived the checkpoint. The
+    outputs are copies (not views): an output that is also an intermediate of another output passes only its own
+    uses' gradient, and the model may modify a copy in place. ``stops[j]``: output ``j`` is a leaf made for the
+    recording (nothing upstream is trainable); its gradient is not passed on."""
+
+    @staticmethod
+    def forward(ctx, watch, on_grads, stops, n_out, *tensors):
+        ctx.save_for_backward(*tensors[n_out:])
+        ctx.watch, ctx.on_grads, ctx.stops, ctx.n_in = watch, on_grads, stops, len(tensors) - n_out
+        return tuple(t.clone() for t in tensors[:n_out])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.watch.started = True
+        ctx.on_grads(ctx.saved_tensors, grads)  # under non-reentrant checkpointing: the recomputed inputs
+        passed = [None if stop else g for g, stop in zip(grads, ctx.stops)]
+        return (None, None, None, None, *passed, *([None] * ctx.n_in))
+
+
+def keep_inputs(outs: list[torch.Tensor], inputs: list[torch.Tensor], watch: BackwardWatch,
+                on_grads: Callable[[tuple, tuple], None]) -> tuple[torch.Tensor, ...]:
+    """The tensors the forward continues with in place of a fallback module's float outputs ``outs``: copies, whose
+    gradients ``grads`` reach ``on_grads(inputs, grads)`` once in the backward with ``inputs`` (detached tensors)
+    kept as saved tensors of the graph (:class:`_FallbackCall`)."""
+    stops = [not t.requires_grad for t in outs]
+    outs = [t.detach().requires_grad_(True) if stop else t for t, stop in zip(outs, stops)]
+    return _FallbackCall.apply(watch, on_grads, stops, len(outs), *outs, *inputs)
 
 
 def recompute_layout(layouts: dict, module_id: int, calls: int, name: str):

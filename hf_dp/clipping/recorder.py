@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .broadcast import BroadcastPoints
-from .checkpointing import BackwardWatch, keep_input, recompute_layout
+from .broadcast import BroadcastPoints, GraphTarget
+from .checkpointing import BackwardWatch, keep_input, keep_inputs, recompute_layout
 from .coverage import CoveragePlan, with_enclosable
 from .fallback import Fallback
 from .regroup import Segments
@@ -28,6 +28,10 @@ from .rules import Rule, UnsupportedLayerError, Use
 from .sums import ClippedSums
 
 __all__ = ["Recorder"]
+
+
+#: stands for a tensor input of a fallback call among its other inputs (the tensors are saved in the graph)
+_SAVED = object()
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -296,17 +300,23 @@ class Recorder(BroadcastPoints):
                     "F.linear(x, weight, bias)); its per-example gradient cannot be formed from this call. Freeze its "
                     "parameters (requires_grad_(False)) or train the model through a PEFT adapter (LoRA)."), owned)
             if self._bcast is not None:  # inside a broadcast point: its per-example gradient comes from there
-                if self._probe is None and not torch.is_grad_enabled():
-                    self._sums.expect(owned)  # as below: a call re-run in the backward is waited for
-                if self._probe is not None or not torch.is_grad_enabled():
+                if self._probe is not None:
+                    return output
+                if not recompute:  # as below: expected once, in the first forward (with or without gradients)
+                    self._sums.expect(owned)
+                if not torch.is_grad_enabled():
+                    # reentrant checkpointing's first forward: the point learns that a ruled call ran inside it (its
+                    # result must have the shape it will have when the segment is re-run with gradients)
+                    self._bcast.append((name, module, rule, None, None))
                     return output
                 if not output.requires_grad:
                     output = output.detach().requires_grad_(True)
-                self._bcast.append((name, module, rule, _detached(inp), output))
-                self._sums.expect(owned)
                 # A copy (batch-less, small) goes on: the model may modify it in place (DeBERTa's
-                # `pos_query_layer /= scale` on a view), which would rebase the captured output in the graph.
-                return output.clone()
+                # `pos_query_layer /= scale` on a view), which rebases the copy in the graph but not the edge its
+                # gradient enters by, which is what the point differentiates to (GraphTarget: no tensor is held).
+                copy = output.clone()
+                self._bcast.append((name, module, rule, _detached(inp), GraphTarget(copy)))
+                return copy
             if self._probe is not None:
                 self._probe[key] = inp.detach().clone() if isinstance(inp, torch.Tensor) else None
                 return output
@@ -404,34 +414,38 @@ class Recorder(BroadcastPoints):
                 with self._replay():
                     fb.verify(*saved_args, output, b, mapped)
                 self._verified.add(id(module))
-            # Each float output is returned as a fresh copy (a leaf if nothing upstream is trainable), so that its
-            # gradient holds only the uses *after* the module: an output that is also an intermediate of another
-            # output (eager attention returns its weights, from which it computes its output) would otherwise pass
-            # the other output's gradient twice through the vector-Jacobian product. A copy, not a view: an in-place
-            # op on a view (the caller's `out /= scale`) would rebase it and drop the gradient hook.
-            for i, t in enumerate(leaves):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
-                    leaves[i] = t.clone() if t.requires_grad else t.detach().requires_grad_(True)
-            outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            likes = [t.detach() for t in outs]
-            box = [saved_args]
-            del saved_args
+            # Each float output is returned as a fresh copy (checkpointing.keep_inputs), so that its gradient holds
+            # only the uses *after* the module: an output that is also an intermediate of another output (eager
+            # attention returns its weights, from which it computes its output) would otherwise pass the other
+            # output's gradient twice through the vector-Jacobian product. The module's tensor inputs, which the
+            # per-example re-run needs, are saved tensors of the graph, not held here: activation checkpointing drops
+            # them in the first forward and recomputes them for the backward. Nothing here refers to a tensor.
+            arg_leaves, arg_spec = tree_flatten(saved_args)
+            inputs = [x for x in arg_leaves if isinstance(x, torch.Tensor)]
+            others = [_SAVED if isinstance(x, torch.Tensor) else x for x in arg_leaves]
+            del saved_args, arg_leaves
+            floats = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            box = [True]
 
-            def grads_hook(grads) -> None:
+            def grads_hook(saved: tuple, grads: tuple) -> None:
                 if self._in_vjp:
                     return
                 if not box:
                     raise RuntimeError(f"{name}: the gradient hook fired twice for one recorded forward pass.")
-                a, k = box.pop()
+                box.pop()
+                it = iter(saved)
+                a, k = tree_unflatten([next(it) if v is _SAVED else v for v in others], arg_spec)
                 with self._replay():
-                    per = fb.per_example_grads(a, k, list(grads), likes, mapped, b)
+                    per = fb.per_example_grads(a, k, list(grads), list(grads), mapped, b)
                 uses = per if isinstance(per, list) else [  # recurrent.py returns Use factors itself
                     Use(fb.param(n), None, g.unsqueeze(1), 1, name) for n, g in per.items()]
                 self._add_uses(name, [u for u in uses if id(u.param) in self._names])
 
             if not recompute:
                 self._sums.expect(owned)
-            torch.autograd.graph.register_multi_grad_hook(outs, grads_hook, mode="all")
+            copies = keep_inputs([leaves[i] for i in floats], inputs, self._watch, grads_hook)
+            for i, t in zip(floats, copies):
+                leaves[i] = t
             return tree_unflatten(leaves, spec)
 
         return hook
