@@ -38,6 +38,8 @@ __all__ = [
     "sequence_classification_loss",
     "cross_entropy_classification_loss",
     "question_answering_loss",
+    "check_models_own_loss",
+    "labels_to_compare",
     "default_per_example_loss",
     "decoder_input_ids_from_labels",
     "decoder_attention_mask_from_labels",
@@ -315,6 +317,44 @@ def _uses_causal_loss_function(base: nn.Module) -> bool:
     code = _forward_code(type(base), own=True)
     return code is not None and "self.loss_function(" in code and getattr(base, "loss_function", None) is (
         ForCausalLMLoss)
+
+
+def check_models_own_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, loss: PerExampleLoss,
+                          half: bool = False) -> None:
+    """``loss`` (hf_dp's default for ``model``'s head) on one example equals the loss the model's own forward returns
+    for it (``model(**inputs, labels=labels).loss`` on a batch of one: what the plain ``Trainer`` trains), to 1e-3
+    (5e-2 in half precision), or ``ValueError`` (DESIGN invariant 2). Run without gradient; skipped where the model
+    returns no finite scalar loss (no ``loss`` output, or an example without a labelled token: HF's mean is NaN)."""
+    if labels.shape[0] != 1:
+        raise ValueError("check_models_own_loss compares one example (a batch of one).")
+    with torch.no_grad():
+        outputs = model(**{**inputs, "labels": labels})
+        own = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+        if not isinstance(own, torch.Tensor) or own.numel() != 1 or not bool(torch.isfinite(own).all()):
+            return
+        ours = loss(outputs, labels)
+    tol = 5e-2 if half else 1e-3
+    if ours.shape != (1,) or not torch.allclose(ours.double(), own.double().reshape(1), rtol=tol, atol=tol):
+        raise ValueError(
+            f"The per-example loss hf_dp computes for {type(_base_model(model)).__name__} "
+            f"({getattr(loss, '__name__', type(loss).__name__)}: {ours.flatten().tolist()}) differs from the loss "
+            f"the model's own forward returns for the same example alone ({float(own):.6g}): the model's loss is "
+            "not the one hf_dp's default for its head reproduces (an extra term, a scale, another reduction), so "
+            "training would optimise another objective than the plain Trainer. Pass `per_example_loss=fn` with "
+            "fn(outputs, labels) -> each example's own loss, shape (batch,), that reproduces the model's loss.")
+
+
+def labels_to_compare(task: str, inputs: dict, labels: torch.Tensor) -> torch.Tensor:
+    """The labels a first-step comparison of two token losses uses on ``inputs``: ``labels``, or — for a language
+    model's token loss when no position of ``labels`` is labelled, where both losses would be 0 and the comparison
+    vacuous — the input tokens themselves (padding ignored). The comparison is of the loss functions; the labels
+    the step trains are unchanged."""
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if task not in ("causal_lm", "causal_lm_unshifted", "masked_lm") or bool((labels != IGNORE_INDEX).any()) \
+            or not isinstance(ids, torch.Tensor) or ids.shape != labels.shape:
+        return labels
+    return ids.masked_fill(mask == 0, IGNORE_INDEX) if isinstance(mask, torch.Tensor) and mask.shape == ids.shape \
+        else ids.clone()
 
 
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:

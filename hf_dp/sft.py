@@ -40,7 +40,14 @@ from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .chunked_loss import register_token_loss
 from .clipping.engine import train_without_dropout
 from .clipping.rules import UnsupportedLayerError
-from .losses import IGNORE_INDEX, causal_lm_loss, causal_lm_targets, mean_over_targets, token_cross_entropy
+from .losses import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    causal_lm_targets,
+    default_per_example_loss,
+    mean_over_targets,
+    token_cross_entropy,
+)
 from .peft_support import is_peft_model
 from .trainer import DPTrainer
 
@@ -249,10 +256,6 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         args = _dp_sft_config(args)
         super().__init__(model, args, *pargs, per_example_loss=per_example_loss, trl_peft_config=peft_config,
                          **kwargs)
-        if self.task != "custom":
-            if self.task != "causal_lm":
-                raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {self.task}.")
-            self.per_example_loss = causal_lm_segment_loss
         self._packing_collator = self.data_collator  # trl's padding-free collator (the isolation check's)
         if self.padding_free:
             self._check_packing_supported()
@@ -320,6 +323,14 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
             parent(num_examples, batch)
 
     # ------------------------------------------------------------------ the DP step on packed rows
+    def _default_loss(self, model: torch.nn.Module) -> tuple[Any, str]:
+        """A causal LM's next-token loss per example, per packed example with padding-free packing
+        (:func:`causal_lm_segment_loss`); other heads are refused."""
+        _, task = default_per_example_loss(model)
+        if task != "causal_lm":
+            raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {task}.")
+        return causal_lm_segment_loss, task
+
     def _segment_ids(self, inputs: dict) -> torch.Tensor | None:
         if not self.padding_free or "position_ids" not in inputs:
             return None
@@ -378,7 +389,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         segments = self._segment_ids(micro)
         if segments is None:
             return super()._self_check(net, micro, labels)
-        self._check_chunked_loss(net, micro, labels)
+        self._check_loss_is_the_models_own(net, micro, labels)
         padded, padded_labels = self._unpack(micro, labels, segments)
         self._first_step_checks(net, padded, padded_labels)
         engine = self.clipping_engine

@@ -68,7 +68,14 @@ from .guarantee import (
 )
 from .history import ModelHistory, earlier_runs_message
 from .loader import dp_train_loader, is_empty, shared_seed, training_collator, training_rows
-from .losses import PerExampleLoss, default_per_example_loss, is_seq2seq_lm, seq2seq_model_inputs
+from .losses import (
+    PerExampleLoss,
+    check_models_own_loss,
+    default_per_example_loss,
+    is_seq2seq_lm,
+    labels_to_compare,
+    seq2seq_model_inputs,
+)
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
 from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
@@ -286,15 +293,28 @@ class _ExamplesAloneWiring:
     (``DPSFTTrainer``) and the layout (``PreferencePairsDP``). Also the chunked loss's comparison with the model's
     own (invariant 2: an example's loss is the model's own on it)."""
 
-    def _check_chunked_loss(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
-        """With ``lm_loss_chunk_size``, before the first update: the chunked loss of the micro-batch's first row equals
-        the per-example loss of the model's own forward on it (``ChunkedLMLoss.check_against_model``)."""
-        if self._chunked is not None:
-            with self.compute_loss_context_manager(), train_without_dropout(net):
+    def _default_loss(self, model: torch.nn.Module) -> tuple[PerExampleLoss, str]:
+        """The per-example loss hf_dp trains for ``model`` without ``per_example_loss=`` (``default_per_example_loss``;
+        ``DPSFTTrainer``: per packed example)."""
+        return default_per_example_loss(model)
+
+    def _check_loss_is_the_models_own(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
+        """Before the first update, on the micro-batch's first row: hf_dp's default per-example loss equals the loss
+        the model's own forward returns for that row as a batch of one (what the plain ``Trainer`` trains:
+        ``losses.check_models_own_loss``); with ``lm_loss_chunk_size``, the chunked loss equals the per-example
+        loss of the model's full logits (``ChunkedLMLoss.check_against_model``)."""
+        row = self._slice_batch(micro, slice(0, 1), labels.shape[0])
+        row_labels = labels_to_compare(self.task, row, labels[:1])
+        half = self.args.bf16 or self.args.fp16
+        with self.compute_loss_context_manager(), train_without_dropout(net):
+            if self.per_example_loss is self._own_loss and self._segment_ids(row) is None:
+                check_models_own_loss(net, self._model_inputs(net, row, row_labels), row_labels,
+                                      self.per_example_loss, half)
+            if self._chunked is not None:
                 self._chunked.check_against_model(
-                    self._slice_batch(micro, slice(0, 1), labels.shape[0]), labels[:1], self._segment_ids,
+                    row, row_labels, self._segment_ids,
                     lambda b, y, **kw: self.per_example_loss(net(**self._model_inputs(net, b, y)), y, **kw),
-                    lambda b, y, **kw: self._example_losses(net, b, y, **kw), self.args.bf16 or self.args.fp16, net)
+                    lambda b, y, **kw: self._example_losses(net, b, y, **kw), half, net)
 
     def _training_collator(self, loader: Any = None) -> Any:
         """The collator the DP loader runs (the user's, with the Trainer's column removal), without hf_dp's
@@ -502,7 +522,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         per_example_prompts(self.model)
         check_adapter_objective(self.model)
         if not self._custom_loss:
-            self.per_example_loss, self.task = default_per_example_loss(self.model)
+            self.per_example_loss, self.task = self._default_loss(self.model)
+        self._own_loss = None if self._custom_loss else self.per_example_loss  # the model's own on a batch of one
         fsdp = self.is_fsdp_enabled
         self._chunked = None if not self.args.lm_loss_chunk_size else ChunkedLMLoss(
             self.model, self.args.lm_loss_chunk_size, fsdp)
@@ -708,7 +729,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         """Once per run, before the first update (the DP step's first-step hook): the engine's checks on the real
         model and data (:meth:`_first_step_checks`) and each example against itself alone. Subclasses extend it
         (``DPSFTTrainer`` checks packed rows)."""
-        self._check_chunked_loss(net, micro, labels)
+        self._check_loss_is_the_models_own(net, micro, labels)
         self._first_step_checks(net, micro, labels)
         self._check_examples_alone(net, micro, labels)
 

@@ -169,3 +169,61 @@ def test_the_first_step_check_compares_a_long_row_on_its_first_positions(tmp_pat
     masked[:, :30] = -100  # only the end is trained: compared on the whole row
     assert chunked.check_batch(batch, masked, longest=16)[1].shape == (1, 40)
     assert chunked.check_batch(batch, labels, longest=64)[1].shape == (1, 40)
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["plain", "nonreentrant", "reentrant"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2_tied"])
+def test_the_heads_group_is_clipped_once_inside_the_backward(arch, reentrant):
+    """A chunk re-run by the backward is a recompute, not a new call of the head (the chunk's output marks the start
+    of the backward: ``Recorder.backward_starts_at``); otherwise the head's group would wait for a use that never
+    comes and be clipped only after the backward, keeping its factors to the end."""
+    from hf_dp.chunked_loss import ChunkedLMLoss
+    from hf_dp.clipping.engine import ClippingEngine
+    from hf_dp.clipping.modes import build_groups
+
+    torch.manual_seed(0)
+    model = (tiny_llama() if arch == "llama" else tiny_gpt2(tied=True)).double()
+    model.config.use_cache = False
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids = torch.randint(2, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    engine = ClippingEngine(model)
+    groups = [g.params for g in build_groups(engine, "per_layer")]
+    head = [k for k, names in enumerate(groups) if any("lm_head" in n or "wte" in n for n in names)]
+    clipped, after, done = [], [], []
+
+    def handler(k, _norms):
+        (after if done else clipped).append(k)
+        return torch.ones(3, dtype=torch.float64)
+
+    engine.set_fused_groups(groups, handler)
+    recorder = engine.recorder
+    with engine.record(3):
+        losses = ChunkedLMLoss(model, CHUNK)(model, {"input_ids": ids}, ids, causal_lm_loss,
+                                             on_output=recorder.backward_starts_at, window=recorder.positions)
+        losses.sum().backward()
+        done.append(True)
+        engine.finish_fused()
+    assert head and [clipped.count(k) for k in head] == [1] * len(head)
+    assert not [k for k in after if k in head]
+
+
+def test_the_comparison_is_not_vacuous_when_the_first_row_has_no_target(tmp_path):
+    """Cohere's logit scale is caught even when the first row of the first micro-batch has no labelled position
+    (both losses would be 0): the comparison then scores the row's own tokens. (Here no row has one.)"""
+    from datasets import Dataset
+    from transformers import CohereConfig, CohereForCausalLM
+
+    torch.manual_seed(0)
+    model = CohereForCausalLM(CohereConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, logit_scale=0.25, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0)).double()
+    rows = lm_dataset(4, seed=1).to_dict()
+    rows["labels"] = [[-100] * len(r) for r in rows["labels"]]
+    trainer = DPTrainer(model=model, train_dataset=Dataset.from_dict(rows),
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+    with pytest.raises(ValueError, match="differs from the loss of the model's own forward"):
+        trainer.train()
+    assert trainer.accountant.steps == 0

@@ -535,3 +535,53 @@ def test_causal_head_with_another_loss_is_refused():
     model = XLMWithLMHeadModel(XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2))
     with pytest.raises(ValueError, match="XLMWithLMHeadModel's own loss is not"):
         default_per_example_loss(model)
+
+
+# ---------------------------------------------------------------------- checked at the first step, on every model
+def _llama_with_an_extra_loss_term():
+    """A causal LM whose own loss adds a term hf_dp's default causal-LM loss does not know (like a z-loss or an
+    auxiliary loss a custom model adds): the plain Trainer would train loss + 50·mean(logits²)."""
+    from helpers import tiny_llama
+    from transformers import LlamaForCausalLM
+
+    class ExtraTermLlamaForCausalLM(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+            if out.loss is not None:
+                out.loss = out.loss + 50 * out.logits.float().pow(2).mean()
+            return out
+
+    torch.manual_seed(0)
+    model = ExtraTermLlamaForCausalLM(tiny_llama().config)
+    return model
+
+
+def test_a_model_whose_own_loss_differs_from_the_default_is_refused_before_any_release(tmp_path):
+    """The first-step check compares hf_dp's default per-example loss with the model's own loss on one example
+    alone, whatever the architecture: a mismatch is refused, naming the fix, before anything is released."""
+    from helpers import lm_dataset
+
+    model = _llama_with_an_extra_loss_term()
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    trainer = DPTrainer(model=model, train_dataset=lm_dataset(4, seed=1), args=dp_args(tmp_path, 2, 1, 1.0))
+    with pytest.raises(ValueError, match="differs from the loss the model's own forward returns"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for k, p in model.named_parameters():
+        assert torch.equal(p, before[k]), k
+
+
+def test_a_loss_of_your_own_that_reproduces_the_models_loss_is_not_compared(tmp_path):
+    """With ``per_example_loss=`` the user states the objective: no comparison (a custom loss need not be the
+    model's), and training runs."""
+    from helpers import lm_dataset
+
+    from hf_dp import causal_lm_loss
+
+    def with_term(outputs, labels):
+        return causal_lm_loss(outputs, labels) + 50 * outputs.logits.float().pow(2).mean((1, 2))
+
+    trainer = DPTrainer(model=_llama_with_an_extra_loss_term(), train_dataset=lm_dataset(4, seed=1),
+                        args=dp_args(tmp_path, 2, 1, 1.0), per_example_loss=with_term)
+    trainer.train()
+    assert trainer.accountant.steps == 1

@@ -435,3 +435,15 @@ def test_two_processes_packed_identical_exact_and_noised_once(tmp_path):
         assert torch.equal(noisy[0][k], noisy[1][k]), k
     noise = torch.cat([(noisy[0][k] - clean[0][k]).reshape(-1) for k in clean[0]])
     assert abs(float(noise.std()) / (sigma * clip / n) - 1) < 0.05  # once, not sqrt(world_size) times
+
+
+def test_packed_loss_survives_a_rebuild_of_the_clipping(tmp_path):
+    """A parameter unfrozen between construction and train() rebuilds the clipping; DP-SFT's default loss (per packed
+    example) is chosen again, not DPTrainer's per-row loss (which cannot take ``segments=``)."""
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    model.model.norm.weight.requires_grad_(False)
+    trainer = make_sft_trainer(model, sft_dataset("messages"), sft_args(tmp_path, packing=True))
+    model.model.norm.weight.requires_grad_(True)
+    trainer.train()
+    assert trainer.per_example_loss.__name__ == "causal_lm_segment_loss" and trainer.accountant.steps == 1
