@@ -31,6 +31,10 @@ MODES = ["flat", "per_layer", "adaptive_per_layer"]
 
 
 def ckpt_args(tmp_path, c: float, clipping: str, reentrant: bool, per_device: int = 3, ga: int = 2, **kw):
+    """Flat clipping here is book-keeping (``flat_clipping_passes="one"``; "auto" would take two passes under
+    checkpointing, tested in ``test_two_pass.py``)."""
+    if clipping == "flat":
+        kw.setdefault("flat_clipping_passes", "one")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return DPTrainingArguments(
