@@ -76,13 +76,13 @@ class DPTrainingArguments(TrainingArguments):
             γ > 0 of automatic clipping: the stability constant in C/(‖g‖ + γ); the smaller γ, the closer every
             scaled gradient's norm is to C (a gradient with ‖g‖ ≪ γ gets norm ≈ C‖g‖/γ ≪ C).
         flat_clipping_passes (`str`, defaults to `"auto"`):
-            How flat clipping forms the clipped sum on one process: `"one"`, book-keeping (one forward and backward;
+            How flat clipping forms the clipped sum (one device, DDP): `"one"`, book-keeping (one forward and backward;
             every layer's input and output gradient kept to the end of the backward); `"two"`, two passes (Li et al.
             2022, §4): per-example norms in the recorded backward, each layer's factors dropped as soon as its norm is
             computed, then a second forward (same dropout masks) and an ordinary backward of Σ c_i L_i — about one
             more forward and backward, but activation checkpointing keeps its memory saving; `"auto"`: `"two"` when
             activation checkpointing is on (`gradient_checkpointing=True` or the model's `is_gradient_checkpointing`),
-            else `"one"`. Under DDP flat clipping stays one-pass (`"two"` is refused); FSDP is always two-pass.
+            else `"one"`. The same under DDP; FSDP is always two-pass (`"one"` is refused there).
             Only for `clipping="flat"` (per-layer modes clip inside the backward already).
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
@@ -177,7 +177,7 @@ class DPTrainingArguments(TrainingArguments):
     )
     flat_clipping_passes: str = field(
         default="auto",
-        metadata={"help": f"One of {FLAT_CLIPPING_PASSES}, for clipping='flat' on one process: 'one' book-keeping "
+        metadata={"help": f"One of {FLAT_CLIPPING_PASSES}, for clipping='flat' (one device or DDP): 'one' book-keeping "
                           "(factors kept to the end of the backward), 'two' norms then a second forward and backward "
                           "of the reweighted loss (keeps activation checkpointing's memory saving, costs about one "
                           "more forward and backward), 'auto' two with activation checkpointing on, else one."},

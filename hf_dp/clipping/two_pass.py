@@ -1,4 +1,4 @@
-"""Flat clipping in two passes on one process: norms in pass 1, the clipped sum from an ordinary backward in pass 2.
+"""Flat clipping in two passes (one device, DDP): norms in pass 1, the clipped sum from an ordinary backward in pass 2.
 
 Flat clipping's factor ``c_i = min(1, C/‖g_i‖)`` needs every layer's norm contribution, so book-keeping (Bu et al. 2023;
 ``clipping/local.py``) keeps every layer's factors — its input ``a`` and output gradient ``g`` — to the end of the
@@ -52,19 +52,14 @@ def checkpointing_on(args: Any, model: nn.Module) -> bool:
 
 def flat_clipping_passes(args: Any, model: nn.Module) -> int:
     """1 or 2: how the local step clips a flat-clipping micro-batch (read at each micro-batch: checkpointing may be
-    turned on after the trainer is built). ``"auto"``: 2 with activation checkpointing on (:func:`checkpointing_on`)
-    on one process, else 1. Under DDP the run keeps book-keeping; ``"two"`` is refused there."""
+    turned on after the trainer is built). ``"auto"``: 2 with activation checkpointing on (:func:`checkpointing_on`),
+    else 1. Under DDP as on one process: the DP step runs the unwrapped model, so DDP's reducer, armed only by the
+    wrapper's forward, reduces nothing in pass 2; each rank's sum goes into the step's one noised all-reduce
+    (``privatize``; tested with two processes in ``tests/trl_trainers/test_sft.py``)."""
     choice = getattr(args, "flat_clipping_passes", "auto")
-    distributed = int(getattr(args, "world_size", 1) or 1) > 1
-    if choice == "two" and distributed:
-        raise ValueError(
-            "flat_clipping_passes='two' runs on one process only for now: pass 2 is an ordinary backward into the "
-            "parameters' .grad, which has not been made and tested to bypass DDP's gradient all-reduce. Under DDP use "
-            "flat_clipping_passes='auto' or 'one' (book-keeping, factors kept to the end of the backward), or "
-            "clipping='per_layer', which clips inside the backward and keeps activation checkpointing's saving.")
     if choice == "two":
         return 2
-    if choice == "one" or distributed:
+    if choice == "one":
         return 1
     return 2 if checkpointing_on(args, model) else 1
 
