@@ -221,6 +221,36 @@ def test_dp_sft_packed_two_pass_exact(tmp_path):
         torch.testing.assert_close(update[n], expected[n], rtol=1e-5, atol=1e-8, msg=n)
 
 
+@pytest.mark.parametrize("unit", ["row", "user-mean"])
+def test_dpo_pairs_two_pass_equal_one_pass(tmp_path, monkeypatch, unit):
+    """Preference rows (a pair's two sequences at i and B + i, one unit; ``StepPieces.unit_layout``,
+    ``rows_per_example=2``), per row and per user (ann's two rows one unit): the two-pass update equals book-keeping's
+    (which tests/trl_trainers/test_dpo.py holds to trl's loss on one row), and the logged loss is the same."""
+    pytest.importorskip("trl")
+    from helpers.preference import dpo_args, make_dpo_trainer, pairs
+
+    kw = dict(privacy_unit="user", user_id_column="user", user_contribution="mean") if unit != "row" else {}
+    updates, losses = [], []
+    for passes in ("one", "two"):
+        torch.manual_seed(0)
+        model = tiny_llama().double()
+        data = pairs(4, users=["ann", "bob", "ann", "cat"]) if kw else pairs(4)
+        args = dpo_args(tmp_path / passes, per_device=3 if kw else 2, ga=1 if kw else 2, flat_clipping_passes=passes,
+                        per_sample_max_grad_norm=0.05, **kw)
+        trainer = make_dpo_trainer(model, data, args)
+        counter = PassCounter(monkeypatch)
+        before = {k: p.detach().clone() for k, p in model.named_parameters()}
+        trainer.train()
+        assert (counter.calls > 0) == (passes == "two")
+        updates.append({k: before[k] - p.detach() for k, p in model.named_parameters()})
+        losses.append(trainer.state.log_history[-1]["train_loss"])
+    for k in updates[0]:
+        assert updates[0][k].abs().max() > 0, k
+        atol = 1e-6 * float(updates[0][k].abs().max())
+        torch.testing.assert_close(updates[1][k], updates[0][k], rtol=1e-6, atol=atol, msg=k)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+
+
 def _llama(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
