@@ -12,17 +12,18 @@ import warnings
 import weakref
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from helpers import (
-    AUTHORS,
+    automatic_clipped_sum,
     dp_args,
     example_norms,
     flat_clipped_sum,
     lm_dataset,
+    lora_llama,
     make_sft_trainer,
     per_example_grads,
+    sampled_users,
     sft_args,
     sft_dataset,
     sft_dp_update,
@@ -30,6 +31,7 @@ from helpers import (
     tiny_llama,
     user_args,
     user_data,
+    user_gradients,
 )
 from helpers.neighbours import C, assert_neighbours_within_c, neighbour_args, params, regression_data, regression_model
 
@@ -77,16 +79,6 @@ def one_step(model, data, tmp_path, expected: dict, n: int, per_device: int, ga:
     return trainer
 
 
-def automatic_sum(grads, max_norm: float, gamma: float) -> dict[str, torch.Tensor]:
-    """Σ_i C / (‖g_i‖ + γ) · g_i (Bu et al. 2023), one norm over all parameters."""
-    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for g in grads:
-        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in g.values()))
-        for n in total:
-            total[n] += max_norm / (norm + gamma) * g[n]
-    return total
-
-
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)
 def test_llama_two_pass_exact(tmp_path, monkeypatch, checkpointing):
     """Full fine-tuning, gradient accumulation (2 chunks of 3): exact against the oracle, with checkpointing on
@@ -104,16 +96,8 @@ def test_llama_two_pass_exact(tmp_path, monkeypatch, checkpointing):
 
 @pytest.mark.parametrize("checkpointing", ["nonreentrant", "reentrant"])
 def test_lora_two_pass_exact(tmp_path, checkpointing):
-    from peft import LoraConfig, TaskType, get_peft_model
-
     torch.manual_seed(2)
-    model = get_peft_model(tiny_llama().double(), LoraConfig(
-        task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]))
-    with torch.no_grad():  # LoRA's B starts at 0 (A would get no gradient): randomise it
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.5)
+    model = lora_llama(tiny_llama().double())
     data = lm_dataset(6, seed=2)
     grads = per_example_grads(model, data, list(range(6)))
     c = sorted(example_norms(grads))[3]
@@ -126,28 +110,21 @@ def test_gpt2_tied_automatic_clipping_two_pass_exact(tmp_path):
     model = tiny_gpt2(tied=True).double()
     data = lm_dataset(6, seed=1)
     grads = per_example_grads(model, data, list(range(6)))
-    one_step(model, data, tmp_path, automatic_sum(grads, 0.5, 0.05), 6, 3, 2, 0.5, clipping_function="automatic",
-             automatic_clipping_gamma=0.05, **ckpt_kw("nonreentrant"))
+    one_step(model, data, tmp_path, automatic_clipped_sum(grads, 0.5, 0.05), 6, 3, 2, 0.5,
+             clipping_function="automatic", automatic_clipping_gamma=0.05, **ckpt_kw("nonreentrant"))
 
 
 @pytest.mark.parametrize("contribution", ["mean", "sum"])
 def test_user_level_two_pass_exact(tmp_path, monkeypatch, contribution):
     """User-level DP: each user's (weighted) sum clipped as one unit; pass 2's loss is Σ_i c_{u(i)} w_i L_i."""
-    from hf_dp.sampling import PoissonUserSampler
-
     torch.manual_seed(0)
-    data = user_data()
     model = tiny_gpt2().double()
-    users = np.unique(AUTHORS, return_inverse=True)[1]
-    indices = next(iter(PoissonUserSampler(users, 0.6, steps_per_epoch=2, num_chunks=1, seed=5)))
-    owners = [AUTHORS[i] for i in indices]
+    indices, owners = sampled_users()
+    data = user_data()
     grads = per_example_grads(model, data, indices)
     max_norm = sorted(example_norms(grads))[len(indices) // 2] / 2
     expected = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for user in sorted(set(owners)):
-        mine = [g for g, o in zip(grads, owners) if o == user]
-        w = 1.0 / len(mine) if contribution == "mean" else 1.0
-        g_u = {n: w * sum(g[n] for g in mine) for n in expected}
+    for g_u in user_gradients(grads, owners, contribution):
         factor = min(1.0, max_norm / (math.sqrt(sum(float(t.pow(2).sum()) for t in g_u.values())) + 1e-6))
         for n in expected:
             expected[n] += factor * g_u[n]
