@@ -4,7 +4,9 @@ For each chunk of a logical step (Abadi et al. 2016, Alg. 1; Li et al. 2022, §4
 micro-batches of at most ``per_device_train_batch_size`` examples (memory only), one forward and one backward of
 ``Σ_i L_i`` give every example's gradient norm and the clipped sum ``Σ_i c_i g_i`` (``clipping/engine.py``): flat
 clipping computes the factors after the backward from the per-layer norms, per-layer/group-wise clipping (He et al.
-2023) applies them inside it (:meth:`ClippingEngine.set_fused_groups`). At the step's last chunk the sum is noised
+2023) applies them inside it (:meth:`ClippingEngine.set_fused_groups`). Flat clipping may instead run two passes
+(``clipping/two_pass.py``, ``flat_clipping_passes``; by default with activation checkpointing on): norms only in the
+recorded backward, then a second forward and a backward of ``Σ_u c_u L_u``. At the step's last chunk the sum is noised
 once and divided by the expected batch size (``noise.py``; the noise is all-reduced once under DDP), written to
 ``.grad``, and the accountant records the step.
 """
