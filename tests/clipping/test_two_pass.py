@@ -161,6 +161,27 @@ def test_neighbours_within_c_two_pass(tmp_path):
     assert_neighbours_within_c(tmp_path, flat_clipping_passes="two", gradient_checkpointing=True)
 
 
+def test_an_exception_in_pass_two_discards_the_step(tmp_path, monkeypatch):
+    """The atomic step (DESIGN invariant 11): pass 2 raises after its backward wrote ``.grad`` (the accumulator):
+    the step is discarded — no clipped sum held, no ``.grad`` left, nothing counted."""
+    real = two_pass.backward_clipped_loss
+
+    def raising(*args, **kwargs):
+        real(*args, **kwargs)
+        raise RuntimeError("interrupted in pass 2")
+
+    monkeypatch.setattr(two_pass, "backward_clipped_loss", raising)
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 3, 2, 1.0, flat_clipping_passes="two"),
+                        train_dataset=lm_dataset(6, seed=4))
+    with pytest.raises(RuntimeError, match="interrupted in pass 2"):
+        trainer.train()
+    assert not trainer.clipping_engine.summed_grads and not trainer._dp_step.has_partial_step()
+    assert all(p.grad is None for p in model.parameters())
+    assert trainer.accountant.steps == 0
+
+
 def test_dropout_pass_two_draws_pass_one_masks(tmp_path):
     """With dropout on, pass 2's forward draws the masks pass 1 drew (the random state is restored): the two-pass
     update equals the one-pass update, and the random state after the step is the same."""
