@@ -99,7 +99,9 @@ class LocalDPStep(DPStep):
         norms only in the recorded backward, then a second forward and backward of ``Σ_u c_u L_u``."""
         pc = self.pieces
         args, hooks, engine = pc.args, pc.hooks, self.engine
-        random_state = RandomState(args.device) if passes == 2 else None  # pass 2 draws what pass 1 drew (dropout)
+        random_state = None  # pass 2 draws what pass 1 drew (dropout masks)
+        if passes == 2:
+            random_state = RandomState({args.device, *(p.device for p in engine.params.values())})
         with hooks.loss_context(), engine.record(labels.shape[0], units=units, unit_weights=weights,
                                                  segments=segments), engine.norms_only(passes == 2):
             # (no reference to the outputs is kept: the logits are freed during the backward pass)

@@ -30,6 +30,7 @@ Which path a run takes: :func:`flat_clipping_passes` (``DPTrainingArguments.flat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -65,20 +66,23 @@ def flat_clipping_passes(args: Any, model: nn.Module) -> int:
 
 
 class RandomState:
-    """The random state of the CPU and of ``device`` (an accelerator) when made; :meth:`restore` puts it back, so that
-    a second forward draws what the first drew (dropout masks)."""
+    """The random state of the CPU and of each accelerator among ``devices`` (those of the model's parameters and the
+    run's device: a model placed over several GPUs draws dropout masks on each) when made; :meth:`restore` puts it
+    back, so that a second forward draws what the first drew (as ``torch.utils.checkpoint`` does for its recompute)."""
 
-    def __init__(self, device: torch.device | str | None):
+    def __init__(self, devices: Iterable[torch.device | str]):
         self.cpu = torch.get_rng_state()
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        self.device = device if device.type not in ("cpu", "meta") else None
-        self.module = torch.get_device_module(device.type) if self.device is not None else None
-        self.accelerator = self.module.get_rng_state(self.device) if self.module is not None else None
+        self.accelerators = []
+        for device in {torch.device(d) for d in devices}:
+            if device.type in ("cpu", "meta"):
+                continue
+            module = torch.get_device_module(device.type)
+            self.accelerators.append((module, device, module.get_rng_state(device)))
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
-        if self.module is not None:
-            self.module.set_rng_state(self.accelerator, self.device)
+        for module, device, state in self.accelerators:
+            module.set_rng_state(state, device)
 
 
 def backward_clipped_loss(losses: torch.Tensor, factors: torch.Tensor, scale: float = 1.0) -> None:
