@@ -142,9 +142,10 @@ def build_trainer(args: argparse.Namespace, mode: str, model, data, outdir: str,
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        passes = {"flat_clipping_passes": args.flat_clipping_passes} if mode == "flat" else {}
         dp = DPTrainingArguments(**common, noise_multiplier=1.0, per_sample_max_grad_norm=1.0, clipping=mode,
                                  poisson_sampling=False, dp_self_check=False, target_delta=1e-5,
-                                 lm_loss_chunk_size=args.lm_loss_chunk_size)
+                                 lm_loss_chunk_size=args.lm_loss_chunk_size, **passes)
     return DPTrainer(model=model, args=dp, train_dataset=data)
 
 
@@ -152,6 +153,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     out: dict[str, Any] = {"mode": args.mode, "variant": args.variant, "checkpointing": args.checkpointing,
                            "seq_len": args.seq_len, "batch_size": args.batch_size}
+    if args.mode == "flat":
+        out["flat_clipping_passes"] = args.flat_clipping_passes
     tracker = LiveTensorBytes() if device.type == "cpu" else None
     try:
         with tracker or contextlib.nullcontext(), tempfile.TemporaryDirectory() as tmp:
@@ -189,7 +192,8 @@ def run_cell(args: argparse.Namespace, mode: str, variant: str, checkpointing: b
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode, "--variant", variant,
            "--seq-len", str(seq_len), "--device", args.device, "--layers", str(args.layers), "--width",
            str(args.width), "--heads", str(args.heads), "--vocab", str(args.vocab), "--batch-size",
-           str(batch_size or args.batch_size)] + (["--checkpointing"] if checkpointing else []) + (
+           str(batch_size or args.batch_size), "--flat-clipping-passes", args.flat_clipping_passes] + (
+               ["--checkpointing"] if checkpointing else []) + (
         ["--lm-loss-chunk-size", str(args.lm_loss_chunk_size)] if args.lm_loss_chunk_size else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -260,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--checkpointing-options", nargs="+", choices=["off", "on"], default=["off", "on"])
     p.add_argument("--seq-lens", nargs="+", type=int, default=None)
+    p.add_argument("--flat-clipping-passes", choices=["auto", "one", "two"], default="auto",
+                   help="DPTrainingArguments.flat_clipping_passes of the flat cells (auto: two with checkpointing)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)

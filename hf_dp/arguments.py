@@ -15,6 +15,7 @@ import torch
 from transformers import TrainingArguments
 
 from .clipping.modes import ADAPTIVE_AUTOMATIC_REFUSAL, CLIPPING_FUNCTIONS
+from .clipping.two_pass import FLAT_CLIPPING_PASSES
 from .guarantee import check_noise_std
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,15 @@ class DPTrainingArguments(TrainingArguments):
             head's per-example norm includes the cross terms between chunks) and checked against the model's own
             loss before the first update. DP-SFT packed or not. Not under FSDP or with a prompt-learning adapter.
             Default: off.
+        flat_clipping_passes (`str`, defaults to `"auto"`):
+            How flat clipping forms the clipped sum (one device, DDP): `"one"`, book-keeping (one forward and backward;
+            every layer's input and output gradient kept to the end of the backward); `"two"`, two passes (Li et al.
+            2022, §4): per-example norms in the recorded backward, each layer's factors dropped as soon as its norm is
+            computed, then a second forward (same dropout masks) and an ordinary backward of Σ c_i L_i — about one
+            more forward and backward, but activation checkpointing keeps its memory saving; `"auto"`: `"two"` when
+            activation checkpointing is on (`gradient_checkpointing=True` or the model's `is_gradient_checkpointing`),
+            else `"one"`. The same under DDP; FSDP is always two-pass (`"one"` is refused there).
+            Only for `clipping="flat"` (per-layer modes clip inside the backward already).
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over
             groups (`global`: same std everywhere; `equal_budget`: std ∝ C_k; `weighted`: std ∝ C_k/√d_k; §3.3).
@@ -171,6 +181,13 @@ class DPTrainingArguments(TrainingArguments):
     )
     automatic_clipping_gamma: float = field(
         default=0.01, metadata={"help": "γ > 0 of automatic clipping's C/(‖g‖+γ)."}
+    )
+    flat_clipping_passes: str = field(
+        default="auto",
+        metadata={"help": f"One of {FLAT_CLIPPING_PASSES}, for clipping='flat' (one device or DDP): 'one' book-keeping "
+                          "(factors kept to the end of the backward), 'two' norms then a second forward and backward "
+                          "of the reweighted loss (keeps activation checkpointing's memory saving, costs about one "
+                          "more forward and backward), 'auto' two with activation checkpointing on, else one."},
     )
     clipping_groups: list[str] | None = field(
         default=None,
@@ -332,6 +349,14 @@ class DPTrainingArguments(TrainingArguments):
             raise ValueError(ADAPTIVE_AUTOMATIC_REFUSAL)
         if not self.automatic_clipping_gamma > 0:
             raise ValueError(f"automatic_clipping_gamma (γ) must be > 0, got {self.automatic_clipping_gamma}.")
+        if self.flat_clipping_passes not in FLAT_CLIPPING_PASSES:
+            raise ValueError(f"flat_clipping_passes must be one of {FLAT_CLIPPING_PASSES}, got "
+                             f"{self.flat_clipping_passes!r}.")
+        if self.flat_clipping_passes != "auto" and self.clipping != "flat":
+            raise ValueError(
+                f"flat_clipping_passes={self.flat_clipping_passes!r} applies to clipping='flat' only; clipping="
+                f"{self.clipping!r} clips each group inside the backward pass (one pass, its factors freed as it "
+                "goes). Leave flat_clipping_passes='auto'.")
         if not self.dp_adam_bc_epsilon > 0:
             raise ValueError(f"dp_adam_bc_epsilon (γ′) must be > 0, got {self.dp_adam_bc_epsilon}.")
         if self.lm_loss_chunk_size is not None and (isinstance(self.lm_loss_chunk_size, bool)

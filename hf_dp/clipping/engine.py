@@ -237,6 +237,19 @@ class ClippingEngine:
         """The clipped sums accumulated since the last call (zeros for untouched parameters); resets them."""
         return self._sums.pop_summed_grads()
 
+    @contextlib.contextmanager
+    def norms_only(self, on: bool = True) -> Iterator[None]:
+        """Inside it (with ``on``), each group's per-example norms are computed as its gradient arrives and its
+        factors are dropped right after (flat two-pass clipping's pass 1, ``clipping/two_pass.py``):
+        :meth:`per_example_norms_sq` returns the norms and :meth:`accumulate_clipped` has nothing left to add. Needs
+        the groups of :meth:`set_fused_groups` (flat clipping sets them with no handler); without groups the norms
+        are computed when the backward ends, from factors kept until then."""
+        before, self._sums.norms_only = self._sums.norms_only, bool(on) or self._sums.norms_only
+        try:
+            yield
+        finally:
+            self._sums.norms_only = before
+
     # ------------------------------------------------------------------ clipping fused into back-propagation
     def set_fused_groups(self, groups: list[list[str]] | None, handler: GroupHandler | None) -> None:
         """Clip group by group *during* the backward pass (He et al. 2023, §3.1).

@@ -48,6 +48,7 @@ from .modes import flat_clip_factors
 from .recorder import Recorder
 from .rules import Rule
 from .step import INDEX_KEY, DPStep, StepPieces, slice_batch
+from .two_pass import backward_clipped_loss
 
 __all__ = ["FSDPClippingEngine", "FSDPFlatClipping", "check_fsdp_supported", "fsdp_requested"]
 
@@ -82,6 +83,12 @@ def check_fsdp_supported(plugin: Any, args: Any) -> None:
             "adaptive and group-wise clipping need whole parameters on each rank. Use multi-process DDP "
             "(`accelerate launch --multi_gpu`) for them, and clipping='per_device' for model-parallel placement "
             "(a model placed across devices with device_map)."
+        )
+    if getattr(args, "flat_clipping_passes", "auto") == "one":
+        raise ValueError(
+            "Under FSDP, flat clipping is always two-pass (norms, then a backward of the reweighted loss: "
+            "clipping/fsdp.py); flat_clipping_passes='one' (book-keeping on whole parameters) is not available. "
+            "Leave flat_clipping_passes='auto'."
         )
     if args.privacy_unit != "example":
         raise ValueError(
@@ -373,10 +380,8 @@ class FSDPFlatClipping(DPStep):
                 out[keep] = losses.detach()
         else:
             out = losses.detach()
-        if losses.requires_grad:
-            dtype = torch.promote_types(losses.dtype, torch.float32)
-            scale = pc.args.world_size / pc.mechanism.expected_batch_size  # FSDP averages over ranks: × W gives the sum
-            ((losses.to(dtype) * factors.to(dtype)).sum() * scale).backward()
+        scale = pc.args.world_size / pc.mechanism.expected_batch_size  # FSDP averages over ranks: × W gives the sum
+        backward_clipped_loss(losses, factors, scale)
         return out
 
     def finish_step(self, model: nn.Module) -> None:

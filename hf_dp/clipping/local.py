@@ -4,7 +4,9 @@ For each chunk of a logical step (Abadi et al. 2016, Alg. 1; Li et al. 2022, §4
 micro-batches of at most ``per_device_train_batch_size`` examples (memory only), one forward and one backward of
 ``Σ_i L_i`` give every example's gradient norm and the clipped sum ``Σ_i c_i g_i`` (``clipping/engine.py``): flat
 clipping computes the factors after the backward from the per-layer norms, per-layer/group-wise clipping (He et al.
-2023) applies them inside it (:meth:`ClippingEngine.set_fused_groups`). At the step's last chunk the sum is noised
+2023) applies them inside it (:meth:`ClippingEngine.set_fused_groups`). Flat clipping may instead run two passes
+(``clipping/two_pass.py``, ``flat_clipping_passes``; by default with activation checkpointing on): norms only in the
+recorded backward, then a second forward and a backward of ``Σ_u c_u L_u``. At the step's last chunk the sum is noised
 once and divided by the expected batch size (``noise.py``; the noise is all-reduced once under DDP), written to
 ``.grad``, and the accountant records the step.
 """
@@ -21,6 +23,7 @@ from ..peft_support import adapter_advice
 from .engine import ClippingEngine, train_without_dropout
 from .modes import flat_clip_factors
 from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
+from .two_pass import RandomState, clipped_backward, flat_clipping_passes
 
 __all__ = ["LocalDPStep", "first_step_check", "unit_layout"]
 
@@ -73,26 +76,8 @@ class LocalDPStep(DPStep):
                                   else pc.unit_layout(micro_units))
                 if units is not None:
                     units, weights = units.to(labels.device), None if weights is None else weights.to(labels.device)
-                with hooks.loss_context(), engine.record(rows, units=units, unit_weights=weights, segments=segments):
-                    # (no reference to the outputs is kept: the logits are freed during the backward pass)
-                    losses = hooks.example_losses(net, micro, micro_labels,
-                                                  **({} if segments is None else {"segments": segments}))
-                    if losses.shape != (b,):
-                        raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
-                    if losses.requires_grad:
-                        losses.sum().backward()
-                    losses = losses.detach()
-                bad = ~torch.isfinite(losses)  # non-finite examples get factor 0 (clip_factors_from_norms)
-                if pc.group_clipper is None:
-                    norms_sq = engine.per_example_norms_sq()  # per user with user-level units
-                    n_units = b if units is None else int(units.max()) + 1
-                    factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units,
-                                                args.clipping_function, args.automatic_clipping_gamma)
-                    engine.accumulate_clipped(factors.to(losses.device))
-                    zero = (factors == 0).to(losses.device)
-                    bad = bad | (zero if units is None else zero[units])
-                else:
-                    engine.finish_fused()  # groups were clipped during the backward pass
+                passes = 1 if pc.group_clipper is not None else flat_clipping_passes(args, net)
+                losses, bad = self._clip_micro(net, micro, micro_labels, segments, units, weights, b, passes)
                 if pc.rows_per_example > 1:  # an example of k model rows (a preference pair) is counted once
                     bad, losses = (t.view(pc.rows_per_example, -1) for t in (bad, losses))
                     bad, losses = bad.any(0), losses.sum(0)
@@ -104,6 +89,51 @@ class LocalDPStep(DPStep):
         if hooks.sync_gradients():
             self.finish_step(model)
         return loss_sum / self._local_expected()
+
+    def _clip_micro(self, net: nn.Module, micro: dict, labels: torch.Tensor, segments: torch.Tensor | None,
+                    units: torch.Tensor | None, weights: torch.Tensor | None, b: int, passes: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip one micro-batch of ``b`` examples into the step's sums; returns its per-example losses (detached)
+        and which examples got factor 0 for a non-finite loss or norm. ``passes``: 1, book-keeping (flat: factors
+        kept to the end of the backward; per-layer: clipped inside it); 2, flat two-pass (``clipping/two_pass.py``):
+        norms only in the recorded backward, then a second forward and backward of ``Σ_u c_u L_u``."""
+        pc = self.pieces
+        args, hooks, engine = pc.args, pc.hooks, self.engine
+        random_state = None  # pass 2 draws what pass 1 drew (dropout masks)
+        if passes == 2:
+            random_state = RandomState({args.device, *(p.device for p in engine.params.values())})
+        with hooks.loss_context(), engine.record(labels.shape[0], units=units, unit_weights=weights,
+                                                 segments=segments), engine.norms_only(passes == 2):
+            # (no reference to the outputs is kept: the logits are freed during the backward pass)
+            losses = hooks.example_losses(net, micro, labels, **({} if segments is None else {"segments": segments}))
+            if losses.shape != (b,):
+                raise ValueError(f"per_example_loss must return shape ({b},), got {tuple(losses.shape)}.")
+            if losses.requires_grad:
+                losses.sum().backward()
+            losses = losses.detach()
+        bad = ~torch.isfinite(losses)  # non-finite examples get factor 0 (clip_factors_from_norms)
+        if pc.group_clipper is None:
+            norms_sq = engine.per_example_norms_sq()  # per user with user-level units
+            n_units = b if units is None else int(units.max()) + 1
+            factors = flat_clip_factors(norms_sq, args.per_sample_max_grad_norm, n_units,
+                                        args.clipping_function, args.automatic_clipping_gamma).to(losses.device)
+            zero = factors == 0
+            bad = bad | (zero if units is None else zero[units])
+            if passes == 1:
+                engine.accumulate_clipped(factors)
+            elif bool(bad.any()):
+                # 0 · NaN would poison pass 2's batched backward, and a packed row cannot always be cut: this
+                # micro-batch is clipped by book-keeping, from the same random state
+                engine.clear()
+                random_state.restore()
+                return self._clip_micro(net, micro, labels, segments, units, weights, b, 1)
+            else:
+                engine.clear()
+                clipped_backward(engine, hooks, net, micro, labels, segments, engine.unit_factors(factors),
+                                 random_state)
+        else:
+            engine.finish_fused()  # groups were clipped during the backward pass
+        return losses, bad
 
     def finish_step(self, model: nn.Module | None = None) -> None:
         """Noise once, divide by the expected batch size, write ``.grad``, record the step."""

@@ -38,6 +38,9 @@ class ClippedSums:
         self._groups: list[list[str]] | None = None
         self._handler: GroupHandler | None = None
         self._group_of: dict[str, int] = {}
+        #: flat two-pass clipping's pass 1 (``clipping/two_pass.py``): norms at arrival, every factor dropped once its
+        #: group's norms are computed (the clipped sum comes from a second backward, not from the factors)
+        self.norms_only = False
         self.clear()
 
     def clear(self) -> None:
@@ -178,14 +181,18 @@ class ClippedSums:
         # all their instantiations would be alive together.
         fused = sum(len(u) == 1 and u[0].kind == "dense" for u in stored.values()) <= 1
         deferred = self._handler is None
+        keep = deferred and not self.norms_only  # flat book-keeping keeps what the clipped sum needs
         grams = self._gram_cache if deferred else None  # flat: factors stay alive anyway (q/k/v share an input)
-        # Clipped right away (not deferred) with one dense parameter: its instantiation, if any, is dropped below before
-        # the next group's, so all groups share one buffer (norms._scratch_for). Kept instantiations (flat) get their
-        # own.
-        scratch = self._scratch if fused and not deferred else None
+        # Clipped right away (not deferred) with one dense parameter, or norms only: its instantiation, if any, is
+        # dropped below before the next group's, so all groups share one buffer (norms._scratch_for). Kept
+        # instantiations (flat book-keeping) get their own.
+        scratch = self._scratch if fused and not keep else None
         for n, uses in stored.items():
-            norms[n], insts[n] = self.norm_sq_of(n, uses, grams, fused=fused, memory_ratio=1 if deferred else 2,
+            norms[n], insts[n] = self.norm_sq_of(n, uses, grams, fused=fused, memory_ratio=1 if keep else 2,
                                                  scratch=scratch)
+        if deferred and not keep:  # flat two-pass clipping, pass 1: the norms only; the factors go now
+            self._early_norms.update(norms)
+            return
         if deferred:  # flat clipping: keep the norms and what the clipped sum needs (set_fused_groups)
             for n, uses in stored.items():
                 self._early_norms[n] = norms[n]

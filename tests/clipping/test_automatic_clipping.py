@@ -17,6 +17,7 @@ from helpers import (
     AUTHORS,
     adam_args,
     assert_updates_close,
+    automatic_clipped_sum,
     cls_dataset,
     dp_args,
     example_norms,
@@ -54,13 +55,8 @@ GAMMA = 0.01
 
 
 def automatic_sum(grads, max_norm: float, gamma: float = GAMMA) -> dict[str, torch.Tensor]:
-    """Σ_i C / (‖g_i‖ + γ) · g_i, one norm over all parameters."""
-    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
-    for g in grads:
-        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in g.values()))
-        for n in total:
-            total[n] += max_norm / (norm + gamma) * g[n]
-    return total
+    """Σ_i C / (‖g_i‖ + γ) · g_i, one norm over all parameters (``helpers.automatic_clipped_sum``)."""
+    return automatic_clipped_sum(grads, max_norm, gamma)
 
 
 def assert_update(model, before, expected, expected_batch):

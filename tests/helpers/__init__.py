@@ -49,6 +49,7 @@ from .models import (  # noqa: E402
     Out,
     Seq,
     Toy,
+    lora_llama,
     p_tuning,
     t5_frozen_bias,
     tiny_bert,
@@ -61,6 +62,7 @@ from .models import (  # noqa: E402
     toy_loss,
 )
 from .oracle import (  # noqa: E402
+    automatic_clipped_sum,
     example_norms,
     flat_clipped_sum,
     group_clipped_sum,
@@ -69,6 +71,7 @@ from .oracle import (  # noqa: E402
     per_example_grads,
     single_example_loss,
     sorted_norms,
+    user_gradients,
 )
 from .runs import (  # noqa: E402
     ATOL,
@@ -86,6 +89,7 @@ from .runs import (  # noqa: E402
     quick_dp_args,
     run_group_step,
     sampled_indices,
+    sampled_users,
     train_toy,
     user_args,
 )
@@ -100,5 +104,6 @@ __all__ = [
     "sft_dataset", "sft_distributed_dataset", "sft_dp_update", "sft_row_grads", "single_example_loss",
     "sorted_norms", "tiny_bert", "tiny_bert_mlm", "tiny_bert_token_classification", "tiny_gpt2", "tiny_llama",
     "tiny_roberta", "tiny_t5", "token_dataset", "turns", "user_args", "user_data", "LossOut", "Out", "Toy",
-    "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy",
+    "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients", "sampled_users",
+    "automatic_clipped_sum",
 ]

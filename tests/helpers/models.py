@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import (
     BertConfig,
@@ -44,6 +45,20 @@ def tiny_llama() -> LlamaForCausalLM:
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                       tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return LlamaForCausalLM(cfg)
+
+
+def lora_llama(model: nn.Module, targets: tuple[str, ...] = ("q_proj", "v_proj", "up_proj", "down_proj")):
+    """``model`` (a tiny Llama) with LoRA r = 4, α = 8, no dropout, on ``targets``; LoRA's B drawn from N(0, 0.5²)
+    (it starts at 0, so A would get no gradient). Seed before calling."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0,
+                                             target_modules=list(targets)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    return model
 
 
 def tiny_bert_mlm():

@@ -118,6 +118,29 @@ def flat_clipped_sum(grads: list[dict[str, torch.Tensor]], max_norm: float) -> d
     return total
 
 
+def user_gradients(grads: list[dict[str, torch.Tensor]], owners: list, contribution: str
+                   ) -> list[dict[str, torch.Tensor]]:
+    """Each user's gradient ``g_u = w Σ_{i∈u} g_i`` (users in sorted order; ``w = 1/n_u`` for ``"mean"``, 1 for
+    ``"sum"``): the unit that user-level DP clips."""
+    out = []
+    for user in sorted(set(owners)):
+        mine = [g for g, o in zip(grads, owners) if o == user]
+        w = 1.0 / len(mine) if contribution == "mean" else 1.0
+        out.append({n: w * sum(g[n] for g in mine) for n in grads[0]})
+    return out
+
+
+def automatic_clipped_sum(grads: list[dict[str, torch.Tensor]], max_norm: float, gamma: float
+                          ) -> dict[str, torch.Tensor]:
+    """Σ_i C / (‖g_i‖ + γ) · g_i, one norm over all parameters (automatic clipping, Bu et al. 2023, AUTO-S)."""
+    total = {n: torch.zeros_like(t) for n, t in grads[0].items()}
+    for g in grads:
+        norm = math.sqrt(sum(float(t.pow(2).sum()) for t in g.values()))
+        for n in total:
+            total[n] += max_norm / (norm + gamma) * g[n]
+    return total
+
+
 def group_clipped_sum(grads, groups: list[list[str]], thresholds: list[float]) -> dict[str, torch.Tensor]:
     """Σ_i Σ_k min(1, C_k / (‖g_{i,k}‖ + 1e-6)) g_{i,k}: group-wise clipping (He et al. 2023); flat clipping is one
     group with one threshold."""

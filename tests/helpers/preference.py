@@ -26,7 +26,13 @@ def pairs(n: int = 4, users: list[str] | None = None) -> Dataset:
 
 
 def dpo_args(tmp_path, per_device: int = 2, ga: int = 2, **kw):
+    """``DPDPOConfig`` for one exact step. Flat clipping is book-keeping (``flat_clipping_passes="one"``) unless
+    ``kw`` says otherwise: trl's checkpointing is on, under which "auto" takes two passes, whose backward rounds in the
+    float32 of Llama's RMSNorm (tests/clipping/test_two_pass.py tests DPO rows in two passes)."""
     from hf_dp import DPDPOConfig
+
+    if kw.get("clipping", "flat") == "flat":
+        kw.setdefault("flat_clipping_passes", "one")
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

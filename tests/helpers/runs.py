@@ -16,7 +16,7 @@ from torch import nn
 
 from hf_dp import ClippingEngine, DPTrainer, DPTrainingArguments, NotPrivateWarning, PoissonBatchSampler
 
-from .data import toy_rows
+from .data import AUTHORS, toy_rows
 from .models import Toy, toy_loss
 from .oracle import (
     example_norms,
@@ -86,6 +86,16 @@ def sampled_indices(n: int, q: float, ga: int, seed: int) -> list[int]:
     """The examples of the first step's Poisson draw for ``dp_seed=seed`` (the trainer's sampler, drawn again)."""
     sampler = PoissonBatchSampler(n, q, steps_per_epoch=1, num_chunks=ga, seed=seed)
     return [i for chunk in sampler for i in chunk]
+
+
+def sampled_users(q: float = 0.6, seed: int = 5) -> tuple[list[int], list[str]]:
+    """The rows of ``helpers.user_data`` in the first step's Poisson draw of users (the trainer's user sampler, drawn
+    again; ``user_args``' seed) and each row's author."""
+    from hf_dp.sampling import PoissonUserSampler
+
+    users = np.unique(AUTHORS, return_inverse=True)[1]
+    indices = next(iter(PoissonUserSampler(users, q, steps_per_epoch=2, num_chunks=1, seed=seed)))
+    return indices, [AUTHORS[i] for i in indices]
 
 
 def check_update(model, dataset, tmp_path, per_device: int, ga: int, clip_quantile: float = 0.5, seed: int = 3):
