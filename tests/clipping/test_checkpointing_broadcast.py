@@ -44,7 +44,7 @@ class _Calls:
 
 
 @pytest.mark.parametrize("ckpt", CKPT)
-@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+@pytest.mark.parametrize("clipping", ["flat", "flat_two_pass", "per_layer"])
 def test_t5_relative_bias_exact_under_checkpointing(tmp_path, clipping, ckpt):
     """T5's bias is computed in block 0 and returned to the next blocks. With reentrant checkpointing, block 0's first
     forward (no gradients) returned the (1, H, T, T) bias and its re-run the bias expanded per example, (B, H, T, T):
@@ -52,7 +52,11 @@ def test_t5_relative_bias_exact_under_checkpointing(tmp_path, clipping, ckpt):
     torch.manual_seed(0)
     model = _t5()
     calls = _Calls(model, model.encoder.block[1].layer[0].SelfAttention)
-    check_exact(model, seq2seq_dataset(4, seed=0), tmp_path, clipping=clipping, **_ckpt(ckpt))
+    # flat: book-keeping (exact to round-off) or two passes (pass 2 is T5's own backward: its layer norms compute
+    # their variance in float32 inside the float64 model, hence 1e-5)
+    passes = {"flat": dict(flat_clipping_passes="one"), "flat_two_pass": dict(flat_clipping_passes="two", rtol=1e-5)}
+    check_exact(model, seq2seq_dataset(4, seed=0), tmp_path, clipping=clipping.removesuffix("_two_pass"),
+                **passes.get(clipping, {}), **_ckpt(ckpt))
     assert calls.inner > calls.model  # the blocks were re-run in the backward
 
 
