@@ -105,6 +105,21 @@ def _tensors(obj, depth: int = 0):
 _SAVED = object()
 
 
+def _saved_inputs(ctx) -> tuple:
+    """``ctx.saved_tensors``, or, when the model modified a recorded input in place after the call (autograd's
+    version check), hf_dp's refusal naming the layer: its per-example gradient needs that input as it was."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as err:
+        if "modified by an inplace operation" not in str(err):
+            raise
+        raise UnsupportedLayerError(
+            f"{ctx.layer_name or 'a hooked layer'}: its input was modified in place after the call, and hf_dp needs "
+            "that input as it was to form each example's gradient of the layer. Make the in-place operation out of place "
+            "in the model, or freeze the layer's parameters (requires_grad_(False)) / train through a PEFT adapter. "
+            "Nothing was released.") from err
+
+
 class _RecordedCall(torch.autograd.Function):
     """Identity on a hooked layer's output ``x`` that saves the layer's input and hands it, with the gradient of
     ``x``, to ``on_grad(inp, grad)`` in the backward.
@@ -117,7 +132,8 @@ class _RecordedCall(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, watch, on_grad, stop, single, *inp):
+    def forward(ctx, x, watch, on_grad, stop, single, name, *inp):
+        ctx.layer_name = name
         ctx.save_for_backward(*[t for t in inp if isinstance(t, torch.Tensor)])
         ctx.others = [_SAVED if isinstance(t, torch.Tensor) else t for t in inp]  # non-tensor inputs (all_inputs)
         ctx.watch, ctx.on_grad, ctx.stop, ctx.single = watch, on_grad, stop, single
@@ -126,20 +142,20 @@ class _RecordedCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         ctx.watch.started = True
-        saved = iter(ctx.saved_tensors)  # under non-reentrant checkpointing: the recomputed input
+        saved = iter(_saved_inputs(ctx))  # under non-reentrant checkpointing: the recomputed input
         inp = [next(saved) if v is _SAVED else v for v in ctx.others]  # a None input stays None
         ctx.on_grad(inp[0] if ctx.single else tuple(inp), grad)
-        return (None if ctx.stop else grad, None, None, None, None, *([None] * len(ctx.others)))
+        return (None if ctx.stop else grad, None, None, None, None, None, *([None] * len(ctx.others)))
 
 
 def keep_input(output: torch.Tensor, inp, watch: BackwardWatch,
-               on_grad: Callable[[object, torch.Tensor], None]) -> torch.Tensor:
+               on_grad: Callable[[object, torch.Tensor], None], name: str = "") -> torch.Tensor:
     """The tensor the forward continues with in place of a hooked call's ``output`` (which must require grad):
     ``on_grad(inp, grad)`` is called once in the backward with the call's (detached) input ``inp`` — one tensor, or a
     tuple with ``Rule.all_inputs`` — and the gradient of ``output``, ``inp`` kept as a saved tensor of the graph."""
     single = not isinstance(inp, tuple)
     items = (inp,) if single else inp
-    return _RecordedCall.apply(output, watch, on_grad, output.grad_fn is None, single, *items)
+    return _RecordedCall.apply(output, watch, on_grad, output.grad_fn is None, single, name, *items)
 
 
 class _FallbackCall(torch.autograd.Function):
@@ -155,7 +171,8 @@ class _FallbackCall(torch.autograd.Function):
     recording (nothing upstream is trainable); its gradient is not passed on."""
 
     @staticmethod
-    def forward(ctx, watch, on_grads, stops, n_out, *tensors):
+    def forward(ctx, watch, on_grads, stops, n_out, name, *tensors):
+        ctx.layer_name = name
         ctx.save_for_backward(*tensors[n_out:])
         ctx.watch, ctx.on_grads, ctx.stops, ctx.n_in = watch, on_grads, stops, len(tensors) - n_out
         return tuple(t.clone() for t in tensors[:n_out])
@@ -163,19 +180,19 @@ class _FallbackCall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.watch.started = True
-        ctx.on_grads(ctx.saved_tensors, grads)  # under non-reentrant checkpointing: the recomputed inputs
+        ctx.on_grads(_saved_inputs(ctx), grads)  # under non-reentrant checkpointing: the recomputed inputs
         passed = [None if stop else g for g, stop in zip(grads, ctx.stops)]
-        return (None, None, None, None, *passed, *([None] * ctx.n_in))
+        return (None, None, None, None, None, *passed, *([None] * ctx.n_in))
 
 
 def keep_inputs(outs: list[torch.Tensor], inputs: list[torch.Tensor], watch: BackwardWatch,
-                on_grads: Callable[[tuple, tuple], None]) -> tuple[torch.Tensor, ...]:
+                on_grads: Callable[[tuple, tuple], None], name: str = "") -> tuple[torch.Tensor, ...]:
     """The tensors the forward continues with in place of a fallback module's float outputs ``outs``: copies, whose
     gradients ``grads`` reach ``on_grads(inputs, grads)`` once in the backward with ``inputs`` (detached tensors)
     kept as saved tensors of the graph (:class:`_FallbackCall`)."""
     stops = [not t.requires_grad for t in outs]
     outs = [t.detach().requires_grad_(True) if stop else t for t, stop in zip(outs, stops)]
-    return _FallbackCall.apply(watch, on_grads, stops, len(outs), *outs, *inputs)
+    return _FallbackCall.apply(watch, on_grads, stops, len(outs), name, *outs, *inputs)
 
 
 def recompute_layout(layouts: dict, module_id: int, calls: int, name: str):

@@ -373,7 +373,7 @@ class Recorder(BroadcastPoints):
 
             if not recompute:
                 self._sums.expect(owned)
-            return keep_input(output, inp, self._watch, grad_hook)
+            return keep_input(output, inp, self._watch, grad_hook, name)
 
         return hook
 
@@ -443,7 +443,7 @@ class Recorder(BroadcastPoints):
 
             if not recompute:
                 self._sums.expect(owned)
-            copies = keep_inputs([leaves[i] for i in floats], inputs, self._watch, grads_hook)
+            copies = keep_inputs([leaves[i] for i in floats], inputs, self._watch, grads_hook, name)
             for i, t in zip(floats, copies):
                 leaves[i] = t
             return tree_unflatten(leaves, spec)

@@ -304,3 +304,39 @@ def test_mixing_point_results_are_not_held_from_the_forward(checkpointing):
         expected = torch.stack([g[n].pow(2).sum() if n in g else torch.zeros((), dtype=torch.float64) for g in grads])
         torch.testing.assert_close(norms_sq.get(n, torch.zeros_like(expected)), expected, rtol=1e-8, atol=1e-12,
                                    msg=n)
+
+
+class _Weighted(torch.nn.Module):
+    """A layer without a rule (the generic fallback computes its per-example gradient by re-running it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, h):
+        return h * self.weight
+
+
+class _InPlaceAfter(torch.nn.Module):
+    """``h`` goes into a layer, then is modified in place: the layer's recorded input is no longer what it saw."""
+
+    def __init__(self, fallback: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).double()
+        self.inner = _Weighted() if fallback else torch.nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = self.inner(h)
+        h.mul_(2.0)
+        return y + h
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "ruled"])
+def test_an_input_modified_in_place_after_the_call_is_refused_by_name(tmp_path, fallback):
+    """The recorded input is a saved tensor of the graph: autograd's version check sees the in-place change, and hf_dp
+    refuses with the layer's name and the way out (not autograd's message), before anything is released."""
+    from helpers import train_toy
+
+    with pytest.raises(UnsupportedLayerError, match="inner.*modified in place after the call"):
+        train_toy(_InPlaceAfter(fallback), tmp_path)
