@@ -115,8 +115,8 @@ def _saved_inputs(ctx) -> tuple:
             raise
         raise UnsupportedLayerError(
             f"{ctx.layer_name or 'a hooked layer'}: its input was modified in place after the call, and hf_dp needs "
-            "that input as it was to form each example's gradient of the layer. Make the in-place operation out of place "
-            "in the model, or freeze the layer's parameters (requires_grad_(False)) / train through a PEFT adapter. "
+            "that input as it was to form each example's gradient of the layer. Make the in-place operation out of "
+            "place in the model, or freeze the layer's parameters (requires_grad_(False)) / train through a PEFT adapter. "
             "Nothing was released.") from err
 
 
