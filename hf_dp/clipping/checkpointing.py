@@ -116,8 +116,8 @@ def _saved_inputs(ctx) -> tuple:
         raise UnsupportedLayerError(
             f"{ctx.layer_name or 'a hooked layer'}: its input was modified in place after the call, and hf_dp needs "
             "that input as it was to form each example's gradient of the layer. Make the in-place operation out of "
-            "place in the model, or freeze the layer's parameters (requires_grad_(False)) / train through a PEFT adapter. "
-            "Nothing was released.") from err
+            "place in the model, or freeze the layer's parameters (requires_grad_(False)) / train through a PEFT "
+            "adapter. Nothing was released.") from err
 
 
 class _RecordedCall(torch.autograd.Function):
