@@ -16,6 +16,8 @@ import weakref
 import pytest
 import torch
 from helpers import (
+    CheckpointedBlocks,
+    FallbackGate,
     example_norms,
     flat_clipped_sum,
     group_clipped_sum,
@@ -200,17 +202,15 @@ def test_recorded_inputs_live_one_segment_at_a_time(checkpointing):
         assert max(during_backward) <= 1  # the block before has been clipped and freed
 
 
-class _Blocks(torch.nn.Module):
+class _Blocks(CheckpointedBlocks):
     """A model of the user's own: two blocks, each under ``torch.utils.checkpoint`` (no transformers involved);
     ``twice``: the block's first Linear is also applied to the tokens flattened to ``(B·T, d)`` rows."""
 
     def __init__(self, reentrant: bool | None, twice: bool = False):
-        super().__init__()
-        self.reentrant, self.twice = reentrant, twice
-        self.embed = torch.nn.Linear(3, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict(
-            {"a": torch.nn.Linear(8, 8), "norm": torch.nn.LayerNorm(8), "b": torch.nn.Linear(8, 8)}) for _ in range(2))
-        self.head = torch.nn.Linear(8, 1)
+        super().__init__(torch.nn.ModuleList(torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(8, 8), "norm": torch.nn.LayerNorm(8), "b": torch.nn.Linear(8, 8)}) for _ in range(2)),
+            reentrant)
+        self.twice = twice
 
     def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
         m = self.blocks[k]
@@ -218,13 +218,6 @@ class _Blocks(torch.nn.Module):
         if self.twice:
             y = y + m["a"](h.reshape(-1, h.shape[-1])).reshape(h.shape)
         return h + m["b"](torch.tanh(m["norm"](y)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3) -> per-example losses (B,)
-        h = self.embed(x)
-        for k in range(len(self.blocks)):
-            h = self.block(k, h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
-                self.block, k, h, use_reentrant=self.reentrant)
-        return self.head(h).pow(2).mean((1, 2))
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
@@ -392,20 +385,11 @@ class _SharedScaleBlocks(_Blocks):
 
     def __init__(self, reentrant: bool | None):
         super().__init__(reentrant)
-        self.gate = _Gate()
+        self.gate = FallbackGate()
 
     def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
         m = self.blocks[k]
         return h + m["b"](torch.tanh(m["norm"](self.gate(m["a"](h)))))
-
-
-class _Gate(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.s = torch.nn.Parameter(torch.randn(8))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.tanh(self.s) + torch.sin(h * self.s)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import VOCAB, check_exact, cls_dataset, dp_args, seq2seq_dataset
+from helpers import (
+    VOCAB,
+    CheckpointedBlocks,
+    FallbackGate,
+    check_exact,
+    cls_dataset,
+    dp_args,
+    loop_grads,
+    seq2seq_dataset,
+)
 
 from hf_dp import DPTrainer
 from hf_dp.clipping.engine import ClippingEngine, UnsupportedLayerError
@@ -135,39 +144,17 @@ def test_deberta_position_projections_exact_under_checkpointing(tmp_path, ckpt):
     assert calls.inner > calls.model
 
 
-class _Scale(torch.nn.Module):
-    """No rule covers ``s`` (not a weight/bias pair): the generic fallback re-runs it per example."""
-
-    def __init__(self):
-        super().__init__()
-        self.s = torch.nn.Parameter(torch.randn(8))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.tanh(self.s) + torch.sin(h * self.s)
-
-
-class _ScaledBlocks(torch.nn.Module):
+class _ScaledBlocks(CheckpointedBlocks):
     """Two blocks under the user's own ``torch.utils.checkpoint`` (``reentrant``: ``None`` for none), each with a
     fallback module whose input is a fresh activation of the block."""
 
     def __init__(self, reentrant: bool | None):
-        super().__init__()
-        self.reentrant = reentrant
-        self.embed = torch.nn.Linear(3, 8)
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "scale": _Scale()})
-                                          for _ in range(2))
-        self.head = torch.nn.Linear(8, 1)
+        super().__init__(torch.nn.ModuleList(torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(8, 8), "scale": FallbackGate()}) for _ in range(2)), reentrant)
 
     def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
         m = self.blocks[k]
         return h + m["scale"](m["a"](h))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 3) -> per-example losses (B,)
-        h = self.embed(x)
-        for k in range(len(self.blocks)):
-            h = self.block(k, h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
-                self.block, k, h, use_reentrant=self.reentrant)
-        return self.head(h).pow(2).mean((1, 2))
 
 
 @pytest.mark.parametrize("checkpointing", ["off", "nonreentrant", "reentrant"])
@@ -182,12 +169,7 @@ def test_fallback_inputs_are_the_recomputed_ones(checkpointing):
     torch.manual_seed(12)
     model = _ScaledBlocks(None).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
-    grads = []
-    for i in range(4):
-        model.zero_grad()
-        model(x[i:i + 1]).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    model.zero_grad()
+    grads = loop_grads(model, list(x), lambda y: y)  # each example alone, no checkpointing
     model.reentrant = None if checkpointing == "off" else checkpointing == "reentrant"
     engine = ClippingEngine(model)
     engine.first_step_check(lambda sl: model(x[sl]), 4)

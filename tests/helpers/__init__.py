@@ -45,6 +45,8 @@ from .data import (  # noqa: E402
 )
 from .models import (  # noqa: E402
     VOCAB,
+    CheckpointedBlocks,
+    FallbackGate,
     LossOut,
     Out,
     Seq,
@@ -77,6 +79,7 @@ from .runs import (  # noqa: E402
     ATOL,
     RTOL,
     adam_args,
+    assert_refused_before_any_release,
     assert_updates_close,
     check_engine,
     check_exact,
@@ -96,14 +99,14 @@ from .runs import (  # noqa: E402
 
 __all__ = [
     "ATOL", "AUTHORS", "EXAMPLES", "REPO", "RTOL", "SCRIPTS", "VOCAB", "Rows", "Seq", "adam_args",
-    "assert_updates_close", "chat_tokenizer", "check_engine", "check_exact", "check_update", "close_distributed",
-    "cls_dataset", "decoder_data", "dp_args", "example_norms", "flat_clipped_sum", "free_port", "group_clipped_sum",
-    "one_step_against_oracle",
-    "group_norms", "image_cls", "lm_dataset", "load_example", "loop_grads", "loss_keeps_float64", "make_sft_trainer",
-    "per_example_grads", "quick_dp_args", "run_group_step", "sampled_indices", "seq2seq_dataset", "sft_args",
-    "sft_dataset", "sft_distributed_dataset", "sft_dp_update", "sft_row_grads", "single_example_loss",
-    "sorted_norms", "tiny_bert", "tiny_bert_mlm", "tiny_bert_token_classification", "tiny_gpt2", "tiny_llama",
-    "tiny_roberta", "tiny_t5", "token_dataset", "turns", "user_args", "user_data", "LossOut", "Out", "Toy",
-    "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients", "sampled_users",
+    "assert_refused_before_any_release", "assert_updates_close", "chat_tokenizer", "check_engine", "check_exact",
+    "check_update", "close_distributed", "cls_dataset", "decoder_data", "dp_args", "example_norms",
+    "flat_clipped_sum", "free_port", "group_clipped_sum", "one_step_against_oracle", "group_norms", "image_cls",
+    "lm_dataset", "load_example", "loop_grads", "loss_keeps_float64", "make_sft_trainer", "per_example_grads",
+    "quick_dp_args", "run_group_step", "sampled_indices", "seq2seq_dataset", "sft_args", "sft_dataset",
+    "sft_distributed_dataset", "sft_dp_update", "sft_row_grads", "single_example_loss", "sorted_norms", "tiny_bert",
+    "tiny_bert_mlm", "tiny_bert_token_classification", "tiny_gpt2", "tiny_llama", "tiny_roberta", "tiny_t5",
+    "token_dataset", "turns", "user_args", "user_data", "CheckpointedBlocks", "FallbackGate", "LossOut", "Out", "Toy", "p_tuning",
+    "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients", "sampled_users",
     "automatic_clipped_sum",
 ]

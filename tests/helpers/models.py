@@ -115,6 +115,41 @@ class LossOut(Out):
         self.loss = loss
 
 
+class CheckpointedBlocks(nn.Module):
+    """A model of the user's own, ``(B, T, 3)`` → per-example losses ``(B,)``: a linear embedding to width 8, the
+    ``blocks`` (a subclass's ``block(k, h)`` runs block ``k``), each under ``torch.utils.checkpoint`` with
+    ``use_reentrant=reentrant`` (``None``: no checkpointing), and a linear head; loss ``mean(head(h)²)``."""
+
+    def __init__(self, blocks: nn.ModuleList, reentrant: bool | None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = nn.Linear(3, 8)
+        self.blocks = blocks
+        self.head = nn.Linear(8, 1)
+
+    def block(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for k in range(len(self.blocks)):
+            h = self.block(k, h) if self.reentrant is None else torch.utils.checkpoint.checkpoint(
+                self.block, k, h, use_reentrant=self.reentrant)
+        return self.head(h).pow(2).mean((1, 2))
+
+
+class FallbackGate(nn.Module):
+    """``h ⊙ tanh(s) + sin(h ⊙ s)`` with ``s`` of size 8: no rule covers ``s`` (not a weight/bias pair), so the
+    generic fallback re-runs it per example."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(8))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.tanh(self.s) + torch.sin(h * self.s)
+
+
 class Toy(nn.Module):
     """x (B, T, 3) -> logits (B, 2) through ``body``; loss: cross-entropy per example (``toy_loss``)."""
 

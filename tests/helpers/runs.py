@@ -220,6 +220,19 @@ def check_engine(model: nn.Module, batch: torch.Tensor, loss_fn=lambda y: y.pow(
     return engine
 
 
+def assert_refused_before_any_release(trainer, match: str, error: type[Exception] = ValueError) -> None:
+    """``trainer.train()`` raises ``error`` matching ``match`` before anything is released: the accountant counted no
+    step and no parameter moved."""
+    import pytest
+
+    before = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    with pytest.raises(error, match=match):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    for k, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[k]), k
+
+
 def assert_updates_close(update: dict, expected: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
     """Every parameter of ``expected`` agrees, by name; something is expected to move (a zero oracle proves nothing)."""
     assert any(float(e.abs().max()) > 0 for e in expected.values())
