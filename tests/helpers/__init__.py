@@ -106,7 +106,7 @@ __all__ = [
     "quick_dp_args", "run_group_step", "sampled_indices", "seq2seq_dataset", "sft_args", "sft_dataset",
     "sft_distributed_dataset", "sft_dp_update", "sft_row_grads", "single_example_loss", "sorted_norms", "tiny_bert",
     "tiny_bert_mlm", "tiny_bert_token_classification", "tiny_gpt2", "tiny_llama", "tiny_roberta", "tiny_t5",
-    "token_dataset", "turns", "user_args", "user_data", "CheckpointedBlocks", "FallbackGate", "LossOut", "Out", "Toy", "p_tuning",
-    "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients", "sampled_users",
-    "automatic_clipped_sum",
+    "token_dataset", "turns", "user_args", "user_data", "CheckpointedBlocks", "FallbackGate", "LossOut", "Out", "Toy",
+    "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients",
+    "sampled_users", "automatic_clipped_sum",
 ]
