@@ -109,8 +109,41 @@ def grid() -> list[dict[str, Any]]:
     return runs
 
 
+# Settings a run may set beyond the table's (RESULTS.md "Issue 25", "Making DP LoRA learn"); absent: the defaults above
+# (LR, EPOCHS, ACCUM, C = 1, the test split), so the earlier runs keep their keys and stay reproducible.
+SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "split": str}
+
+
+def sweep() -> list[dict[str, Any]]:
+    """The validation sweep of RESULTS.md ("Making DP LoRA learn"), in the order it ran (``--val --sweep``)."""
+    keys = ["lora|8.0|clip|adam", "lora|8.0|clip|adam|head_lr=0.05", "lora|inf|-|adam|head_lr=0.05",
+            "lora|inf|-|adam"]
+    return [parse_key(k) for k in keys]
+
+
 def key(run: dict[str, Any]) -> str:
-    return f"{run['method']}|{run['epsilon']}|{run['clipping']}|{run['optim']}"
+    """``method|ε|clipping|optim`` then ``|name=value`` for each of :data:`SETTINGS` the run sets, in that order."""
+    extra = "".join(f"|{k}={run[k]:g}" if isinstance(run[k], float) else f"|{k}={run[k]}"
+                    for k in SETTINGS if run.get(k) is not None)
+    return f"{run['method']}|{run['epsilon']}|{run['clipping']}|{run['optim']}{extra}"
+
+
+def parse_key(text: str) -> dict[str, Any]:
+    """The run a :func:`key` names (``--runs``): e.g. ``lora|8.0|clip|adam|head_lr=0.05|batch=512|max_steps=32``."""
+    method, eps, clipping, optim, *rest = text.split("|")
+    run: dict[str, Any] = {"method": method, "epsilon": float(eps), "clipping": clipping, "optim": optim}
+    for item in rest:
+        name, _, value = item.partition("=")
+        if name not in SETTINGS:
+            raise ValueError(f"unknown setting {name!r} in run key {text!r}; known: {', '.join(SETTINGS)}")
+        run[name] = SETTINGS[name](value)
+    if run.get("split", "test") not in ("test", "val"):
+        raise ValueError(f"split must be 'test' or 'val', not {run['split']!r} (in {text!r})")
+    if method.startswith("probe_") and any(k in run for k in ("head_lr", "lr", "batch", "max_steps")):
+        raise ValueError(f"{method} runs take only C and split among the settings (in {text!r})")
+    if run.get("batch", 64) % 64:
+        raise ValueError(f"batch must be a multiple of the micro-batch 64 (in {text!r})")
+    return run
 
 
 # --------------------------------------------------------------------------------------------------------- models
@@ -266,25 +299,51 @@ def lora_config() -> Any:
                       modules_to_save=["classifier"])
 
 
-def datasets_for(cache: dict[str, Any], method: str) -> tuple[Rows, Rows]:
-    def rows(split: str) -> Rows:
-        c = cache[split]
+VAL = 500  # split=val: the last VAL training reviews are the validation set, the model trains on the others
+
+
+def datasets_for(cache: dict[str, Any], method: str, split: str = "test") -> tuple[Rows, Rows]:
+    """(train, evaluation) rows; ``split="val"`` carves the validation set from the training set (the test set is
+    not read), for choosing settings."""
+    def rows(part: str) -> list[dict[str, Any]]:
+        c = cache[part]
         if method == "head":
-            return Rows([{"features": f, "labels": y} for f, y in zip(c["features"], c["labels"])])
-        return Rows([{"hidden_states": s, "labels": y} for s, y in zip(c["states"], c["labels"])])
+            return [{"features": f, "labels": y} for f, y in zip(c["features"], c["labels"])]
+        return [{"hidden_states": s, "labels": y} for s, y in zip(c["states"], c["labels"])]
 
-    return rows("train"), rows("test")
+    train = rows("train")
+    if split == "val":
+        k = min(VAL, len(train) // 4)  # --quick: 100 of 400
+        return Rows(train[:-k]), Rows(train[-k:])
+    return Rows(train), Rows(rows("test"))
 
 
-def common_args(out: Path, method: str, lr: float, epochs: float, seed: int) -> dict[str, Any]:
-    return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
+def common_args(out: Path, method: str, lr: float, epochs: float, seed: int, run: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    run = run or {}
+    return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=accum(method, run),
                 per_device_eval_batch_size=256, learning_rate=lr, num_train_epochs=epochs, lr_scheduler_type="constant",
+                max_steps=run.get("max_steps", -1),
                 weight_decay=0.0, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
                 seed=seed, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False)
 
 
-def accum(method: str) -> int:
+def accum(method: str, run: dict[str, Any] | None = None) -> int:
+    if run and run.get("batch"):
+        return run["batch"] // 64
     return ACCUM[method.removeprefix("probe_")]
+
+
+def head_optimizer(model: nn.Module, lr: float, head_lr: float) -> torch.optim.Optimizer:
+    """AdamW with the classifier in its own param group at ``head_lr`` (the rest at ``lr``), no weight decay. Per-group
+    learning rates act on the released (noised) gradient only: post-processing, no privacy cost. Passed as
+    ``optimizers=(optimizer, None)`` to ``DPTrainer`` and to the non-private ``Trainer`` alike."""
+    head = [p for n, p in model.named_parameters() if p.requires_grad and "classifier" in n]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and "classifier" not in n]
+    if not head:
+        raise ValueError("head_lr is set but the model has no trainable parameter named 'classifier'")
+    groups = [{"params": head, "lr": head_lr}] + ([{"params": rest, "lr": lr}] if rest else [])
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
 
 
 def accuracy(trainer: Trainer, test: Rows) -> float:
@@ -315,13 +374,15 @@ class PhaseAccuracy(TrainerCallback):
 
 def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epochs: float, lr: float,
             target_epsilon: float, **extra: Any) -> DPTrainingArguments:
-    base = common_args(out, method, lr, epochs, seed)
-    kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=1.0,
+    base = common_args(out, method, lr, epochs, seed, run)
+    clip_norm = run.get("C", 1.0)
+    kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=clip_norm,
                               clipping_function=run["clipping"], dp_seed=seed, dp_self_check=False)
     if run["optim"] == "adam_bc":
-        plan = plan_privacy(num_examples=n, per_device_train_batch_size=64, gradient_accumulation_steps=accum(method),
-                            num_train_epochs=epochs, target_epsilon=target_epsilon)
-        phi = (plan["noise_multiplier"] * 1.0 / (plan["sample_rate"] * n)) ** 2
+        plan = plan_privacy(num_examples=n, per_device_train_batch_size=64,
+                            gradient_accumulation_steps=accum(method, run), num_train_epochs=epochs,
+                            max_steps=run.get("max_steps", -1), target_epsilon=target_epsilon)
+        phi = (plan["noise_multiplier"] * clip_norm / (plan["sample_rate"] * n)) ** 2
         kw.update(dp_adam_bias_correction=True, dp_adam_bc_epsilon=phi)
     kw.update(extra)
     with warnings.catch_warnings():
@@ -332,19 +393,24 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
 def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, epochs_scale: float) -> dict[str, Any]:
     method = run["method"]
     base_method = method.removeprefix("probe_")
-    train, test = datasets_for(cache, "head" if method == "head" else "top")
+    train, test = datasets_for(cache, "head" if method == "head" else "top", run.get("split", "test"))
     n = len(train)
     epochs = EPOCHS[base_method] * epochs_scale
-    lr = LR[base_method]
+    lr = run.get("lr", LR[base_method])
     set_seed(seed)
     start = time.perf_counter()
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
     result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test), "epochs": epochs,
-                              "learning_rate": lr}
-    kwargs = dict(train_dataset=train, data_collator=collate)
+                              "learning_rate": lr, "head_learning_rate": run.get("head_lr", lr),
+                              "expected_batch": 64 * accum(method, run), "clip_norm": run.get("C", 1.0),
+                              "evaluated_on": "validation (the last training reviews)" if run.get("split") == "val"
+                              else "test"}
+    kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=collate)
+    if run.get("head_lr") is not None:
+        kwargs["optimizers"] = (head_optimizer(model, lr, run["head_lr"]), None)
     if math.isinf(run["epsilon"]):
-        args = TrainingArguments(**common_args(out, method, lr, epochs, seed))
+        args = TrainingArguments(**common_args(out, method, lr, epochs, seed, run))
         trainer = Trainer(model=model, args=args, **kwargs)
         trainer.train()
         result.update(steps=trainer.state.global_step, accuracy=accuracy(trainer, test))
@@ -375,6 +441,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
                       dp_adam_bc_epsilon=args.dp_adam_bc_epsilon if run["optim"] == "adam_bc" else None)
+    result["optimizer_group_lrs"] = [g["lr"] for g in trainer.optimizer.param_groups]
     result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["wall_s"] = time.perf_counter() - start
     result["cpu_s"] = time.process_time() - cpu0
@@ -430,6 +497,33 @@ def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
     return "\n".join(lines)
 
 
+def tuned_markdown(records: list[dict[str, Any]]) -> str:
+    """The runs with :data:`SETTINGS`: one row per method × clipping × optimizer × settings, accuracy per ε, beside the
+    non-private run with the same settings (C aside: it has no clipping)."""
+    by = summary([r for r in records if any(k in r for k in SETTINGS)])
+
+    def settings(r: dict[str, Any], drop: tuple[str, ...] = ()) -> str:
+        return ", ".join(f"{k} {r[k]:g}" if isinstance(r[k], float) else f"{k} {r[k]}"
+                         for k in SETTINGS if r.get(k) is not None and k not in drop + ("split",))
+
+    rows: dict[tuple[Any, ...], dict[float, dict[str, Any]]] = {}
+    for r in by.values():
+        if math.isinf(r["epsilon"]):
+            continue
+        row = (r["method"], r["clipping"], r["optim"], r.get("split", "test"), settings(r))
+        rows.setdefault(row, {})[r["epsilon"]] = r
+    lines = ["| method | clipping | optimizer | settings | evaluated on | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) "
+             "| steps | CPU s (one DP run) |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (method, clipping, optim, split, text), cells in rows.items():
+        some = next(iter(cells.values()))
+        base = next((b for b in by.values() if math.isinf(b["epsilon"]) and b["method"] == method
+                     and b.get("split", "test") == split and settings(b, ("C",)) == settings(some, ("C",))), None)
+        lines.append(f"| {LABEL.get(method, method)} | {clipping} | {optim.replace('_', '-')} | {text} | {split} | "
+                     + " | ".join(_cell(cells.get(eps)) for eps in EPSILONS)
+                     + f" | {_cell(base)} | {some['steps']} | {some['cpu_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> None:
     import matplotlib
 
@@ -480,11 +574,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--cache", default=os.path.expanduser("~/.cache/hf_dp/utility_cache.pt"))
     p.add_argument("--only", default=None, help="Comma-separated methods.")
     p.add_argument("--runs", default=None, help="Comma-separated run keys (method|ε|clipping|optim), in this order.")
+    p.add_argument("--val", action="store_true",
+                   help=f"Train on all but the last {VAL} training reviews and evaluate on those (choosing settings); "
+                        "the test set is not read.")
+    p.add_argument("--sweep", action="store_true", help="The validation sweep of RESULTS.md (sweep()); with --val.")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--plot-only", action="store_true")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--merge", nargs="*", default=[], help="More result JSONs (other seeds, runs) to add to --out.")
     args = p.parse_args(argv)
+    if args.sweep and not args.val:
+        p.error("--sweep chooses settings on the validation split: add --val")
+    if args.val and args.out == p.get_default("out"):
+        args.out = "benchmarks/utility_val.json"
+    if args.val and args.plot == p.get_default("plot"):
+        args.plot = None  # the plot shows test accuracies only
     torch.set_num_threads(1)
     logging.getLogger("hf_dp").setLevel(logging.WARNING)
     out = Path(args.out)
@@ -495,14 +599,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     majority = None
     if not args.plot_only:
         cache = build_cache(n_train, n_test, seq_len, Path(args.cache + (".quick" if args.quick else "")))
-        labels = np.asarray(cache["test"]["labels"])
+        labels = np.asarray([r["labels"] for r in datasets_for(cache, "head", "val")[1].rows] if args.val
+                            else cache["test"]["labels"])
         majority = float(np.bincount(labels).max() / len(labels))
         runs = grid()
         if args.only:
             runs = [r for r in runs if r["method"] in args.only.split(",")]
+        if args.sweep:
+            runs = sweep()
         if args.runs:
-            by_key = {key(r): r for r in runs}
-            runs = [by_key[k] for k in args.runs.split(",")]
+            runs = [parse_key(k) for k in args.runs.split(",")]
+        if args.val:
+            runs = [{**r, "split": "val"} for r in runs]
         if args.quick and not args.runs:
             wanted = {"head|8.0|clip|adam", "lora|inf|-|adam", "lora|8.0|automatic|adam_bc", "probe_lora|8.0|clip|adam"}
             runs = [r for r in runs if key(r) in wanted]
@@ -520,6 +628,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         if args.merge:
             out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
     table = markdown(records, majority)
+    if any(any(k in r for k in SETTINGS) for r in records):
+        table += "\n\n" + tuned_markdown(records)
     print(table)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
