@@ -111,7 +111,10 @@ def grid() -> list[dict[str, Any]]:
 
 # Settings a run may set beyond the table's (RESULTS.md "Issue 25", "Making DP LoRA learn"); absent: the defaults above
 # (LR, EPOCHS, ACCUM, C = 1, the test split), so the earlier runs keep their keys and stay reproducible.
-SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "split": str}
+# C_body: group-wise clipping (He et al. 2023 §2-3): the classifier clipped to C, the rest (LoRA / the top layers) to
+# C_body, each group's noise std ∝ its threshold (noise_allocation "equal_budget", sensitivity √2 for the two groups).
+SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "C_body": float,
+            "split": str}
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -378,7 +381,12 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
     clip_norm = run.get("C", 1.0)
     kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=clip_norm,
                               clipping_function=run["clipping"], dp_seed=seed, dp_self_check=False)
+    if run.get("C_body") is not None:
+        kw.update(clipping="group_wise", clipping_groups=["classifier"], noise_allocation="equal_budget",
+                  group_max_grad_norms=[clip_norm, run["C_body"]])
     if run["optim"] == "adam_bc":
+        if run.get("C_body") is not None:
+            raise ValueError("adam_bc with C_body: the benchmark's Φ is for one group (flat clipping)")
         plan = plan_privacy(num_examples=n, per_device_train_batch_size=64,
                             gradient_accumulation_steps=accum(method, run), num_train_epochs=epochs,
                             max_steps=run.get("max_steps", -1), target_epsilon=target_epsilon)
@@ -474,7 +482,7 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f"{100 * r['accuracy']:.1f}{sd}"
 
 
-def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
+def markdown(records: list[dict[str, Any]], majority: float | None, evaluated: str = "the 1,000 test reviews") -> str:
     by = summary(records)
     lines = ["| method | clipping | optimizer | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable | steps |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -492,7 +500,7 @@ def markdown(records: list[dict[str, Any]], majority: float | None) -> str:
                          + " | ".join(_cell(r) for r in runs)
                          + f" | {_cell(base)} | {some['trainable_parameters']:,} | {steps} |")
     if majority is not None:
-        lines.append(f"\nMajority class: {100 * majority:.1f} %. Accuracy in % on the 1,000 test reviews; "
+        lines.append(f"\nMajority class: {100 * majority:.1f} %. Accuracy in % on {evaluated}; "
                      "mean ± standard deviation over seeds where several were run.")
     return "\n".join(lines)
 
@@ -627,7 +635,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         majority = json.loads(out.read_text()).get("majority")
         if args.merge:
             out.write_text(json.dumps({"majority": majority, "runs": records}, indent=1, default=str))
-    table = markdown(records, majority)
+    table = markdown(records, majority, f"the last {VAL} training reviews (validation)" if args.val
+                     else "the 1,000 test reviews")
     if any(any(k in r for k in SETTINGS) for r in records):
         table += "\n\n" + tuned_markdown(records)
     print(table)
