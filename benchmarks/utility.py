@@ -144,6 +144,8 @@ def sweep() -> list[dict[str, Any]]:
 
 
 CHOSEN = "head_lr=0.1|lr=0.01|batch=512|max_steps=32"  # the best LoRA setting of sweep() at ε = 8 (validation)
+# top 2 layers: LoRA's chosen recipe with the top-2 runs' learning rate (1e-3) for the layers; not tuned on validation
+CHOSEN_FOR = {"lora": CHOSEN, "top2": "head_lr=0.1|lr=0.001|batch=512|max_steps=32"}
 
 
 def final() -> list[dict[str, Any]]:
@@ -438,7 +440,9 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     start = time.perf_counter()
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
-    result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test), "epochs": epochs,
+    result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test),
+                              "epochs": run["max_steps"] * 64 * accum(method, run) / n if run.get("max_steps")
+                              else epochs,
                               "learning_rate": lr, "head_learning_rate": run.get("head_lr", lr),
                               "expected_batch": 64 * accum(method, run), "clip_norm": run.get("C", 1.0),
                               "evaluated_on": "validation (the last training reviews)" if run.get("split") == "val"
@@ -477,6 +481,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         spent = trainer.privacy_spent()
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
+                      accountant_used=spent.get("accountant_used"),
                       dp_adam_bc_epsilon=args.dp_adam_bc_epsilon if run["optim"] == "adam_bc" else None)
     result["optimizer_group_lrs"] = [g["lr"] for g in trainer.optimizer.param_groups]
     result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -590,14 +595,15 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
         if base:
             ax.axhline(100 * base["accuracy"], color="k", lw=1, label="non-private (same steps)")
         tuned = [(x, by[k]) for x, eps in enumerate(EPSILONS)
-                 if (k := f"{method}|{eps}|clip|adam|{CHOSEN}") in by]
+                 if (k := f"{method}|{eps}|clip|adam|{CHOSEN_FOR.get(method)}") in by]
         if tuned:  # the setting chosen on the validation split (RESULTS.md "Making DP LoRA learn")
             ax.plot([x for x, _ in tuned], [100 * r["accuracy"] for _, r in tuned], color="C4", marker="D", ms=4,
                     label="clip, adam: chosen setting*")
-            tuned_base = by.get(f"{method}|inf|-|adam|{CHOSEN}")
+            tuned_base = by.get(f"{method}|inf|-|adam|{CHOSEN_FOR[method]}")
             if tuned_base:
                 ax.axhline(100 * tuned_base["accuracy"], color="C4", lw=1, ls="-.", label="non-private, same*")
-            ax.legend(fontsize=5, loc="center left", title="* " + CHOSEN.replace("|", ", "), title_fontsize=4)
+            ax.legend(fontsize=5, loc="center left", title="* " + CHOSEN_FOR[method].replace("|", ", "),
+                      title_fontsize=4)
         if majority is not None:
             ax.axhline(100 * majority, color="grey", lw=1, ls="--", label="majority class")
         ax.set_xticks(range(len(EPSILONS)), [f"{e:g}" for e in EPSILONS])
