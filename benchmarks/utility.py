@@ -602,7 +602,7 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
             tuned_base = by.get(f"{method}|inf|-|adam|{CHOSEN_FOR[method]}")
             if tuned_base:
                 ax.axhline(100 * tuned_base["accuracy"], color="C4", lw=1, ls="-.", label="non-private, same*")
-            ax.legend(fontsize=5, loc="center left", title="* " + CHOSEN_FOR[method].replace("|", ", "),
+            ax.legend(fontsize=5, loc="lower left", title="* " + CHOSEN_FOR[method].replace("|", ", "),
                       title_fontsize=4)
         if majority is not None:
             ax.axhline(100 * majority, color="grey", lw=1, ls="--", label="majority class")
