@@ -139,7 +139,8 @@ def sweep() -> list[dict[str, Any]]:
             "lora|8.0|clip|adam|head_lr=0.1|lr=0.01|batch=512|max_steps=16",
             "lora|8.0|clip|adam|head_lr=0.1|lr=0.02|batch=1024|max_steps=8",
             "head|8.0|clip|adam", "head|inf|-|adam", "head|8.0|clip|adam|lr=0.1|batch=512|max_steps=16",
-            "lora|8.0|clip|adam|head_lr=0.1|lr=0.01|batch=512|max_steps=32"]
+            "lora|8.0|clip|adam|head_lr=0.1|lr=0.01|batch=512|max_steps=32",
+            "lora|inf|-|adam|head_lr=0.1|lr=0.01|batch=512|max_steps=32"]
     return [parse_key(k) for k in keys]
 
 
