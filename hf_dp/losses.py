@@ -324,11 +324,15 @@ def check_models_own_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, 
     """``loss`` (hf_dp's default for ``model``'s head) on one example equals the loss the model's own forward returns
     for it (``model(**inputs, labels=labels).loss`` on a batch of one: what the plain ``Trainer`` trains), to 1e-3
     (5e-2 in half precision), or ``ValueError`` (DESIGN invariant 2). Run without gradient; skipped where the model
-    returns no finite scalar loss (no ``loss`` output, or an example without a labelled token: HF's mean is NaN)."""
+    returns no finite scalar loss (no ``loss`` output, or an example without a labelled token: HF's mean is NaN), or
+    cannot compute one from these inputs (its forward raises when given ``labels``: nothing to compare with)."""
     if labels.shape[0] != 1:
         raise ValueError("check_models_own_loss compares one example (a batch of one).")
     with torch.no_grad():
-        outputs = model(**{**inputs, "labels": labels})
+        try:
+            outputs = model(**{**inputs, "labels": labels})
+        except Exception:  # noqa: BLE001 - the model has no loss of its own for these inputs; nothing is compared
+            return
         own = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
         if not isinstance(own, torch.Tensor) or own.numel() != 1 or not bool(torch.isfinite(own).all()):
             return
