@@ -130,7 +130,7 @@ class LocalDPStep(DPStep):
             else:
                 engine.clear()
                 clipped_backward(engine, hooks, net, micro, labels, segments, engine.unit_factors(factors),
-                                 random_state)
+                                 random_state, expected=losses)
         else:
             engine.finish_fused()  # groups were clipped during the backward pass
         return losses, bad

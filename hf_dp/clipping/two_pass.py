@@ -36,8 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FLAT_CLIPPING_PASSES", "RandomState", "backward_clipped_loss", "checkpointing_on", "clipped_backward",
-           "flat_clipping_passes"]
+from .rules import UnsupportedLayerError
+
+__all__ = ["FLAT_CLIPPING_PASSES", "RandomState", "backward_clipped_loss", "check_same_losses", "checkpointing_on",
+           "clipped_backward", "flat_clipping_passes"]
 
 FLAT_CLIPPING_PASSES = ("auto", "one", "two")
 """``"one"``: book-keeping (factors kept to the end of the backward); ``"two"``: norms, then a second forward and
@@ -94,13 +96,35 @@ def backward_clipped_loss(losses: torch.Tensor, factors: torch.Tensor, scale: fl
     ((losses.to(dtype) * factors.detach().to(device=losses.device, dtype=dtype)).sum() * scale).backward()
 
 
+def check_same_losses(first: torch.Tensor, second: torch.Tensor) -> None:
+    """Pass 2's per-example losses equal pass 1's (to 1e-4 relative: the same computation, up to the order of
+    floating-point reductions), or :class:`UnsupportedLayerError`: pass 1's clipping factors would not bound pass 2's
+    gradients."""
+    a, b = first.detach().double().cpu(), second.detach().double().cpu()
+    if a.shape == b.shape and bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6)):
+        return
+    raise UnsupportedLayerError(
+        "Two-pass flat clipping: the second forward of this micro-batch gave other per-example losses than the first "
+        f"({b.flatten()[:4].tolist()} vs {a.flatten()[:4].tolist()}), although it ran from the same random state. The "
+        "model's forward changes between two calls on the same data (a random generator of its own, a counter, a "
+        "cache), so the clipping factors from the first pass would not bound the second pass's gradients. Set "
+        "flat_clipping_passes='one' (book-keeping: one pass), or make the forward repeatable. Nothing of this step "
+        "was released.")
+
+
 def clipped_backward(engine: Any, hooks: Any, net: nn.Module, micro: dict, labels: torch.Tensor,
-                     segments: torch.Tensor | None, factors: torch.Tensor, random_state: RandomState) -> None:
+                     segments: torch.Tensor | None, factors: torch.Tensor, random_state: RandomState,
+                     expected: torch.Tensor | None = None) -> None:
     """Pass 2 on one micro-batch: a forward of ``net`` without hooks from ``random_state`` (pass 1's), then the
     backward of ``Σ_i c_i L_i`` (``factors``: per example, ``c_{u(i)} w_i`` with units; none non-finite, and no
     example with a non-finite loss or gradient in the batch), added into ``engine.summed_grads``. ``.grad`` is used
     as the accumulator only inside this call: the parameters' ``.grad`` is ``None`` when it returns (a step writes
-    ``.grad`` once, when it releases)."""
+    ``.grad`` once, when it releases).
+
+    ``expected``: pass 1's per-example losses. The factors bound each example's pass-1 gradient; they bound its pass-2
+    gradient only if pass 2 computes the same function of the example. A forward that draws randomness the restored
+    state does not cover (a generator of the model's own) or that otherwise changes between the passes shows as
+    different losses, and is refused (:func:`check_same_losses`) before anything of the step is released."""
     summed = engine.summed_grads
     params = engine.params
     for name, p in params.items():  # accumulate in place into the step's sum when the dtypes allow it
@@ -110,6 +134,8 @@ def clipped_backward(engine: Any, hooks: Any, net: nn.Module, micro: dict, label
         random_state.restore()
         with hooks.loss_context():
             losses = hooks.example_losses(net, micro, labels, **({} if segments is None else {"segments": segments}))
+        if expected is not None:
+            check_same_losses(expected, losses)
         backward_clipped_loss(losses, factors)
         del losses
         with torch.no_grad():

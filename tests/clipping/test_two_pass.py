@@ -325,3 +325,24 @@ def test_one_pass_under_fsdp_is_refused():
                            activation_checkpointing=False, gradient_checkpointing=False)
     with pytest.raises(ValueError, match="always two-pass"):
         check_fsdp_supported(SimpleNamespace(fsdp_version=2, activation_checkpointing=False), args)
+
+
+def test_a_forward_that_changes_between_the_passes_is_refused(tmp_path, monkeypatch):
+    """Pass 1's factors bound pass 2's gradients only if pass 2 recomputes the same function of each example. A
+    forward that changes between two calls on the same data (here: losses shifted once the random state has been
+    restored for pass 2, as a generator of the model's own would shift them) is refused before anything is released."""
+    from helpers import assert_refused_before_any_release
+
+    from hf_dp.clipping.rules import UnsupportedLayerError
+
+    state = {"pass2": False}
+    restore = two_pass.RandomState.restore
+    monkeypatch.setattr(two_pass.RandomState, "restore", lambda self: (state.update(pass2=True), restore(self))[1])
+    example_losses = DPTrainer._example_losses
+    monkeypatch.setattr(DPTrainer, "_example_losses",
+                        lambda self, *a, **k: example_losses(self, *a, **k) * (1.5 if state["pass2"] else 1.0))
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=tiny_llama().double(), train_dataset=lm_dataset(4, seed=1),
+                        args=dp_args(tmp_path, 2, 1, 1.0, flat_clipping_passes="two"))
+    assert_refused_before_any_release(trainer, "second forward of this micro-batch gave other per-example losses",
+                                      UnsupportedLayerError)
