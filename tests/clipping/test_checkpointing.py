@@ -22,6 +22,7 @@ from helpers import (
     flat_clipped_sum,
     group_clipped_sum,
     lm_dataset,
+    loop_grads,
     lora_llama,
     per_example_grads,
     tiny_gpt2,
@@ -229,12 +230,7 @@ def test_users_own_checkpoint_is_exact(reentrant):
     torch.manual_seed(8)
     model = _Blocks(None).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
-    grads = []
-    for i in range(4):
-        model.zero_grad()
-        model(x[i:i + 1]).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    model.zero_grad()
+    grads = loop_grads(model, list(x), lambda y: y)  # each example alone, no checkpointing
     norms = torch.tensor(example_norms(grads), dtype=torch.float64)
     c = float(norms.median())
     expected = flat_clipped_sum(grads, c)
@@ -349,12 +345,7 @@ def test_generic_fallback_inside_a_checkpointed_block_is_exact(clipping, reentra
     torch.manual_seed(11)
     model = _ScaledBlocks(None).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
-    grads = []
-    for i in range(4):
-        model.zero_grad()
-        model(x[i:i + 1]).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    model.zero_grad()
+    grads = loop_grads(model, list(x), lambda y: y)  # each example alone, no checkpointing
     norms = torch.tensor(example_norms(grads), dtype=torch.float64)
     c = float(norms.median())
     model.reentrant = reentrant
@@ -405,12 +396,7 @@ def test_a_fallback_shared_by_two_checkpointed_blocks_is_clipped_once_per_exampl
     torch.manual_seed(11)
     model = _SharedScaleBlocks(None).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64)
-    grads = []
-    for i in range(4):
-        model.zero_grad()
-        model(x[i:i + 1]).sum().backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    model.zero_grad()
+    grads = loop_grads(model, list(x), lambda y: y)  # each example alone, no checkpointing
     model.reentrant = reentrant
     engine = ClippingEngine(model)
     engine.first_step_check(lambda sl: model(x[sl]), 4)

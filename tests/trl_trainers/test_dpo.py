@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import (
     SCRIPTS,
+    assert_refused_before_any_release,
     assert_updates_close,
     chat_tokenizer,
     tiny_gpt2,
@@ -402,16 +403,13 @@ def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch
     trainer = make_trainer(model, pairs(6), dpo_args(tmp_path, per_device=3, ga=2), **kw)
     if leak == "model":
         padding_dependent(trainer.model)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     if leak is None:
         trainer.train()
         assert trainer.accountant.steps == 1
         assert checked == [" (the first micro-batch)", " (a batch of the training set's shortest and longest rows)"]
         return
-    with pytest.raises(UnsupportedLayerError, match="depends on the other rows of its batch"):
-        trainer.train()
-    assert trainer.accountant.steps == 0 and checked
-    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())  # nothing released
+    assert_refused_before_any_release(trainer, "depends on the other rows of its batch", UnsupportedLayerError)
+    assert checked
 
 
 # ---------------------------------------------------------------------- several processes

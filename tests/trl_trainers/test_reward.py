@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import VOCAB, assert_updates_close, chat_tokenizer
+from helpers import VOCAB, assert_refused_before_any_release, assert_updates_close, chat_tokenizer
 from helpers import one_step_against_oracle as dp_update  # noqa: E402
 from helpers.preference import padding_dependent
 
@@ -207,16 +207,13 @@ def test_each_row_compared_with_itself_alone_leaks_refused(tmp_path, monkeypatch
                            reward_args(tmp_path, per_device=2, ga=2), **kw)
     if leak == "model":
         padding_dependent(trainer.model)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     if leak is None:
         trainer.train()
         assert trainer.accountant.steps == 1
         assert checked == [" (the first micro-batch)", " (a batch of the training set's shortest and longest rows)"]
         return
-    with pytest.raises(UnsupportedLayerError, match="depends on the other rows of its batch"):
-        trainer.train()
-    assert trainer.accountant.steps == 0 and checked
-    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert_refused_before_any_release(trainer, "depends on the other rows of its batch", UnsupportedLayerError)
+    assert checked
 
 
 def test_a_non_finite_row_counts_once(tmp_path):
