@@ -27,11 +27,16 @@ SIGMA, C, N, SEED = 1.5, 0.5, 24, 17
 
 
 
-def launch(out_dir, sigma: float, clipping: str = "flat", steps: int = 1) -> tuple[list[dict], list[dict]]:
-    os.makedirs(out_dir, exist_ok=True)
+def launch(base, runs: dict[str, tuple[float, str, int]]) -> dict[str, tuple[list[dict], list[dict]]]:
+    """One ``accelerate launch`` of two processes running ``runs`` (name -> (σ, clipping, steps)) one after another;
+    each run's per-rank updates and infos, by name."""
+    args = []
+    for name, (sigma, clipping, steps) in runs.items():
+        os.makedirs(base / name, exist_ok=True)
+        args += [str(base / name), str(sigma), clipping, str(steps)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), WORKER, str(out_dir), str(sigma), clipping, str(steps)]
+           "--main_process_port", str(free_port()), WORKER, *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0 and "received by PID" in proc.stderr and "(exitcode: 1)" not in proc.stderr:
@@ -41,14 +46,27 @@ def launch(out_dir, sigma: float, clipping: str = "flat", steps: int = 1) -> tup
         cmd[cmd.index("--main_process_port") + 1] = str(free_port())
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    updates = [torch.load(os.path.join(out_dir, f"update_rank{r}.pt")) for r in range(2)]
-    infos = [json.load(open(os.path.join(out_dir, f"info_rank{r}.json"))) for r in range(2)]
-    return updates, infos
+    out = {}
+    for name in runs:
+        updates = [torch.load(base / name / f"update_rank{r}.pt") for r in range(2)]
+        infos = [json.load(open(base / name / f"info_rank{r}.json")) for r in range(2)]
+        out[name] = (updates, infos)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The four two-process runs of this module, in one launch: flat σ = 0 and σ = SIGMA, per-layer σ = 0, and
+    three steps of adaptive per-layer clipping with σ = 1."""
+    return launch(tmp_path_factory.mktemp("launch"), {
+        "clean": (0.0, "flat", 1), "noisy": (SIGMA, "flat", 1), "per_layer": (0.0, "per_layer", 1),
+        "adaptive": (1.0, "adaptive_per_layer", 3),
+    })
 
 
 @pytest.mark.slow
-def test_two_processes_identical_exact_and_noised_once(tmp_path):
-    clean, info = launch(tmp_path / "clean", 0.0)
+def test_two_processes_identical_exact_and_noised_once(launched):
+    clean, info = launched["clean"]
     assert [i["world_size"] for i in info] == [2, 2]
     expected_batch = info[0]["expected_batch_size"]
     q = info[0]["sample_rate"]
@@ -75,7 +93,7 @@ def test_two_processes_identical_exact_and_noised_once(tmp_path):
                for i in indices]
     assert [i["training_loss"] for i in info] == pytest.approx([sum(own) / len(own)] * 2, rel=1e-9)
 
-    noisy, info = launch(tmp_path / "noisy", SIGMA)
+    noisy, info = launched["noisy"]
     for k in noisy[0]:
         assert torch.equal(noisy[0][k], noisy[1][k]), k
     noise = torch.cat([(noisy[0][k] - clean[0][k]).reshape(-1) for k in clean[0]])
@@ -104,10 +122,10 @@ def test_torchrun_on_cpu_without_use_cpu_is_one_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_per_layer_and_adaptive(tmp_path):
+def test_two_processes_per_layer_and_adaptive(launched):
     """Per-layer clipping across ranks equals the union oracle; adaptive thresholds stay identical across ranks."""
 
-    clean, info = launch(tmp_path / "per_layer", 0.0, "per_layer")
+    clean, info = launched["per_layer"]
     for k in clean[0]:
         assert torch.equal(clean[0][k], clean[1][k]), k
     q, expected_batch = info[0]["sample_rate"], info[0]["expected_batch_size"]
@@ -121,6 +139,6 @@ def test_two_processes_per_layer_and_adaptive(tmp_path):
     for k, upd in clean[0].items():
         torch.testing.assert_close(upd, expected[k] / expected_batch, rtol=1e-7, atol=1e-10, msg=k)
 
-    _, info = launch(tmp_path / "adaptive", 1.0, "adaptive_per_layer", 3)
+    _, info = launched["adaptive"]
     assert info[0]["thresholds"] == info[1]["thresholds"]  # counts summed across ranks, noised once
     assert info[0]["thresholds"] != [info[0]["thresholds"][0]] * len(info[0]["thresholds"])  # they adapted

@@ -70,9 +70,15 @@ def sft_distributed_dataset() -> Dataset:
 
 
 def sft_args(tmp_path, per_device: int = 2, ga: int = 2, seed: int = 0, **kw):
-    """``DPSFTConfig`` for one exact step: σ = 0, SGD lr 1, constant schedule, C = 1, ``max_length`` 64."""
+    """``DPSFTConfig`` for one exact step: σ = 0, SGD lr 1, constant schedule, C = 1, ``max_length`` 64.
+
+    trl's default checkpointing stays on; flat clipping is book-keeping (``flat_clipping_passes="one"``; "auto" would
+    take two passes under checkpointing) unless a test asks otherwise: the two-pass DP-SFT cases pass "auto" (one
+    process: tests/clipping/test_two_pass.py; two processes: tests/scripts/sft_worker.py)."""
     from hf_dp import DPSFTConfig
 
+    if kw.get("clipping", "flat") == "flat":
+        kw.setdefault("flat_clipping_passes", "one")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return DPSFTConfig(**{

@@ -1,6 +1,8 @@
 """Worker for tests/distributed/test_distributed.py: one short DP run per process; writes what each rank ended with.
 
-Run under `accelerate launch --cpu --num_processes 2 tests/scripts/dist_worker.py OUT SIGMA`.
+Run under `accelerate launch --cpu --num_processes 2 tests/scripts/dist_worker.py OUT SIGMA [CLIPPING STEPS] ...`:
+several runs (groups of OUT SIGMA CLIPPING STEPS) one after another in the same two processes, each a fresh model and
+trainer, so the test pays the launch (two imports of torch/transformers) once.
 """
 
 import json
@@ -45,5 +47,11 @@ def main(out_dir: str, sigma: float, clipping: str = "flat", steps: int = 1) -> 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]), *(sys.argv[3:4]), *(int(a) for a in sys.argv[4:5]))
+    argv = sys.argv[1:]
+    if len(argv) == 2:
+        main(argv[0], float(argv[1]))
+    else:
+        assert len(argv) % 4 == 0, argv
+        for i in range(0, len(argv), 4):
+            main(argv[i], float(argv[i + 1]), argv[i + 2], int(argv[i + 3]))
     close_distributed()

@@ -25,7 +25,8 @@ def main(out_dir: str, clip: float, sigmas: list[float]) -> None:
         torch.manual_seed(0)  # same init on every rank (DDP also broadcasts rank 0's parameters)
         model = tiny_llama().double()
         args = sft_args(run_dir, per_device=PER_DEVICE, ga=GA, packing=True, assistant_only_loss=True,
-                        per_sample_max_grad_norm=clip, noise_multiplier=sigma)
+                        per_sample_max_grad_norm=clip, noise_multiplier=sigma,
+                        flat_clipping_passes="auto")  # trl's checkpointing on: two passes across ranks
         trainer = make_sft_trainer(model, sft_distributed_dataset(), args)
         before = {k: p.detach().clone() for k, p in model.named_parameters()}
         trainer.train()

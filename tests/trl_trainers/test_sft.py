@@ -401,7 +401,8 @@ def test_two_processes_packed_identical_exact_and_noised_once(tmp_path):
     sigma, n = 1.0, 8
     torch.manual_seed(0)  # the workers' initial model
     single = make_sft_trainer(model_fn().double(), sft_distributed_dataset(),
-                              sft_args(tmp_path / "single", per_device=4, ga=2, packing=True, assistant_only_loss=True))
+                              sft_args(tmp_path / "single", per_device=4, ga=2, packing=True, assistant_only_loss=True,
+                                       flat_clipping_passes="auto"))  # two passes, as the workers
     assert len(single.train_dataset) == n and all(-100 in r for r in single.train_dataset["labels"])
     # The model's own loss casts float64 logits to float32 (transformers' ForCausalLMLoss), so the oracle agrees to
     # ~1e-8 relative only; the one-process packed run on the same rows (q = 1 too) agrees to float64 round-off.
