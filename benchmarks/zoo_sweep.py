@@ -9,9 +9,9 @@ example's gradient of the model's own loss on a batch of one, without checkpoint
 
 Each run is classified:
 
-* ``exact``    every parameter's update within 1e-6 of its largest target entry (or of 1e-6 × the largest entry of
-  any parameter, for a gradient that is zero in exact arithmetic, e.g. BERT's key bias) (two-pass flat: pass 2 is the model's
-  own batched backward, so agreement is to round-off of float32 norms inside, about 1e-7);
+* ``exact``    every parameter's update within 1e-6 of its largest target entry, or of 1e-6 × the largest entry of
+  any parameter for a gradient that is zero in exact arithmetic (BERT's key bias). Two-pass flat: pass 2 is the
+  model's own batched backward, so agreement is to round-off of float32 computed inside (Llama's RMSNorm), ~1e-7;
 * ``exact~``   within 1e-4 (a model that computes in float32 inside: the zoo's ‡ models);
 * ``WRONG``    the update differs (silent: the worst);
 * ``refused``  hf_dp raised ``UnsupportedLayerError`` or a ``ValueError`` of its own, message kept;
@@ -44,14 +44,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "clipping")]
 
+import test_zoo as zoo  # noqa: E402
 import torch  # noqa: E402
 import transformers as tf  # noqa: E402
-import test_zoo as zoo  # noqa: E402
 from helpers import dp_args, per_example_grads, sorted_norms  # noqa: E402
 from helpers.oracle import group_clipped_sum  # noqa: E402
 
-from hf_dp import DPTrainer  # noqa: E402
-from hf_dp.clipping.rules import UnsupportedLayerError  # noqa: E402
+from hf_dp import DPTrainer, UnsupportedLayerError  # noqa: E402
 
 # Architectures with supports_gradient_checkpointing that the zoo lacks, built tiny (decoders: the zoo's ``dec``).
 EXTRA_DECODERS = {
@@ -159,6 +158,13 @@ def run_one(name: str, kind: str, make, data, reentrant: bool, clipping: str, ch
         extra = dict(zoo.IMAGE_LOSS) if kind.startswith("vision") else {}
         kw = dict(clipping=clipping, poisson_sampling=True, gradient_checkpointing=True,
                   gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if not hasattr(model, "gradient_checkpointing_enable"):  # a module of one's own (SiglipPooled): enabled on
+            for sub in model.modules():  # its transformers models, as the Trainer cannot (and flat: two passes)
+                if isinstance(sub, tf.PreTrainedModel):
+                    sub.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            kw.update(gradient_checkpointing=False, gradient_checkpointing_kwargs=None)
+            if clipping == "flat":
+                kw["flat_clipping_passes"] = "two"
         if chunk:
             kw["lm_loss_chunk_size"] = chunk
         stage = "trainer"
@@ -199,7 +205,7 @@ def run_one(name: str, kind: str, make, data, reentrant: bool, clipping: str, ch
         tb = traceback.extract_tb(exc.__traceback__)
         where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/hf_dp/" in f.filename), "")
         msg = f"{type(exc).__name__}: {exc}"
-        if "does not support gradient checkpointing" in msg:
+        if "does not support gradient checkpointing" in msg or "does not support activation checkpointing" in msg:
             result = "n/a"
         elif stage in ("build", "oracle"):
             result = "harness"
@@ -212,6 +218,173 @@ def run_one(name: str, kind: str, make, data, reentrant: bool, clipping: str, ch
         signal.alarm(0)
         counter.remove()
         torch.set_default_dtype(torch.float32)  # XGLM's factory sets float64
+    row["cpu_s"] = round(time.process_time() - cpu0, 1)
+    return row
+
+
+# ------------------------------------------------------------------------ LoRA as QLoRA users enable it; DP-SFT
+LORA_DECODERS = {  # 2 layers; LoRA targets
+    "llama": (zoo.dec(tf.LlamaConfig, tf.LlamaForCausalLM, num_hidden_layers=2), ["q_proj", "v_proj", "down_proj"]),
+    "qwen2": (zoo.dec(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_hidden_layers=2), ["q_proj", "v_proj", "down_proj"]),
+    "gemma2": (zoo.dec(tf.Gemma2Config, tf.Gemma2ForCausalLM, num_hidden_layers=2, head_dim=8),
+               ["q_proj", "v_proj", "down_proj"]),
+    "mistral": (zoo.dec(tf.MistralConfig, tf.MistralForCausalLM, num_hidden_layers=2),
+                ["q_proj", "v_proj", "down_proj"]),
+    "gpt2": (lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=zoo.VOCAB, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)), ["c_attn", "c_proj"]),
+}
+
+
+def lora_model(name: str, how: str, tmp: str):
+    """``how``: "nf4" (bitsandbytes 4-bit base from ``from_pretrained``, ``prepare_model_for_kbit_training`` — which
+    turns checkpointing on, reentrant, with ``enable_input_require_grads`` — float32), "manual_reentrant" /
+    "manual_nonreentrant" (float64 base, ``gradient_checkpointing_enable`` + ``enable_input_require_grads``), then
+    ``get_peft_model`` with LoRA's B drawn from N(0, 0.5²)."""
+    from peft import LoraConfig, TaskType, get_peft_model, prepare_model_for_kbit_training
+
+    make, targets = LORA_DECODERS[name]
+    torch.manual_seed(0)
+    base = make()
+    if how == "nf4":
+        base.save_pretrained(tmp + "/base")
+        quant = tf.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)
+        base = type(base).from_pretrained(tmp + "/base", quantization_config=quant, device_map="cpu",
+                                          dtype=torch.float32)
+        base = prepare_model_for_kbit_training(base)
+    else:
+        base = base.double()
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "manual_reentrant"})
+        base.enable_input_require_grads()
+    base.config.use_cache = False
+    model = get_peft_model(base, LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules=targets))
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            if "lora_B" in k:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _compare(model, grads, expected, before, n) -> dict:
+    errs, diffs, scales = {}, {}, {}
+    for k, p in model.named_parameters():
+        if k not in before:
+            continue
+        target = expected[k] / n if p.requires_grad else torch.zeros_like(p)
+        diffs[k] = float((before[k] - p.detach() - target.to(p.dtype)).abs().max())
+        scales[k] = float(target.abs().max())
+    floor = 1e-6 * max(scales.values())
+    for k in diffs:
+        scale = max(scales[k], floor)
+        errs[k] = diffs[k] / scale if scale > 0 else (0.0 if diffs[k] == 0 else float("inf"))
+    worst = max(errs, key=errs.get)
+    err = errs[worst]
+    return dict(err=err, worst=worst, result="exact" if err <= 1e-6 else "exact~" if err <= 1e-4 else "WRONG")
+
+
+def _oracle(trainer, grads, clipping, n):
+    trainable = list(grads[0])
+    if clipping == "flat":
+        groups, thresholds = [trainable], [trainer.args.per_sample_max_grad_norm]
+    else:
+        groups = [g.params for g in trainer.group_clipper.groups]
+        thresholds = [sorted_norms(grads, names)[n // 2 - 1] + 1e-9 for names in groups]
+        trainer.group_clipper.thresholds = torch.tensor(thresholds, dtype=torch.float64)
+    return group_clipped_sum(grads, groups, thresholds)
+
+
+def _classify_error(exc: BaseException, stage: str) -> dict:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "/hf_dp/" in f.filename), "")
+    msg = f"{type(exc).__name__}: {exc}"
+    if stage in ("build", "oracle"):
+        result = "harness"
+    elif isinstance(exc, UnsupportedLayerError) or (isinstance(exc, ValueError) and where):
+        result = "refused"
+    else:
+        result = "crash"
+    return dict(result=result, error=msg[:600], where=where, stage=stage)
+
+
+def run_lora(name: str, how: str, clipping: str, chunk: int | None, timeout: int) -> dict:
+    row = dict(model=f"lora:{name}", kind="lora", reentrant=how, clipping=clipping, chunk=chunk)
+    counter = BackwardForwards()
+    cpu0 = time.process_time()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    stage = "build"
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = lora_model(name, how, tmp)
+            rows = zoo.decoder_data()
+            stage = "oracle"
+            grads = per_example_grads(model, rows)
+            n = len(grads)
+            max_norm = sorted_norms(grads, list(grads[0]))[n // 2 - 1] + 1e-9
+            kw = dict(clipping=clipping, poisson_sampling=True, **({"lm_loss_chunk_size": chunk} if chunk else {}))
+            stage = "trainer"
+            trainer = DPTrainer(model=model, args=dp_args(tmp, n // 2, 2, max_norm, **kw), train_dataset=rows)
+            expected = _oracle(trainer, grads, clipping, n)
+            before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+            counter.count = 0
+            stage = "train"
+            with contextlib.redirect_stdout(io.StringIO()):
+                trainer.train()
+        row.update(_compare(model, grads, expected, before, n), ckpt=counter.count)
+        if how == "nf4" and row["result"] == "WRONG" and row["err"] <= 2e-3:
+            row["result"] = "exact~"  # float32 throughout (the quantised base): float32 round-off
+    except Timeout:
+        row.update(result="crash", error=f"timeout after {timeout} s in {stage}")
+    except BaseException as exc:  # noqa: BLE001 - classified
+        row.update(_classify_error(exc, stage))
+    finally:
+        signal.alarm(0)
+        counter.remove()
+    row["cpu_s"] = round(time.process_time() - cpu0, 1)
+    return row
+
+
+def run_sft(name: str, clipping: str, chunk: int | None, timeout: int) -> dict:
+    """DPSFTTrainer with trl's defaults (``gradient_checkpointing=True``), ``packing=True`` (padding-free rows),
+    against each example's own loss with trl's labels on a batch of one."""
+    from helpers.chat import make_sft_trainer, sft_args, sft_dataset, sft_row_grads
+
+    row = dict(model=f"sft:{name}", kind="dp_sft_packed", reentrant="trl default", clipping=clipping, chunk=chunk)
+    counter = BackwardForwards()
+    cpu0 = time.process_time()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(timeout)
+    stage = "build"
+    try:
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            model = LORA_DECODERS[name][0]().double()
+            kw = dict(packing=True, clipping=clipping, **({"lm_loss_chunk_size": chunk} if chunk else {}))
+            stage = "trainer"
+            trainer = make_sft_trainer(model, sft_dataset("prompt_completion"), sft_args(tmp, **kw))
+            assert trainer.args.gradient_checkpointing and trainer.padding_free
+            stage = "oracle"
+            grads = sft_row_grads(trainer, list(range(4)))
+            n = len(grads)
+            trainer.args.per_sample_max_grad_norm = sorted_norms(grads, list(grads[0]))[n // 2 - 1] + 1e-9
+            expected = _oracle(trainer, grads, clipping, n)
+            before = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+            counter.count = 0
+            stage = "train"
+            with contextlib.redirect_stdout(io.StringIO()):
+                trainer.train()
+        row.update(_compare(model, grads, expected, before, n), ckpt=counter.count)
+    except Timeout:
+        row.update(result="crash", error=f"timeout after {timeout} s in {stage}")
+    except BaseException as exc:  # noqa: BLE001 - classified
+        row.update(_classify_error(exc, stage))
+    finally:
+        signal.alarm(0)
+        counter.remove()
     row["cpu_s"] = round(time.process_time() - cpu0, 1)
     return row
 
@@ -250,6 +423,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated model names")
     ap.add_argument("--chunk", type=int, default=3, help="lm_loss_chunk_size for the causal LMs' chunked runs")
     ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--part", default="zoo", choices=["zoo", "lora", "sft"],
+                    help="zoo: every zoo model; lora: LoRA with checkpointing enabled on the model (nf4 base + "
+                         "prepare_model_for_kbit_training, or by hand); sft: DPSFTTrainer defaults, packing=True")
     ap.add_argument("--table", default="", help="print the table of a results file and exit")
     args = ap.parse_args()
     if args.table:
@@ -257,9 +433,18 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     only = [s for s in args.only.split(",") if s] or None
+    if args.part == "zoo":
+        todo = [(run_one, job) for job in jobs(only, args.chunk)]
+    elif args.part == "lora":
+        todo = [(run_lora, (name, how, clipping, c)) for name in LORA_DECODERS if not only or name in only
+                for how in ("nf4", "manual_reentrant", "manual_nonreentrant") for clipping in ("flat", "per_layer")
+                for c in (None, args.chunk)]
+    else:
+        todo = [(run_sft, (name, clipping, c)) for name in LORA_DECODERS if not only or name in only
+                for clipping in ("flat", "per_layer") for c in (None, args.chunk)]
     with open(args.out, "a") as f:
-        for job in jobs(only, args.chunk):
-            row = run_one(*job, timeout=args.timeout)
+        for fn, job in todo:
+            row = fn(*job, timeout=args.timeout)
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"{row['model']:>18} reentrant={row['reentrant']!s:5} {row['clipping']:9} chunk={row['chunk']!s:4} "
