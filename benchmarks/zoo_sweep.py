@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import signal
@@ -137,8 +138,9 @@ def _alarm(*_):
 
 
 def run_one(name: str, kind: str, make, data, reentrant: bool, clipping: str, chunk: int | None,
-            timeout: int) -> dict:
-    row = dict(model=name, kind=kind, reentrant=reentrant, clipping=clipping, chunk=chunk)
+            timeout: int, passes: str = "auto") -> dict:
+    row = dict(model=name, kind=kind, reentrant=reentrant, clipping=clipping if passes == "auto" else f"flat/{passes}",
+               chunk=chunk)
     counter = BackwardForwards()
     cpu0 = time.process_time()
     signal.signal(signal.SIGALRM, _alarm)
@@ -167,6 +169,8 @@ def run_one(name: str, kind: str, make, data, reentrant: bool, clipping: str, ch
                 kw["flat_clipping_passes"] = "two"
         if chunk:
             kw["lm_loss_chunk_size"] = chunk
+        if passes != "auto":
+            kw["flat_clipping_passes"] = passes
         stage = "trainer"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -403,12 +407,12 @@ def run_sft(name: str, clipping: str, chunk: int | None, timeout: int) -> dict:
     return row
 
 
-def jobs(only: list[str] | None, chunk: int):
+def jobs(only: list[str] | None, chunk: int, passes: str = "auto"):
     for name, kind, make, data in cases():
         if only and name not in only:
             continue
         for reentrant in (False, True):
-            for clipping in ("flat", "per_layer"):
+            for clipping in ("flat", "per_layer") if passes == "auto" else ("flat",):
                 for c in (None, chunk) if kind.startswith("decoder") else (None,):
                     yield name, kind, make, data, reentrant, clipping, c
 
@@ -440,6 +444,8 @@ def main() -> None:
     ap.add_argument("--part", default="zoo", choices=["zoo", "lora", "sft"],
                     help="zoo: every zoo model; lora: LoRA with checkpointing enabled on the model (nf4 base + "
                          "prepare_model_for_kbit_training, or by hand); sft: DPSFTTrainer defaults, packing=True")
+    ap.add_argument("--passes", default="auto", choices=["auto", "one", "two"],
+                    help="flat_clipping_passes of the zoo part (not auto: flat clipping only)")
     ap.add_argument("--table", default="", help="print the table of a results file and exit")
     args = ap.parse_args()
     if args.table:
@@ -448,7 +454,7 @@ def main() -> None:
     torch.set_num_threads(1)
     only = [s for s in args.only.split(",") if s] or None
     if args.part == "zoo":
-        todo = [(run_one, job) for job in jobs(only, args.chunk)]
+        todo = [(functools.partial(run_one, passes=args.passes), job) for job in jobs(only, args.chunk, args.passes)]
     elif args.part == "lora":
         todo = [(run_lora, (name, how, clipping, c)) for name in LORA_DECODERS if not only or name in only
                 for how in ("nf4", "manual_reentrant", "manual_nonreentrant") for clipping in ("flat", "per_layer")

@@ -49,9 +49,24 @@ def register_token_loss(loss: PerExampleLoss, targets: Callable, reduce: Callabl
     _TOKEN_FORMS[loss] = (targets, reduce)
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def logit_scaling(base: nn.Module, text: Any) -> tuple[float | None, float | None]:
+    """``(multiplier, divisor)``: the constants a causal LM's forward applies to its head's logits before the loss,
+    read where the model's own forward reads them: Cohere / Cohere2 multiply by the model's ``logit_scale``
+    (``logits * self.logit_scale``), the Granite family divides by ``config.logits_scaling``. ``None``: not applied.
+    Anything else between the head and the loss is caught by :meth:`ChunkedLMLoss.check_against_model`."""
+    mul = getattr(base, "logit_scale", None)
+    div = getattr(text, "logits_scaling", None)
+    return (mul if _number(mul) else None), (div if _number(div) and div else None)
+
+
 def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
     """``(backbone, head, final_logit_softcapping)`` of a transformers causal LM (under a PEFT LoRA-type adapter
-    too), or ``ValueError`` saying why the head cannot be applied apart from the model's forward."""
+    too), or ``ValueError`` saying why the head cannot be applied apart from the model's forward. The constant
+    scaling of the logits (:func:`logit_scaling`) is read by :func:`lm_scaling`."""
     name = type(model).__name__
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
         raise ValueError(f"{name} has a prompt-learning adapter: its virtual tokens are prepended by the adapter's own "
@@ -70,12 +85,23 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
     return backbone, head, getattr(text, "final_logit_softcapping", None)
 
 
+def lm_scaling(model: nn.Module) -> tuple[float | None, float | None]:
+    """:func:`logit_scaling` of ``model`` (under a PEFT adapter: of its base model)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    config = getattr(base, "config", None)
+    return logit_scaling(base, config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
 def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_size: int,
                            softcap: float | None = None,
                            on_output: Callable[[torch.Tensor], None] | None = None,
-                           window: Callable[[int, int], Any] | None = None) -> torch.Tensor:
+                           window: Callable[[int, int], Any] | None = None,
+                           scaling: tuple[float | None, float | None] = (None, None)) -> torch.Tensor:
     """``(B, T)`` per-token cross-entropy of ``head(hidden)`` against ``targets`` (0 where ignored), computed
     ``chunk_size`` positions at a time, each chunk checkpointed (its logits are not kept for the backward).
+    ``scaling``: ``(multiplier, divisor)`` applied to the logits first, as the model's forward does
+    (:func:`logit_scaling`), then ``softcap``.
     ``on_output`` is called with each chunk's output (the engine marks the start of the backward there: a chunk
     re-run by the backward is a recompute, ``clipping/checkpointing.py``); ``window(start, stop)``, a context
     manager entered around each call of the head, tells the engine which positions the call sees (packed rows are
@@ -84,6 +110,11 @@ def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch
     def chunk_loss(h: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
         with window(start, start + h.shape[1]) if window is not None else contextlib.nullcontext():
             logits = head(h)
+        mul, div = scaling
+        if mul is not None:
+            logits = logits * mul
+        if div is not None:
+            logits = logits / div
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return token_cross_entropy(logits, t)
@@ -143,7 +174,8 @@ class ChunkedLMLoss:
         if targets.shape != hidden.shape[:2]:
             raise ValueError(f"lm_loss_chunk_size: the chunked loss needs one target per position: labels "
                              f"{tuple(labels.shape)}, hidden states {tuple(hidden.shape)}.")
-        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window)
+        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window,
+                                           scaling=lm_scaling(net))
         return reduce(per_token, targets, **kwargs)
 
     def check_batch(self, batch: dict, labels: torch.Tensor, longest: int = 1024) -> tuple[dict, torch.Tensor]:

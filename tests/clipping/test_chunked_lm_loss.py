@@ -112,18 +112,36 @@ def test_no_batch_by_length_by_vocabulary_tensor_is_kept_for_the_backward(tmp_pa
 
 
 # ---------------------------------------------------------------------- refused, with the reason
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_chunked_loss_exact_with_scaled_logits(tmp_path, arch):
+    """Cohere multiplies its logits by ``logit_scale``, Granite divides them by ``config.logits_scaling``, between
+    the head and the loss: the chunked loss applies the same constant (``chunked_loss.logit_scaling``)."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    cfg_cls, model_cls, scale = ((CohereConfig, CohereForCausalLM, dict(logit_scale=0.25)) if arch == "cohere"
+                                 else (GraniteConfig, GraniteForCausalLM, dict(logits_scaling=4.0)))
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0, **scale))
+    rtol = 1e-5 if arch == "cohere" else 1e-7  # CohereLayerNorm normalises in float32 (also unchunked)
+    check_exact(model, lm_dataset(4, seed=1), tmp_path, lm_loss_chunk_size=CHUNK, rtol=rtol)
+
+
 def test_a_model_whose_forward_transforms_the_logits_is_refused_before_any_release(tmp_path):
-    """Cohere scales its logits by ``logit_scale`` between the head and the loss, which the chunked loss does not
-    reproduce: the first-step check compares it with the model's own forward and refuses."""
-    from transformers import CohereConfig, CohereForCausalLM
+    """A forward that scales its logits between the head and the loss in a way the chunked loss does not reproduce:
+    the first-step check compares it with the model's own forward and refuses."""
+    from transformers import LlamaForCausalLM
+
+    class LogitsTransformed(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+            out.logits = out.logits * 0.25  # a step between the head and the loss the chunked loss does not know
+            return out
 
     torch.manual_seed(0)
-    model = CohereForCausalLM(CohereConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, logit_scale=0.25, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0)).double()
-    trainer = DPTrainer(model=model, train_dataset=lm_dataset(4, seed=1),
-                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+    trainer = DPTrainer(model=LogitsTransformed(tiny_llama().config).double(), train_dataset=lm_dataset(4, seed=1),
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4), per_example_loss=causal_lm_loss)
     assert_refused_before_any_release(trainer, "differs from the loss of the model's own forward")
 
 
