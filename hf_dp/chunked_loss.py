@@ -35,7 +35,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .losses import PerExampleLoss, causal_lm_loss, causal_lm_targets, mean_over_targets, token_cross_entropy
+from .losses import (
+    IGNORE_INDEX,
+    PerExampleLoss,
+    causal_lm_loss,
+    causal_lm_targets,
+    labels_to_compare,
+    mean_over_targets,
+    token_cross_entropy,
+)
 
 __all__ = ["ChunkedLMLoss", "lm_parts", "register_token_loss", "token_losses_in_chunks"]
 
@@ -205,8 +213,12 @@ class ChunkedLMLoss:
         """Before the first update: on a micro-batch's first ``row`` (:meth:`check_batch`; its packed examples by
         ``segment_ids``), the chunked per-example losses (``run_chunked(row, labels, **kw)``) equal those of the
         model's own forward (``run_model``: the trainer's per-example loss of its outputs), to 1e-4 (2e-2 in half
-        precision), or ``ValueError`` (nothing has been released)."""
+        precision), or ``ValueError`` (nothing has been released). A row with no labelled position (both losses 0: a
+        vacuous comparison) is compared on its own tokens (``losses.labels_to_compare``) whatever the trainer's task,
+        also with ``per_example_loss=causal_lm_loss`` passed explicitly: every loss with a token form is an LM's."""
         row, labels = self.check_batch(row, labels)
+        if not bool((labels != IGNORE_INDEX).any()):
+            labels = labels_to_compare("causal_lm", row, labels)
         extra = {} if (seg := segment_ids(row)) is None else {"segments": seg}
         rtol, model_name = (2e-2 if half else 1e-4), type(model).__name__
         with torch.no_grad():
