@@ -88,8 +88,9 @@ class DPTrainingArguments(TrainingArguments):
             2022, §4): per-example norms in the recorded backward, each layer's factors dropped as soon as its norm is
             computed, then a second forward (same dropout masks) and an ordinary backward of Σ c_i L_i — about one
             more forward and backward, but activation checkpointing keeps its memory saving; `"auto"`: `"two"` when
-            activation checkpointing is on (`gradient_checkpointing=True` or the model's `is_gradient_checkpointing`),
-            else `"one"`. The same under DDP; FSDP is always two-pass (`"one"` is refused there).
+            activation checkpointing is on (`gradient_checkpointing=True`, or turned on on the model or on a
+            transformers model inside it), else `"one"`. The same under DDP; FSDP is always two-pass (`"one"` is
+            refused there).
             Only for `clipping="flat"` (per-layer modes clip inside the backward already).
         clipping_groups, group_max_grad_norms, noise_allocation:
             Groups (for `group_wise`), thresholds C_k (default C/√K each, App. A.1) and how noise is spread over

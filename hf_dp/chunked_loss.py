@@ -35,7 +35,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .losses import PerExampleLoss, causal_lm_loss, causal_lm_targets, mean_over_targets, token_cross_entropy
+from .losses import (
+    IGNORE_INDEX,
+    PerExampleLoss,
+    causal_lm_loss,
+    causal_lm_targets,
+    labels_to_compare,
+    mean_over_targets,
+    token_cross_entropy,
+)
 
 __all__ = ["ChunkedLMLoss", "lm_parts", "register_token_loss", "token_losses_in_chunks"]
 
@@ -49,9 +57,24 @@ def register_token_loss(loss: PerExampleLoss, targets: Callable, reduce: Callabl
     _TOKEN_FORMS[loss] = (targets, reduce)
 
 
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def logit_scaling(base: nn.Module, text: Any) -> tuple[float | None, float | None]:
+    """``(multiplier, divisor)``: the constants a causal LM's forward applies to its head's logits before the loss,
+    read where the model's own forward reads them: Cohere / Cohere2 multiply by the model's ``logit_scale``
+    (``logits * self.logit_scale``), the Granite family divides by ``config.logits_scaling``. ``None``: not applied.
+    Anything else between the head and the loss is caught by :meth:`ChunkedLMLoss.check_against_model`."""
+    mul = getattr(base, "logit_scale", None)
+    div = getattr(text, "logits_scaling", None)
+    return (mul if _number(mul) else None), (div if _number(div) and div else None)
+
+
 def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
     """``(backbone, head, final_logit_softcapping)`` of a transformers causal LM (under a PEFT LoRA-type adapter
-    too), or ``ValueError`` saying why the head cannot be applied apart from the model's forward."""
+    too), or ``ValueError`` saying why the head cannot be applied apart from the model's forward. The constant
+    scaling of the logits (:func:`logit_scaling`) is read by :func:`lm_scaling`."""
     name = type(model).__name__
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
         raise ValueError(f"{name} has a prompt-learning adapter: its virtual tokens are prepended by the adapter's own "
@@ -70,12 +93,23 @@ def lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, float | None]:
     return backbone, head, getattr(text, "final_logit_softcapping", None)
 
 
+def lm_scaling(model: nn.Module) -> tuple[float | None, float | None]:
+    """:func:`logit_scaling` of ``model`` (under a PEFT adapter: of its base model)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    config = getattr(base, "config", None)
+    return logit_scaling(base, config.get_text_config() if hasattr(config, "get_text_config") else config)
+
+
 def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk_size: int,
                            softcap: float | None = None,
                            on_output: Callable[[torch.Tensor], None] | None = None,
-                           window: Callable[[int, int], Any] | None = None) -> torch.Tensor:
+                           window: Callable[[int, int], Any] | None = None,
+                           scaling: tuple[float | None, float | None] = (None, None)) -> torch.Tensor:
     """``(B, T)`` per-token cross-entropy of ``head(hidden)`` against ``targets`` (0 where ignored), computed
     ``chunk_size`` positions at a time, each chunk checkpointed (its logits are not kept for the backward).
+    ``scaling``: ``(multiplier, divisor)`` applied to the logits first, as the model's forward does
+    (:func:`logit_scaling`), then ``softcap``.
     ``on_output`` is called with each chunk's output (the engine marks the start of the backward there: a chunk
     re-run by the backward is a recompute, ``clipping/checkpointing.py``); ``window(start, stop)``, a context
     manager entered around each call of the head, tells the engine which positions the call sees (packed rows are
@@ -84,6 +118,11 @@ def token_losses_in_chunks(hidden: torch.Tensor, head: nn.Module, targets: torch
     def chunk_loss(h: torch.Tensor, t: torch.Tensor, start: int) -> torch.Tensor:
         with window(start, start + h.shape[1]) if window is not None else contextlib.nullcontext():
             logits = head(h)
+        mul, div = scaling
+        if mul is not None:
+            logits = logits * mul
+        if div is not None:
+            logits = logits / div
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return token_cross_entropy(logits, t)
@@ -143,7 +182,8 @@ class ChunkedLMLoss:
         if targets.shape != hidden.shape[:2]:
             raise ValueError(f"lm_loss_chunk_size: the chunked loss needs one target per position: labels "
                              f"{tuple(labels.shape)}, hidden states {tuple(hidden.shape)}.")
-        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window)
+        per_token = token_losses_in_chunks(hidden, head, targets, self.chunk_size, softcap, on_output, window,
+                                           scaling=lm_scaling(net))
         return reduce(per_token, targets, **kwargs)
 
     def check_batch(self, batch: dict, labels: torch.Tensor, longest: int = 1024) -> tuple[dict, torch.Tensor]:
@@ -173,8 +213,12 @@ class ChunkedLMLoss:
         """Before the first update: on a micro-batch's first ``row`` (:meth:`check_batch`; its packed examples by
         ``segment_ids``), the chunked per-example losses (``run_chunked(row, labels, **kw)``) equal those of the
         model's own forward (``run_model``: the trainer's per-example loss of its outputs), to 1e-4 (2e-2 in half
-        precision), or ``ValueError`` (nothing has been released)."""
+        precision), or ``ValueError`` (nothing has been released). A row with no labelled position (both losses 0: a
+        vacuous comparison) is compared on its own tokens (``losses.labels_to_compare``) whatever the trainer's task,
+        also with ``per_example_loss=causal_lm_loss`` passed explicitly: every loss with a token form is an LM's."""
         row, labels = self.check_batch(row, labels)
+        if not bool((labels != IGNORE_INDEX).any()):
+            labels = labels_to_compare("causal_lm", row, labels)
         extra = {} if (seg := segment_ids(row)) is None else {"segments": seg}
         rtol, model_name = (2e-2 if half else 1e-4), type(model).__name__
         with torch.no_grad():

@@ -47,10 +47,17 @@ backward of the reweighted loss; ``"auto"``: two with activation checkpointing o
 
 
 def checkpointing_on(args: Any, model: nn.Module) -> bool:
-    """Whether activation checkpointing is on: ``args.gradient_checkpointing`` (the Trainer enables it on the model in
-    ``train()``) or the model's own ``is_gradient_checkpointing`` (``gradient_checkpointing_enable()``, as
-    ``peft.prepare_model_for_kbit_training`` calls it)."""
-    return bool(getattr(args, "gradient_checkpointing", False) or getattr(model, "is_gradient_checkpointing", False))
+    """Whether activation checkpointing is on: ``args.activation_checkpointing`` / ``gradient_checkpointing`` (the
+    Trainer enables it on the model in ``train()``), or turned on on the model or on any module inside it
+    (``gradient_checkpointing_enable()``, as ``peft.prepare_model_for_kbit_training`` calls it, or on the
+    transformers model inside a module of one's own): a module whose ``gradient_checkpointing`` is ``True``, what
+    transformers' ``is_activation_checkpointing`` reads (its deprecated ``is_gradient_checkpointing`` alias is not
+    read: it warns, and goes in transformers 6)."""
+    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
+        return True
+    if isinstance(model, nn.Module):
+        return any(vars(m).get("gradient_checkpointing") is True for m in model.modules())
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def flat_clipping_passes(args: Any, model: nn.Module) -> int:

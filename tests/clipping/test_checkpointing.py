@@ -18,6 +18,8 @@ import torch
 from helpers import (
     CheckpointedBlocks,
     FallbackGate,
+    check_exact,
+    cls_dataset,
     example_norms,
     flat_clipped_sum,
     group_clipped_sum,
@@ -418,3 +420,48 @@ def test_a_fallback_shared_by_two_checkpointed_blocks_is_clipped_once_per_exampl
     expected = group_clipped_sum(grads, groups, thresholds)
     for n in expected:
         torch.testing.assert_close(engine.summed_grads[n], expected[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+class _OwnClassifier(torch.nn.Module):
+    """A module of one's own around a transformers model (a tiny Llama backbone, mean-pooled, a linear head): the
+    Trainer cannot enable checkpointing on it (no ``gradient_checkpointing_enable``); one enables it on the backbone."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = _llama(2).model
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.head(self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.mean(1))
+        loss = None if labels is None else torch.nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_checkpointing_turned_on_inside_the_model_takes_two_passes_and_is_exact(tmp_path, reentrant):
+    """flat_clipping_passes="auto" sees checkpointing turned on on a transformers model inside a module of one's own
+    (any module's ``gradient_checkpointing``, what transformers' ``is_activation_checkpointing`` reads), so flat
+    clipping takes two passes and keeps the saving; read without transformers' deprecated ``is_gradient_checkpointing``
+    (a FutureWarning, gone in transformers 6). The step is exact against the oracle (the module's own loss on a batch
+    of one), with the backbone's blocks recomputed in the backward; to 1e-5 as two passes on Llama are (its RMSNorm
+    computes in float32, and pass 2 is the model's own batched backward)."""
+    from hf_dp.clipping.two_pass import flat_clipping_passes
+
+    torch.manual_seed(10)
+    model = _OwnClassifier()
+    args = ckpt_args(tmp_path, 1.0, "flat", reentrant, flat_clipping_passes="auto")
+    args.gradient_checkpointing = args.activation_checkpointing = False
+    assert flat_clipping_passes(args, model) == 1
+    model.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    llama = _llama(1)
+    llama.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert flat_clipping_passes(args, model) == 2
+        assert flat_clipping_passes(args, llama) == 2
+    counter = Recomputes(model, model.backbone.layers[0].self_attn)
+    check_exact(model, cls_dataset(4, num_labels=3, seq_len=6), tmp_path, clipping="flat", rtol=1e-5,
+                per_example_loss=lambda out, y: torch.nn.functional.cross_entropy(out.logits, y, reduction="none"))
+    assert counter.block_calls > counter.model_calls

@@ -112,18 +112,42 @@ def test_no_batch_by_length_by_vocabulary_tensor_is_kept_for_the_backward(tmp_pa
 
 
 # ---------------------------------------------------------------------- refused, with the reason
-def test_a_model_whose_forward_transforms_the_logits_is_refused_before_any_release(tmp_path):
-    """Cohere scales its logits by ``logit_scale`` between the head and the loss, which the chunked loss does not
-    reproduce: the first-step check compares it with the model's own forward and refuses."""
-    from transformers import CohereConfig, CohereForCausalLM
+@pytest.mark.parametrize("arch", ["cohere", "granite"])
+def test_chunked_loss_exact_with_scaled_logits(tmp_path, arch):
+    """Cohere multiplies its logits by ``logit_scale``, Granite divides them by ``config.logits_scaling``, between
+    the head and the loss: the chunked loss applies the same constant (``chunked_loss.logit_scaling``)."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
 
+    cfg_cls, model_cls, scale = ((CohereConfig, CohereForCausalLM, dict(logit_scale=0.25)) if arch == "cohere"
+                                 else (GraniteConfig, GraniteForCausalLM, dict(logits_scaling=4.0)))
     torch.manual_seed(0)
-    model = CohereForCausalLM(CohereConfig(
+    model = model_cls(cfg_cls(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, logit_scale=0.25, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0)).double()
-    trainer = DPTrainer(model=model, train_dataset=lm_dataset(4, seed=1),
-                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+        num_key_value_heads=1, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=0, **scale))
+    rtol = 1e-5 if arch == "cohere" else 1e-7  # CohereLayerNorm normalises in float32 (also unchunked)
+    check_exact(model, lm_dataset(4, seed=1), tmp_path, lm_loss_chunk_size=CHUNK, rtol=rtol)
+
+
+def _logits_transformed():
+    """A tiny Llama whose forward scales the logits it returns: a step between the head and the loss that the chunked
+    loss does not know of (its loss is passed as ``causal_lm_loss``: no default loss for the subclass)."""
+    from transformers import LlamaForCausalLM
+
+    class LogitsTransformed(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+            out.logits = out.logits * 0.25
+            return out
+
+    return LogitsTransformed(tiny_llama().config).double()
+
+
+def test_a_model_whose_forward_transforms_the_logits_is_refused_before_any_release(tmp_path):
+    """A forward that scales its logits between the head and the loss in a way the chunked loss does not reproduce:
+    the first-step check compares it with the model's own forward and refuses."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=_logits_transformed(), train_dataset=lm_dataset(4, seed=1),
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4), per_example_loss=causal_lm_loss)
     assert_refused_before_any_release(trainer, "differs from the loss of the model's own forward")
 
 
@@ -207,20 +231,17 @@ def test_the_heads_group_is_clipped_once_inside_the_backward(arch, reentrant):
 
 
 def test_the_comparison_is_not_vacuous_when_the_first_row_has_no_target(tmp_path):
-    """Cohere's logit scale is caught even when the first row of the first micro-batch has no labelled position
-    (both losses would be 0): the comparison then scores the row's own tokens. (Here no row has one.)"""
+    """A logit scale the chunked loss does not reproduce is caught even when the first row of the first micro-batch
+    has no labelled position (both losses would be 0): the comparison then scores the row's own tokens. (Here no row
+    has one.)"""
     from datasets import Dataset
-    from transformers import CohereConfig, CohereForCausalLM
 
     torch.manual_seed(0)
-    model = CohereForCausalLM(CohereConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, logit_scale=0.25, bos_token_id=0, eos_token_id=0,
-        pad_token_id=0)).double()
+    model = _logits_transformed()
     rows = lm_dataset(4, seed=1).to_dict()
     rows["labels"] = [[-100] * len(r) for r in rows["labels"]]
     trainer = DPTrainer(model=model, train_dataset=Dataset.from_dict(rows),
-                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4))
+                        args=dp_args(tmp_path, 2, 1, 1.0, lm_loss_chunk_size=4), per_example_loss=causal_lm_loss)
     with pytest.raises(ValueError, match="differs from the loss of the model's own forward"):
         trainer.train()
     assert trainer.accountant.steps == 0

@@ -300,6 +300,34 @@ def test_per_layer_clipping_is_exact(tmp_path, name):
                 **(IMAGE_LOSS if name in VISION else {}))
 
 
+# Activation checkpointing (both kinds) on one model per mechanism that runs inside a checkpointed block and that
+# tests/clipping/test_checkpointing*.py does not cover: the enclosing-module fallback re-planned at the first step
+# (Mamba's mixer, Swin's batch-less table), MoE experts and router (Mixtral), flattened (B·T, d) tokens regrouped (OPT),
+# the static fallback of a weight-normed convolution (Wav2Vec2). Flat clipping takes two passes here ("auto"): pass 2
+# is the model's own batched backward, so models that compute in float32 inside (Mamba's scan) agree to 1e-5.
+# The whole zoo × {reentrant, non-reentrant} × {flat, per-layer} (× lm_loss_chunk_size): benchmarks/zoo_sweep.py.
+CHECKPOINTED = [("mamba", "per_layer", True), ("swin", "flat", True), ("mixtral", "flat", False),
+                ("opt", "per_layer", False), ("wav2vec2", "per_layer", True)]
+
+
+@pytest.mark.parametrize("name,clipping,reentrant", CHECKPOINTED,
+                         ids=[f"{n}-{c}-{'reentrant' if r else 'nonreentrant'}" for n, c, r in CHECKPOINTED])
+def test_exact_under_activation_checkpointing(tmp_path, name, clipping, reentrant):
+    """...and the blocks were re-run inside the backward (module forwards while a backward pass runs)."""
+    _, make, data = next(c for c in CASES if c[0] == name)
+    recomputed = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda *_: recomputed.append(1) if torch._C._current_graph_task_id() != -1 else None)
+    try:
+        torch.manual_seed(0)
+        check_exact(make(), data(), tmp_path, clipping=clipping, rtol=max(rtol_of(name), 1e-5),
+                    gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+                    **(IMAGE_LOSS if name in VISION else {}))
+    finally:
+        hook.remove()
+    assert recomputed
+
+
 # ------------------------------------------------------------------------------- the new rules, layer by layer
 # Each against a loop over single examples (``helpers.check_engine``), then each run-time check refusing
 # the case it exists for.
