@@ -85,7 +85,16 @@ def causal_lm_targets(labels: torch.Tensor, virtual: int = 0) -> torch.Tensor:
 
 
 def _logits(outputs: Any) -> torch.Tensor:
-    return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if logits is None:
+        raise ValueError(
+            f"The model's output ({type(outputs).__name__}) has no logits: each example's loss is formed from the "
+            "logits, and a forward that returns only a loss over the whole batch (e.g. a fused "
+            "linear-cross-entropy, as use_liger_kernel=True installs) cannot be clipped per example. Make the forward "
+            "return the logits in training, or pass per_example_loss=fn(outputs, labels) that returns one loss per "
+            "example from what it does return."
+        )
+    return logits
 
 
 def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ from .guarantee import (
     check_batch_rows,
     check_delta,
     check_not_compiled,
+    check_optimizer_updates_in_step,
     check_something_trainable,
     check_step_gradients,
     check_train_loader,
@@ -116,6 +117,7 @@ class _DPCallback(TrainerCallback):
         self.trainer._realised_loss.reset_run()
         self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
+        check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -237,6 +239,7 @@ class _StepHooks:
 
     def check_release(self) -> None:
         self._trainer._state_guard.before_release()
+        self._trainer.mechanism.check_step(self._trainer._dp_sampler)  # q and C are those the step ran with
 
 
 def _mechanism_attribute(name: str, doc: str, settable: bool = False) -> property:
@@ -682,6 +685,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         be the draw of the DP step the accountant is at (checked exactly when the loader has no workers, which
         would draw ahead; with workers, a draw of an earlier step is refused)."""
         self._dp_step.begin_step()
+        self.mechanism.begin_step(self._dp_sampler)  # drawn at the q the accountant records (guarantee.py)
         batches = []
         for _ in range(num_batches):
             try:
@@ -782,6 +786,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
                 self._dp_step.discard_step(f"{type(err).__name__} escaped the DP step")
                 raise
             if at_boundary:
+                self.mechanism.begin_step(self._dp_sampler)  # C of the step's chunks; q as drawn
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         try:
