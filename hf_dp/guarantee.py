@@ -758,7 +758,8 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
     records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
     DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
-    data-dependent noise. ``args``: the run's ``DPTrainingArguments``."""
+    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss). ``args``: the run's
+    ``DPTrainingArguments``."""
     if compute_loss_func is not None:
         raise ValueError(
             "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
