@@ -45,6 +45,7 @@ from .counterfactual import (
     check_first_step_alone,
     check_known_dependences,
     collated_on_device,
+    first_batch_features,
     hard_batch,
     longest_position,
 )
@@ -356,11 +357,11 @@ class _ExamplesAloneWiring:
         num = labels.shape[0] if segments is None else int(segments.max()) + 1
         num //= self._dp_step.pieces.rows_per_example
         indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
-        features = None if indices is None or len(indices) < num or rows is None else [
-            rows[int(i)] for i in indices[:num]]
+        features, random_rows = (None, False) if indices is None or len(indices) < num or rows is None else \
+            first_batch_features(rows, indices, num)  # re-read: a random transform draws again (counterfactual.py)
         check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
                                self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
-                               **self._alone_layout())
+                               **self._alone_layout(), random_rows=random_rows)
 
     def _alone_layout(self) -> dict:
         """How an example is laid out for the counterfactual check (``check_first_step_alone``'s ``extras`` and

@@ -9,10 +9,14 @@ it violated rather than by its name.
   transformers' ``*_layerwise`` optimizers) would train nothing while reporting ε; refused at train start.
 * Each example's loss is formed from the logits (invariants 2, 9): a forward that returns only a batch loss (Liger
   Kernel's fused linear-cross-entropy) is refused with its cause.
+* The counterfactual check compares each example with itself alone (invariant 12): a training set whose rows are
+  random at each read (``set_transform`` augmentation) was refused with an untrue cause ("depends on the other rows
+  of its batch"), because the check re-read other draws than the batch held; now compared with the same draw.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 import types
 import warnings
@@ -20,10 +24,11 @@ import warnings
 import pytest
 import torch
 from helpers import cls_dataset, lm_dataset, tiny_llama
-from helpers.neighbours import bert, neighbour_args, params
+from helpers.neighbours import N, bert, bert_data, neighbour_args, params
+from helpers.runs import assert_refused_before_any_release
 from transformers import TrainerCallback
 
-from hf_dp import DPTrainer
+from hf_dp import DPTrainer, UnsupportedLayerError
 
 
 # ---------------------------------------------------------------------- the mechanism of a step
@@ -176,3 +181,64 @@ def test_forward_without_logits_is_refused_with_its_cause(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="has no logits"):
         trainer.train()
     assert trainer.accountant.steps == 0 and all(torch.equal(p, before[k]) for k, p in params(model).items())
+
+
+# ---------------------------------------------------------------------- a training set whose rows are random
+def augmented(m: int):
+    """``bert_data(m)`` with a random augmentation at each read (``set_transform``, as the transformers image
+    classification example does with random crops and flips): one of the first two tokens replaced at random."""
+    data = bert_data(m)
+
+    def replace_a_token(batch):
+        ids = [list(row) for row in batch["input_ids"]]
+        for row in ids:
+            row[random.randrange(1, 3)] = random.randrange(5, 60)
+        return {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": batch["labels"]}
+
+    data.set_transform(replace_a_token)
+    return data
+
+
+def test_random_transform_of_the_training_set_trains_the_rows_as_drawn(tmp_path):
+    """Unfixed, refused at the first step: "example 0's gradient norm is 0.9305 in the batch but 0.9305 alone" — the
+    counterfactual re-read the rows and got other draws. Now the re-read is found random and each example is compared
+    with its own row of the batch (the same draw). The update is exactly Σ_i clip_C(∇L_i) / N over the rows as the
+    step drew them, L_i being the model's own loss on a batch of one (σ = 0, q = 1)."""
+    import copy
+
+    from helpers.neighbours import C
+    from helpers.oracle import flat_clipped_sum, per_example_grads
+    from transformers import default_data_collator
+
+    batches = []
+
+    def recording(features):
+        batch = default_data_collator(features)
+        batches.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+    model = bert()
+    start = copy.deepcopy(model)
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, N), train_dataset=augmented(N),
+                        data_collator=recording)
+    before = params(model)
+    trainer.train()
+    step = next(b for b in batches if b["input_ids"].shape[0] == N)  # the step's batch (q = 1: all N rows)
+    rows = [{k: v[i] for k, v in step.items()} for i in range(N)]
+    expected = flat_clipped_sum(per_example_grads(start, rows), C)
+    assert trainer.accountant.steps == 1 and any(float(e.abs().max()) > 0 for e in expected.values())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close((before[n] - p.detach()) * N, expected[n], rtol=1e-6, atol=1e-12, msg=n)
+
+
+def test_random_transform_still_catches_a_loss_that_mixes_rows(tmp_path):
+    """Compared with its own row of the batch, an example whose loss reads the other rows (a batch mean of the logits)
+    is still refused before any release, and the message says the training set is random."""
+
+    def mixes_rows(outputs, labels):
+        ce = torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
+        return ce + 0.1 * outputs.logits.mean()
+
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=augmented(N),
+                        per_example_loss=mixes_rows)
+    assert_refused_before_any_release(trainer, "other rows.*training set is random", UnsupportedLayerError)
