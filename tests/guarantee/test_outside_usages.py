@@ -242,3 +242,18 @@ def test_random_transform_still_catches_a_loss_that_mixes_rows(tmp_path):
     trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=augmented(N),
                         per_example_loss=mixes_rows)
     assert_refused_before_any_release(trainer, "other rows.*training set is random", UnsupportedLayerError)
+
+
+# ---------------------------------------------------------------- a layer the generic fallback cannot differentiate
+def test_adapter_whose_backward_torch_func_cannot_run_is_refused_naming_it(tmp_path):
+    """PEFT's SHiRA (sparse high-rank adapter) trains a sparse delta that no rule covers; the generic fallback re-runs
+    its layer per example, and torch.func cannot run the sparse backward. That escaped as torch's bare
+    ``NotImplementedError: Could not run 'aten::view' ... 'SparseCPU' backend``; it is now a refusal before any
+    release that names the layer, the parameter and the way out."""
+    from peft import ShiraConfig, TaskType, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_llama(), ShiraConfig(task_type=TaskType.CAUSAL_LM, r=2, target_modules=["q_proj"]))
+    trainer = DPTrainer(model=model.double(), args=neighbour_args(tmp_path, 4), train_dataset=lm_dataset(4))
+    assert_refused_before_any_release(trainer, r"q_proj.*shira_weight.*differentiating it on one example at a time "
+                                               r"under torch.func.vmap failed.*Freeze", UnsupportedLayerError)
