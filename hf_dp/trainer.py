@@ -72,6 +72,7 @@ from .history import ModelHistory, earlier_runs_message
 from .loader import dp_train_loader, is_empty, shared_seed, training_collator, training_rows
 from .losses import (
     PerExampleLoss,
+    check_loss_per_example,
     check_models_own_loss,
     default_per_example_loss,
     is_seq2seq_lm,
@@ -215,7 +216,7 @@ class _StepHooks:
         return self._trainer._model_inputs(model, inputs, labels)
 
     def example_losses(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._trainer._example_losses(*args, **kwargs)
+        return check_loss_per_example(self._trainer._example_losses(*args, **kwargs))  # losses.py
 
     def micro_batches(self, *args: Any) -> list:
         return self._trainer._micro_batches(*args)

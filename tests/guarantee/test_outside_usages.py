@@ -183,6 +183,23 @@ def test_forward_without_logits_is_refused_with_its_cause(tmp_path, monkeypatch)
     assert trainer.accountant.steps == 0 and all(torch.equal(p, before[k]) for k, p in params(model).items())
 
 
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_per_example_loss_reduced_over_the_batch_is_refused_with_its_cause(tmp_path, reduce):
+    """The commonest mistake in a custom ``per_example_loss``: returning the batch's mean. It was refused, but with an
+    untrue cause ("the model mixes examples ... find the layer that computes across the batch"): the first-step check
+    saw the 1/B-scaled gradients before anything read the loss's shape. Now the shape is checked where every
+    per-example loss is produced, first."""
+
+    def batch_loss(outputs, labels):
+        ce = torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
+        return getattr(ce, reduce)()
+
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=bert_data(N),
+                        per_example_loss=batch_loss)
+    assert_refused_before_any_release(trainer, r"one loss per example.*returned \(\) — a loss reduced over the whole "
+                                               r"batch")
+
+
 # ---------------------------------------------------------------------- a training set whose rows are random
 def augmented(m: int):
     """``bert_data(m)`` with a random augmentation at each read (``set_transform``, as the transformers image
