@@ -76,6 +76,7 @@ __all__ = [
     "collator_state_kept",
     "example_losses",
     "feature_length",
+    "first_batch_features",
     "hard_batch",
     "hard_batch_indices",
     "is_left_padded",
@@ -268,6 +269,22 @@ def collator_randomness(collate: Callable, features: list) -> str:
     if not _equal(first, _collate_seeded(collate, features, 0)):
         return "unseeded"
     return "none" if _equal(first, _collate_seeded(collate, features, 1)) else "seeded"
+
+
+def first_batch_features(rows: Any, indices: Any, num: int, reads: int = 4) -> tuple[list, bool]:
+    """The raw features of the first ``num`` rows of a batch, read again from the training set ``rows`` by their
+    dataset ``indices``, and whether a read of those rows is random (``True``: two of ``reads`` reads, under seeds
+    0, 1, ... of the torch / ``random`` / NumPy generators, differ). A dataset whose rows are drawn at each read (a
+    ``set_transform`` / ``with_transform`` augmentation: random crops, flips, token replacement) gives the check
+    other features than the batch was collated from: each example is then compared with its own row of the batch
+    (the same draw), as for a random collator. A random transform that happens to give the same draw every time is
+    read as not random, and then its re-read rows are what was trained."""
+    picked = [int(i) for i in indices[:num]]
+    draws = []
+    for seed in range(reads):
+        with seeded(seed):
+            draws.append([rows[i] for i in picked])
+    return draws[0], any(not _equal(draws[0], d) for d in draws[1:])
 
 
 def check_collator_keeps_rows_apart(collate: Callable, features: list, rows: list[int] | None = None,
@@ -499,7 +516,8 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
                          prepare: Callable[[dict], tuple[dict, torch.Tensor]],
                          run: Callable[[dict, torch.Tensor, torch.Tensor | None], torch.Tensor],
                          segment_ids: Callable[[dict], torch.Tensor | None], rtol: float = 1e-3,
-                         what: str = "", example_of_row: Callable[[int], torch.Tensor] | None = None) -> None:
+                         what: str = "", example_of_row: Callable[[int], torch.Tensor] | None = None,
+                         random_rows: bool = False) -> None:
     """Compare what the DP step computes for the examples of ``batch`` with each example alone.
 
     Args:
@@ -518,6 +536,9 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
             examples holds. ``run``'s per-row losses are then summed per example, and the example's norm and
             gradient are those of the sum over its rows (``ClippingEngine.check_counterfactual``'s ``units``); its
             alone counterpart is the example collated alone (its ``k`` rows).
+        random_rows: ``features`` were read again from a training set whose rows are random at each read
+            (:func:`first_batch_features`): not what ``batch`` was collated from, so each example is compared with
+            its own row of the batch, padding removed (the same draw), as under a random collator.
     """
     segments = segment_ids(batch)
     rows = labels.shape[0]
@@ -550,6 +571,10 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
     randomness = collator_randomness(collate, features)
     if segments is None and randomness != "unseeded":
         check_collator_keeps_rows_apart(collate, features, chosen, example_of_row)
+    if random_rows and randomness == "none":
+        randomness = "rows"
+        logger.info("hf_dp: the training set's rows are random at each read (a transform): the first micro-batch's "
+                    "examples are compared with their own rows of the batch, padding removed (the same draw).")
     if randomness == "none":
         def alone_run(i: int) -> Callable[[], torch.Tensor]:
             def go() -> torch.Tensor:
@@ -590,8 +615,9 @@ def check_examples_alone(engine: ClippingEngine, net: nn.Module, features: list,
         if segments is not None:
             layout = (" The batch is packed (padding-free rows): if the model does not keep packed examples apart at "
                       "these lengths, train with packing=False and padding_free=False.")
-        random_note = (" The collator is random: each example was compared with its own row of the batch, padding "
-                       "removed (the same random draw).") if randomness != "none" else ""
+        random_note = "" if randomness == "none" else (
+            f" The {'training set' if randomness == 'rows' else 'collator'} is random: each example was compared "
+            "with its own row of the batch, padding removed (the same random draw).")
         raise UnsupportedLayerError(f"{err}{layout}{random_note} {WAYS_OUT}") from err
 
 
@@ -642,7 +668,8 @@ def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Mod
                            labels: torch.Tensor, collate: Callable, collate_alone: Callable,
                            features: list | None, hard: tuple[list, dict, torch.Tensor] | None, rtol: float,
                            extras: Callable[[dict, torch.Tensor], dict] | None = None,
-                           example_of_row: Callable[[int], torch.Tensor] | None = None) -> None:
+                           example_of_row: Callable[[int], torch.Tensor] | None = None,
+                           random_rows: bool = False) -> None:
     """Once per run, before the first update: each example's loss and gradient, as the DP step computes them in its
     batch, equal those of the example collated alone (:func:`check_examples_alone`), on the first micro-batch (its
     raw ``features``; ``None``: they could not travel with the batch) and on the ``hard`` batch
@@ -651,7 +678,8 @@ def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Mod
 
     ``extras(batch, labels)``: inputs the DP step adds to each collated micro-batch (DPO's reference log-probs,
     ``hf_dp/preference.py``), added to the hard batch and to each example alone; ``example_of_row``: an example of
-    several model rows (a preference row, :func:`check_examples_alone`)."""
+    several model rows (a preference row, :func:`check_examples_alone`); ``random_rows``: the first micro-batch's
+    ``features`` were read again from rows that are random at each read (:func:`first_batch_features`)."""
 
     def prepare(raw: dict) -> tuple[dict, torch.Tensor]:
         batch, lab = collated_on_device(hooks, raw)
@@ -665,7 +693,8 @@ def check_first_step_alone(engine: ClippingEngine, hooks: StepHooks, net: nn.Mod
     if hard is not None and extras is not None:
         hard[1].update(extras(hard[1], hard[2]))
     if features is not None:
-        check_examples_alone(engine, net, features, micro, labels, **common, what=" (the first micro-batch)")
+        check_examples_alone(engine, net, features, micro, labels, **common, what=" (the first micro-batch)",
+                             random_rows=random_rows)
     else:
         logger.warning("hf_dp: the first micro-batch was not compared with its examples alone (the training set's "
                        "rows are not dicts, so their indices cannot travel with the batch); only the batch of the "

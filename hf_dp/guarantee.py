@@ -29,7 +29,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
            "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
-           "setting_notes", "check_training_setup"]
+           "setting_notes", "check_training_setup", "check_step_mechanism", "check_optimizer_updates_in_step"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -691,13 +691,75 @@ def setting_notes(args: Any, noise_multiplier: float | None, early_stopping: boo
     return notes
 
 
+# ---------------------------------------------------------------------- the mechanism of a step
+def drawn_rate(sampler: Any) -> float | None:
+    """The rate at which ``sampler`` (``sampling.py``) draws each step: q of Poisson sampling, B/N of shuffled
+    batches; ``None`` for a sampler that is not hf_dp's (``check_train_loader`` refuses it at train start)."""
+    if getattr(sampler, "sample_rate", None) is not None:
+        return float(sampler.sample_rate)
+    if getattr(sampler, "batch_size", None) is not None and getattr(sampler, "num_examples", None):
+        return sampler.batch_size / sampler.num_examples
+    return None
+
+
+def check_step_mechanism(sampler: Any, sample_rate: float, step_clip: float | None, clip: float | None) -> None:
+    """DESIGN invariants 4-6: the step released is the mechanism the accountant records. The accountant records
+    q = B/N from the arguments and the training set as they are when the step is released (read live, so that a
+    hyperparameter search may set them), but the loader's sampler drew the step at the rate fixed when it was built
+    (``drawn_rate``): a callback that changes ``per_device_train_batch_size``, ``gradient_accumulation_steps`` or
+    ``trainer.train_dataset`` during ``train()`` would have ε computed for a q the batches were not drawn with (a
+    smaller q: a smaller ε than the run spent). Flat clipping reads C at every chunk and for the noise: C changed
+    between the chunks of a step (``step_clip`` at the first chunk, ``clip`` now) would noise at σ·C a sum whose
+    examples were clipped at a larger C. Either is refused before the step is released."""
+    drawn = drawn_rate(sampler)
+    if drawn is not None and not math.isclose(drawn, sample_rate, rel_tol=1e-9, abs_tol=0.0):
+        raise RuntimeError(
+            f"hf_dp: this step was drawn at sampling rate q = {drawn:.6g} (the train loader's sampler, built at "
+            f"train start), but the accountant would record q = {sample_rate:.6g}: per_device_train_batch_size, "
+            "gradient_accumulation_steps or the training set (trainer.train_dataset) changed after the loader was "
+            "built, so ε would not be the privacy this run spends. Nothing of this step was released. Set them "
+            "before train(); to change them, end this train() and call train() again (a new loader is built and "
+            "the accountant composes both mechanisms)."
+        )
+    if step_clip is not None and clip != step_clip:
+        raise RuntimeError(
+            f"hf_dp: per_sample_max_grad_norm changed from {step_clip} to {clip} inside a DP step (between its "
+            "gradient accumulation chunks): the step's examples would be clipped at one C and noised at σ times "
+            "another. Nothing of this step was released. Change C between steps (e.g. in a callback's on_step_end), "
+            "not while a step runs."
+        )
+
+
+def check_optimizer_updates_in_step(optimizer: Any) -> None:
+    """The DP release is written to ``.grad`` once per step, after every sampled example was clipped and the noise
+    added, and the optimizer must apply it in ``optimizer.step()``. An optimizer that updates the parameters inside
+    the backward pass instead (LOMO / AdaLomo's ``fused_backward``, Lv et al. 2024; transformers' ``*_layerwise``
+    optimizers, whose per-parameter optimizers run in post-accumulate-grad hooks behind a ``LayerWiseDummyOptimizer``)
+    never sees that gradient: the DP backward runs with the parameters frozen, so its hooks never fire, and its
+    ``step()`` does nothing. The run would train nothing while reporting ε. Refused at train start."""
+    inner, seen = optimizer, set()
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        name = type(inner).__name__
+        if callable(getattr(inner, "fused_backward", None)) or name == "LayerWiseDummyOptimizer":
+            raise ValueError(
+                f"The optimizer ({name}) updates the parameters inside the backward pass, not in optimizer.step(). "
+                "Under DP the gradient exists only after every sampled example was clipped and the noise added; it "
+                "is written to .grad once per step and must be applied by optimizer.step(), so this optimizer would "
+                "train nothing. Use an optimizer that steps in optimizer.step() (optim='adamw_torch', 'sgd', "
+                "'adafactor', 'galore_adamw' without '_layerwise', ...)."
+            )
+        inner = getattr(inner, "optimizer", None)
+
+
 # ---------------------------------------------------------------------- what DPTrainer refuses at construction
 def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
                          neftune_noise_alpha: Any) -> None:
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
     records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
     DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
-    data-dependent noise. ``args``: the run's ``DPTrainingArguments``."""
+    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss). ``args``: the run's
+    ``DPTrainingArguments``."""
     if compute_loss_func is not None:
         raise ValueError(
             "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
@@ -722,3 +784,11 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
         )
     if neftune_noise_alpha is not None:
         raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            "use_liger_kernel=True patches the model at train() so that, in training with labels, its forward returns "
+            "no logits but one fused linear-cross-entropy loss averaged over the whole batch (Liger Kernel): the "
+            "per-example losses DP clips cannot be formed from it. Set use_liger_kernel=False; for the memory of a "
+            "large vocabulary's logits use lm_loss_chunk_size (the LM head and loss in chunks of positions, "
+            "per example)."
+        )

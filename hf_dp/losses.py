@@ -38,6 +38,7 @@ __all__ = [
     "sequence_classification_loss",
     "cross_entropy_classification_loss",
     "question_answering_loss",
+    "check_loss_per_example",
     "check_models_own_loss",
     "labels_to_compare",
     "default_per_example_loss",
@@ -85,7 +86,16 @@ def causal_lm_targets(labels: torch.Tensor, virtual: int = 0) -> torch.Tensor:
 
 
 def _logits(outputs: Any) -> torch.Tensor:
-    return outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    if logits is None:
+        raise ValueError(
+            f"The model's output ({type(outputs).__name__}) has no logits: each example's loss is formed from the "
+            "logits, and a forward that returns only a loss over the whole batch (e.g. a fused "
+            "linear-cross-entropy, as use_liger_kernel=True installs) cannot be clipped per example. Make the forward "
+            "return the logits in training, or pass per_example_loss=fn(outputs, labels) that returns one loss per "
+            "example from what it does return."
+        )
+    return logits
 
 
 def _token_logits(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -317,6 +327,22 @@ def _uses_causal_loss_function(base: nn.Module) -> bool:
     code = _forward_code(type(base), own=True)
     return code is not None and "self.loss_function(" in code and getattr(base, "loss_function", None) is (
         ForCausalLMLoss)
+
+
+def check_loss_per_example(losses: Any) -> torch.Tensor:
+    """``losses`` as the per-example loss returned them, if they are one loss per example (a 1-D tensor); else a
+    ``ValueError`` naming the cause, before any other check reads them: a scalar is a loss reduced over the batch (a
+    mean or a sum), which no per-example clipping can split (DESIGN invariant 2). Its length is checked where the
+    batch's example count is known (the DP step) and its per-example meaning by the counterfactual check."""
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"per_example_loss must return one loss per example, a tensor of shape (batch,); it returned {shape}"
+            + (" — a loss reduced over the whole batch (a mean or a sum)" if shape == () else "")
+            + ". Reduce over each example's own tokens only: e.g. cross_entropy(..., reduction='none') per token, "
+            "then a sum or mean per row."
+        )
+    return losses
 
 
 def check_models_own_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, loss: PerExampleLoss,

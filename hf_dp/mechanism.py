@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .accounting import MechanismRecord, PrivacyAccountant, split_noise_for_quantiles
-from .guarantee import budget_allows, check_budget_left, check_noise_std, steps_within_budget
+from .guarantee import budget_allows, check_budget_left, check_noise_std, check_step_mechanism, steps_within_budget
 from .noise import NoiseGenerator, group_noise_stds
 from .plan import (
     calibrate_noise,
@@ -73,6 +73,7 @@ class Mechanism:
         self.budget_exhausted = False
         self.on_budget_stop: Callable[[], None] | None = None  # the trainer's: stop the training loop
         self._unit_cache: tuple[Any, np.ndarray] | None = None
+        self._step_clip: float | None = None  # C at the step's first chunk (flat clipping; begin_step)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -139,6 +140,21 @@ class Mechanism:
         if a.poisson_sampling:
             return PoissonBatchSampler(self.num_units, self.sample_rate, self.steps_per_epoch, **common)
         return ShuffledBatchSampler(self.num_units, self.expected_batch_size, **common)
+
+    # ------------------------------------------------------------------ the mechanism of one step
+    def begin_step(self, sampler: Any) -> None:
+        """At a step's first chunk: the step's draw matches q (:meth:`check_step`), and C is kept, which every chunk
+        of the step must clip with (flat clipping reads ``per_sample_max_grad_norm`` at each chunk and for the
+        noise)."""
+        self._step_clip = self.args.per_sample_max_grad_norm if self.group_clipper is None else None
+        self.check_step(sampler)
+
+    def check_step(self, sampler: Any) -> None:
+        """At a step's start and release: the q the accountant records (from the arguments and the training set,
+        read live) is the rate ``sampler`` drew the step with, and C has not changed since the step's first chunk
+        (``guarantee.check_step_mechanism``; DESIGN invariants 4-6)."""
+        clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
+        check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip)
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:

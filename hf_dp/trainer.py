@@ -45,6 +45,7 @@ from .counterfactual import (
     check_first_step_alone,
     check_known_dependences,
     collated_on_device,
+    first_batch_features,
     hard_batch,
     longest_position,
 )
@@ -54,6 +55,7 @@ from .guarantee import (
     check_batch_rows,
     check_delta,
     check_not_compiled,
+    check_optimizer_updates_in_step,
     check_something_trainable,
     check_step_gradients,
     check_train_loader,
@@ -70,6 +72,7 @@ from .history import ModelHistory, earlier_runs_message
 from .loader import dp_train_loader, is_empty, shared_seed, training_collator, training_rows
 from .losses import (
     PerExampleLoss,
+    check_loss_per_example,
     check_models_own_loss,
     default_per_example_loss,
     is_seq2seq_lm,
@@ -116,6 +119,7 @@ class _DPCallback(TrainerCallback):
         self.trainer._realised_loss.reset_run()
         self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
+        check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -212,7 +216,7 @@ class _StepHooks:
         return self._trainer._model_inputs(model, inputs, labels)
 
     def example_losses(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._trainer._example_losses(*args, **kwargs)
+        return check_loss_per_example(self._trainer._example_losses(*args, **kwargs))  # losses.py
 
     def micro_batches(self, *args: Any) -> list:
         return self._trainer._micro_batches(*args)
@@ -237,6 +241,7 @@ class _StepHooks:
 
     def check_release(self) -> None:
         self._trainer._state_guard.before_release()
+        self._trainer.mechanism.check_step(self._trainer._dp_sampler)  # q and C are those the step ran with
 
 
 def _mechanism_attribute(name: str, doc: str, settable: bool = False) -> property:
@@ -353,11 +358,11 @@ class _ExamplesAloneWiring:
         num = labels.shape[0] if segments is None else int(segments.max()) + 1
         num //= self._dp_step.pieces.rows_per_example
         indices, rows = getattr(self, "_chunk_indices", None), self._training_rows()
-        features = None if indices is None or len(indices) < num or rows is None else [
-            rows[int(i)] for i in indices[:num]]
+        features, random_rows = (None, False) if indices is None or len(indices) < num or rows is None else \
+            first_batch_features(rows, indices, num)  # re-read: a random transform draws again (counterfactual.py)
         check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
                                self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
-                               **self._alone_layout())
+                               **self._alone_layout(), random_rows=random_rows)
 
     def _alone_layout(self) -> dict:
         """How an example is laid out for the counterfactual check (``check_first_step_alone``'s ``extras`` and
@@ -682,6 +687,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         be the draw of the DP step the accountant is at (checked exactly when the loader has no workers, which
         would draw ahead; with workers, a draw of an earlier step is refused)."""
         self._dp_step.begin_step()
+        self.mechanism.begin_step(self._dp_sampler)  # drawn at the q the accountant records (guarantee.py)
         batches = []
         for _ in range(num_batches):
             try:
@@ -782,6 +788,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
                 self._dp_step.discard_step(f"{type(err).__name__} escaped the DP step")
                 raise
             if at_boundary:
+                self.mechanism.begin_step(self._dp_sampler)  # C of the step's chunks; q as drawn
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         try:

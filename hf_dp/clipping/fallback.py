@@ -301,6 +301,14 @@ class Fallback:
             _, pull = vjp(lambda p: run(p, xs), self._params())
             return pull(gs)[0]
 
-        with torch.enable_grad():
-            out = vmap(one, randomness="different")(per_example, grads)
+        try:
+            with torch.enable_grad():
+                out = vmap(one, randomness="different")(per_example, grads)
+        except Exception as err:  # noqa: BLE001 - as a failed re-run of the forward: a refusal naming the module
+            raise UnsupportedLayerError(
+                f"{self.name} ({type(self.module).__name__}) {self._whose()}, and differentiating it on one example at "
+                f"a time under torch.func.vmap failed ({type(err).__name__}: {str(err)[:300]}): torch.func does not "
+                "support an operation of its backward (e.g. a sparse tensor). Freeze these parameters or use a PEFT "
+                "adapter (LoRA)."
+            ) from err
         return {n: g.reshape(g.shape[0], -1) for n, g in out.items()}
