@@ -255,8 +255,8 @@ def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _cell(r: dict[str, Any] | None) -> str:
     if r is None:
         return "–"
-    sd = f" ± {r['perplexity_sd']:.2f}" if r.get("perplexity_sd") is not None else ""
-    return f"{r['perplexity']:.2f}{sd}"
+    sd = f" ± {r['perplexity_sd']:.1f}" if r.get("perplexity_sd") is not None else ""
+    return f"{r['perplexity']:.1f}{sd}"
 
 
 def _settings(r: dict[str, Any]) -> str:
@@ -285,7 +285,7 @@ def markdown(records: list[dict[str, Any]], split: str) -> str:
                      + f" | {_cell(base)} | {some.get('trainable', 0):,} | {cpu} | "
                      + (f"{base['cpu_s']:.0f}" if base else "–") + " |")
     if public is not None:
-        lines.append(f"\nPublic model alone (ε = 0, no private data): {public['perplexity']:.2f}. Completion "
+        lines.append(f"\nPublic model alone (ε = 0, no private data): {public['perplexity']:.1f}. Completion "
                      f"perplexity (lower is better) on {public['n_eval']} "
                      + ("validation conversations (the last of the training set)." if split == "val"
                         else "held-out test conversations."))
@@ -299,6 +299,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     by = {k: r for k, r in summary(records).items() if r["split"] == "test"}
     fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=90)
@@ -323,9 +324,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks(list(xs), [f"{e:g}" for e in EPSILONS])
     ax.set_xlim(-0.3, len(EPSILONS) - 0.7)
     ax.set_xlabel("ε (δ = 1/N^1.1)")
-    ax.set_ylabel("completion perplexity (test)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.set_ylabel("completion perplexity (test, log scale)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="upper right")
+    ax.legend(fontsize=6, loc="best")
     ax.set_title("hf_dp, benchmarks/utility_sft.py: DP-SFT on chatterbot (N = 1,825), GPT-2 4×128", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
