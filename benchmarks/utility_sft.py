@@ -277,7 +277,10 @@ def markdown(records: list[dict[str, Any]], split: str) -> str:
             rows.setdefault((r["method"], r["clipping"], r["optim"], _settings(r)), {})[r["epsilon"]] = r
     lines = ["| method | clipping | optimizer | settings | ε = 1 | ε = 3 | ε = 8 | ε = ∞ (non-private) | trainable "
              "| CPU s (DP run) | CPU s (non-private) |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for (method, clipping, optim, text), cells in rows.items():
+    order = {("clip", "adam"): 0, ("automatic", "adam"): 1, ("clip", "adam_bc"): 2, ("automatic", "adam_bc"): 3}
+    ranked = sorted(rows.items(), key=lambda kv: (kv[0][0] != "lora", next(iter(kv[1].values()))["lr"],
+                                                  order[kv[0][1], kv[0][2]]))
+    for (method, clipping, optim, text), cells in ranked:
         some = next(iter(cells.values()))
         base = by.get(key({**some, "epsilon": math.inf, "clipping": "-", "optim": "adam", "np_packing": False}))
         lo, hi = min(r["cpu_s"] for r in cells.values()), max(r["cpu_s"] for r in cells.values())
@@ -304,7 +307,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     by = {k: r for k, r in summary(records).items() if r["split"] == "test"}
-    fig, ax = plt.subplots(figsize=(5.2, 3.4), dpi=90)
+    fig, ax = plt.subplots(figsize=(7.4, 3.4), dpi=90)
     styles = {("clip", "adam"): ("o", "-"), ("automatic", "adam"): ("s", "none"), ("clip", "adam_bc"): ("^", "none"),
               ("automatic", "adam_bc"): ("v", "none")}
     xs = range(len(EPSILONS))
@@ -331,7 +334,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax.yaxis.set_minor_formatter(ScalarFormatter())
     ax.set_ylabel("completion perplexity (test, log scale)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, loc="best")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.set_title("hf_dp, benchmarks/utility_sft.py: DP-SFT on chatterbot (N = 1,825), GPT-2 4×128", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
