@@ -706,5 +706,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return records
 
 
+def cli(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """``--task food`` (the default): :func:`main`; ``--task sft``: DP-SFT on the chat data by completion perplexity
+    (``benchmarks/utility_sft.py``, its own options)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task", choices=("food", "sft"), default="food")
+    task, rest = pre.parse_known_args(argv)
+    if task.task == "sft":
+        path = ROOT / "benchmarks" / "utility_sft.py"
+        spec = importlib.util.spec_from_file_location("hf_dp_benchmark_utility_sft", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main(rest)
+    return main(rest)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -288,8 +288,9 @@ def dp_run(method: str, public: Path, script_args: ScriptArguments, args: DPSFTE
 
 
 def non_private_run(public: Path, args: DPSFTExampleConfig, steps: int, tokenizer: PreTrainedTokenizerBase,
-                    chats: datasets.DatasetDict) -> dict[str, Any]:
-    """trl's own SFTTrainer (dataset-level packing, fixed batches of the DP run's expected size), same steps."""
+                    chats: datasets.DatasetDict, peft_config: Any = None) -> dict[str, Any]:
+    """trl's own SFTTrainer (dataset-level packing, fixed batches of the DP run's expected size), same steps; with
+    ``peft_config`` (e.g. :func:`lora_config`) LoRA instead of the full model."""
     from trl import SFTConfig, SFTTrainer
 
     set_seed(args.seed)
@@ -297,10 +298,12 @@ def non_private_run(public: Path, args: DPSFTExampleConfig, steps: int, tokenize
     values.update(output_dir=os.path.join(args.output_dir, "non_private"), max_steps=steps, save_strategy="no",
                   max_grad_norm=1.0, bf16=False)
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(public), args=SFTConfig(**values),
-                         train_dataset=chats["train"], processing_class=tokenizer)
+                         train_dataset=chats["train"], processing_class=tokenizer, peft_config=peft_config)
     result = trainer.train()
-    return {"run": "non-private SFT of public model (full)", "epsilon": math.inf, "steps": trainer.state.global_step,
-            "runtime": result.metrics["train_runtime"],
+    method = "full" if peft_config is None else "lora"
+    return {"run": f"non-private SFT of public model ({method})", "epsilon": math.inf,
+            "steps": trainer.state.global_step, "runtime": result.metrics["train_runtime"],
+            "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "perplexity": completion_perplexity(trainer.model, tokenizer, chats["test"], args.max_length)}
 
 
