@@ -41,7 +41,9 @@ of the head on the frozen top layers, then the LoRA / top-2 run; δ = 1/N^1.1, P
 optim`` as ``|name=value``: ``head_lr`` (the classifier in its own AdamW param group at that learning rate, the rest at
 ``lr``; a user optimizer passed as ``optimizers=(optimizer, None)``, to the non-private counterpart too), ``lr``,
 ``batch`` (expected batch, a multiple of the micro-batch 64), ``max_steps``, ``C``, ``C_body`` (group-wise clipping:
-the classifier at C, the rest at C_body, noise std ∝ each group's threshold) and ``split=val``. ``--val`` trains on
+the classifier at C, the rest at C_body, noise std ∝ each group's threshold), ``split=val`` and ``n`` (train on the
+first n training reviews only, e.g. ``|n=1000``; the evaluation set and the other settings unchanged, δ = 1/n^1.1;
+RESULTS.md "Seeds, full fine-tuning and N (session 10)"). ``--val`` trains on
 all but the last 500 training reviews and evaluates on those (results in ``benchmarks/utility_val.json``): settings
 are chosen there, never on the test set. Choosing them on private data would itself not be covered by the guarantee;
 here the data are a public benchmark.
@@ -125,8 +127,10 @@ def grid() -> list[dict[str, Any]]:
 # (LR, EPOCHS, ACCUM, C = 1, the test split), so the earlier runs keep their keys and stay reproducible.
 # C_body: group-wise clipping (He et al. 2023 §2-3): the classifier clipped to C, the rest (LoRA / the top layers) to
 # C_body, each group's noise std ∝ its threshold (noise_allocation "equal_budget", sensitivity √2 for the two groups).
+# n (session 10): train on the first n training reviews only (the package's row order, a random sample; nested:
+# 1,000 ⊂ 2,000 ⊂ 4,000), the evaluation set unchanged; δ = 1/n^1.1 follows n (DPTrainer's default).
 SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "C_body": float,
-            "split": str}
+            "split": str, "n": int}
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -178,6 +182,8 @@ def parse_key(text: str) -> dict[str, Any]:
         raise ValueError(f"{method} runs take only C and split among the settings (in {text!r})")
     if run.get("batch", 64) % 64:
         raise ValueError(f"batch must be a multiple of the micro-batch 64 (in {text!r})")
+    if run.get("n", 1) < 1:
+        raise ValueError(f"n must be a positive number of training reviews (in {text!r})")
     return run
 
 
@@ -337,9 +343,9 @@ def lora_config() -> Any:
 VAL = 500  # split=val: the last VAL training reviews are the validation set, the model trains on the others
 
 
-def datasets_for(cache: dict[str, Any], method: str, split: str = "test") -> tuple[Rows, Rows]:
+def datasets_for(cache: dict[str, Any], method: str, split: str = "test", n: int | None = None) -> tuple[Rows, Rows]:
     """(train, evaluation) rows; ``split="val"`` carves the validation set from the training set (the test set is
-    not read), for choosing settings."""
+    not read), for choosing settings; ``n``: train on the first ``n`` of the training rows only (after the carve)."""
     def rows(part: str) -> list[dict[str, Any]]:
         c = cache[part]
         if method == "head":
@@ -349,8 +355,14 @@ def datasets_for(cache: dict[str, Any], method: str, split: str = "test") -> tup
     train = rows("train")
     if split == "val":
         k = min(VAL, len(train) // 4)  # --quick: 100 of 400
-        return Rows(train[:-k]), Rows(train[-k:])
-    return Rows(train), Rows(rows("test"))
+        train, evaluation = train[:-k], train[-k:]
+    else:
+        evaluation = rows("test")
+    if n is not None:
+        if n > len(train):
+            raise ValueError(f"n = {n} is more than the {len(train)} training reviews of this split")
+        train = train[:n]
+    return Rows(train), Rows(evaluation)
 
 
 def common_args(out: Path, method: str, lr: float, epochs: float, seed: int, run: dict[str, Any] | None = None
@@ -433,7 +445,7 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
 def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, epochs_scale: float) -> dict[str, Any]:
     method = run["method"]
     base_method = method.removeprefix("probe_")
-    train, test = datasets_for(cache, "head" if method == "head" else "top", run.get("split", "test"))
+    train, test = datasets_for(cache, "head" if method == "head" else "top", run.get("split", "test"), run.get("n"))
     n = len(train)
     epochs = EPOCHS[base_method] * epochs_scale
     lr = run.get("lr", LR[base_method])
