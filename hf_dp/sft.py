@@ -349,7 +349,17 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     # ------------------------------------------------------------------ the DP step on packed rows
     def _default_loss(self, model: torch.nn.Module) -> tuple[Any, str]:
         """A causal LM's next-token loss per example, per packed example with padding-free packing
-        (:func:`causal_lm_segment_loss`); other heads are refused."""
+        (:func:`causal_lm_segment_loss`); other heads are refused, as is trl's mixture-of-experts load-balancing loss
+        (trl turns the model's router logits on whenever ``router_aux_loss_coef`` is not 0, the architecture's own
+        coefficient by default)."""
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef}: trl adds this Mixture-of-Experts model's "
+                "load-balancing loss (it turns config.output_router_logits on; with router_aux_loss_coef=None, at the "
+                "architecture's own coefficient), a statistic of the whole batch's routing, so one example's loss "
+                "would depend on the other examples and could not be clipped per example. Set "
+                "router_aux_loss_coef=0.0 in DPSFTConfig (each example's own token loss is trained)."
+            )
         _, task = default_per_example_loss(model)
         if task != "causal_lm":
             raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {task}.")

@@ -11,6 +11,9 @@ trl's own loss on each unit collated alone by trl. Most usages held (the report 
 * A privacy unit is one example a collator can collate (invariants 8, 11): a user-tokenised SFT row with no tokens
   (``skip_prepare_dataset``) cannot be collated (padded: a float tensor; packed: no segment) and stopped the run when
   Poisson sampling first drew it, after steps were released. Refused before training, with the row.
+* A refusal says what to do (common rules): DP-SFT on a Mixture-of-Experts model with trl's defaults was refused
+  with "set model.config.output_router_logits = False", which cannot help (trl turns it back on from
+  ``router_aux_loss_coef``, the architecture's own coefficient by default). Now it names ``router_aux_loss_coef=0.0``.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import copy
 import pytest
 import torch
 from helpers import (
+    VOCAB,
     assert_refused_before_any_release,
     assert_updates_close,
     chat_tokenizer,
     make_sft_trainer,
     sft_args,
+    sft_dataset,
     tiny_llama,
 )
 from helpers import one_step_against_oracle as dp_update
@@ -90,3 +95,25 @@ def test_sft_row_without_tokens_refused_at_train_start_after_a_replaced_training
     trainer = make_sft_trainer(tiny_llama().double(), rows.select(range(4)), args)
     trainer.train_dataset = rows
     assert_refused_before_any_release(trainer, r"Row 4 of the training set has no tokens")
+
+
+# ---------------------------------------------------------------------- SFT: a refusal says what to do
+def test_sft_moe_load_balancing_loss_refused_naming_router_aux_loss_coef(tmp_path):
+    """trl's defaults (``router_aux_loss_coef=None``: Mixtral's own 0.001) add the batch's load-balancing loss; the
+    model's config had ``output_router_logits=False``, which trl overrides. Refused naming the setting that turns it
+    off, and with it off the trainer is built (each example's own token loss)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def moe():
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=0, eos_token_id=1))
+
+    model = moe()
+    assert model.config.output_router_logits is False
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.001: trl adds .* Set router_aux_loss_coef=0.0 in "
+                                         r"DPSFTConfig"):
+        make_sft_trainer(model, sft_dataset("text"), sft_args(tmp_path))
+    trainer = make_sft_trainer(moe(), sft_dataset("text"), sft_args(tmp_path, router_aux_loss_coef=0.0))
+    assert trainer.model.config.output_router_logits is False and trainer.task == "causal_lm"
