@@ -188,9 +188,13 @@ def check_rows_have_tokens(dataset: Any) -> None:
     columns = getattr(dataset, "column_names", None) or []
     if "input_ids" not in columns or not hasattr(dataset, "with_format"):
         return
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"])
+    ids = dataset.with_format("arrow")["input_ids"]
+    if not (pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)):
+        return  # fixed-size rows (e.g. an Array2D column) cannot be empty
+    lengths = pc.list_value_length(ids)
     empty = pc.index(lengths, 0).as_py()
     if empty >= 0:
         raise ValueError(
