@@ -112,7 +112,7 @@ def completion_log_probs(logits: torch.Tensor, labels: torch.Tensor,
     ``(log_probs, mask, log_sum_sq_probs)``, each ``(n, T - 1)``; the last (``log Σ_v p_v²``, for WPO weights) only
     with ``sum_sq``. Computed in float64 for float64 logits, else float32. A prompt-learning adapter (prompt tuning,
     P-tuning) prepends its virtual tokens to the logits: as trl (``log_probs[:, -seq_len:]``), the last ``T``
-    positions are the real tokens'.
+    positions are the real tokens.
     """
     extra = logits.shape[1] - labels.shape[1]
     if extra < 0:

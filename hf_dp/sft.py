@@ -177,6 +177,7 @@ def segment_means(per_token: torch.Tensor, targets: torch.Tensor, segments: torc
 
 register_token_loss(causal_lm_segment_loss, segment_targets, segment_means)
 
+
 def check_rows_have_tokens(dataset: Any) -> None:
     """Refuse, before training, a training set with a row of no tokens (e.g. user-tokenised with
     ``dataset_kwargs={"skip_prepare_dataset": True}``; trl's own preparation always adds an EOS).
