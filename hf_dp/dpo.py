@@ -110,9 +110,15 @@ def completion_log_probs(logits: torch.Tensor, labels: torch.Tensor,
 
     ``logits[:, t]`` scores ``labels[:, t + 1]``; positions whose target is ``-100`` (prompt, padding) are 0. Returns
     ``(log_probs, mask, log_sum_sq_probs)``, each ``(n, T - 1)``; the last (``log Σ_v p_v²``, for WPO weights) only
-    with ``sum_sq``. Computed in float64 for float64 logits, else float32.
+    with ``sum_sq``. Computed in float64 for float64 logits, else float32. A prompt-learning adapter (prompt tuning,
+    P-tuning) prepends its virtual tokens to the logits: as trl (``log_probs[:, -seq_len:]``), the last ``T``
+    positions are the real tokens.
     """
-    logits = logits[:, :-1]
+    extra = logits.shape[1] - labels.shape[1]
+    if extra < 0:
+        raise ValueError(f"The model returned logits for {logits.shape[1]} positions but the batch has "
+                         f"{labels.shape[1]} tokens per sequence: the log-probabilities cannot be aligned with it.")
+    logits = logits[:, extra:-1]
     logits = logits if logits.dtype == torch.float64 else logits.float()
     target = labels[:, 1:]
     mask = target != IGNORE_INDEX

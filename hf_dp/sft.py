@@ -177,6 +177,34 @@ def segment_means(per_token: torch.Tensor, targets: torch.Tensor, segments: torc
 
 register_token_loss(causal_lm_segment_loss, segment_targets, segment_means)
 
+
+def check_rows_have_tokens(dataset: Any) -> None:
+    """Refuse, before training, a training set with a row of no tokens (e.g. user-tokenised with
+    ``dataset_kwargs={"skip_prepare_dataset": True}``; trl's own preparation always adds an EOS).
+
+    Such a row is no example: trl's collators cannot collate it (padded, its empty tensor takes a float dtype; packed,
+    it adds no segment, so the rows of a packed batch no longer match its segments). It would stop the run whenever
+    Poisson sampling first draws it, after steps were released, for a reason that lies in the data.
+    """
+    columns = getattr(dataset, "column_names", None) or []
+    if "input_ids" not in columns or not hasattr(dataset, "with_format"):
+        return
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = dataset.with_format("arrow")["input_ids"]
+    if not (pa.types.is_list(ids.type) or pa.types.is_large_list(ids.type)):
+        return  # fixed-size rows (e.g. an Array2D column) cannot be empty
+    lengths = pc.list_value_length(ids)
+    empty = pc.index(lengths, 0).as_py()
+    if empty >= 0:
+        raise ValueError(
+            f"Row {empty} of the training set has no tokens (empty input_ids): it is not an example that can be "
+            "collated or trained, and would stop training mid-run whenever it is sampled. Remove such rows, e.g. "
+            "train_dataset.filter(lambda row: len(row['input_ids']) > 0)."
+        )
+
+
 class _OneExamplePerSegment:
     """The training collator, checked: a padding-free batch must hold exactly one segment per sampled row (a row
     split in two, merged with another, or dropped would no longer be clipped as one example)."""
@@ -257,6 +285,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         super().__init__(model, args, *pargs, per_example_loss=per_example_loss, trl_peft_config=peft_config,
                          **kwargs)
         self._packing_collator = self.data_collator  # trl's padding-free collator (the isolation check's)
+        check_rows_have_tokens(self.train_dataset)
         if self.padding_free:
             self._check_packing_supported()
             self.check_packed_isolation()
@@ -325,7 +354,17 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
     # ------------------------------------------------------------------ the DP step on packed rows
     def _default_loss(self, model: torch.nn.Module) -> tuple[Any, str]:
         """A causal LM's next-token loss per example, per packed example with padding-free packing
-        (:func:`causal_lm_segment_loss`); other heads are refused."""
+        (:func:`causal_lm_segment_loss`); other heads are refused, as is trl's mixture-of-experts load-balancing loss
+        (trl turns the model's router logits on whenever ``router_aux_loss_coef`` is not 0, the architecture's own
+        coefficient by default)."""
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef}: trl adds this Mixture-of-Experts model's "
+                "load-balancing loss (it turns config.output_router_logits on; with router_aux_loss_coef=None, at the "
+                "architecture's own coefficient), a statistic of the whole batch's routing, so one example's loss "
+                "would depend on the other examples and could not be clipped per example. Set "
+                "router_aux_loss_coef=0.0 in DPSFTConfig (each example's own token loss is trained)."
+            )
         _, task = default_per_example_loss(model)
         if task != "causal_lm":
             raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {task}.")
@@ -427,6 +466,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
 
     # ------------------------------------------------------------------ isolation of packed examples
     def _dp_on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        check_rows_have_tokens(self.train_dataset)  # the training set may have been replaced since construction
         if self.padding_free:
             self.check_packed_isolation()  # the model may have changed since construction
         super()._dp_on_train_begin(*args, **kwargs)

@@ -70,3 +70,65 @@ def padding_dependent(model) -> None:
         return out
 
     model.forward = leaky
+
+
+# ---------------------------------------------------------------------- the DPO oracle (trl's own loss, one row)
+def dpo_float64_head(model) -> None:
+    """Replace trl's fused log-prob head (float32 tiles) in ``model`` by the same per-token quantities computed in
+    float64 from the model's own logits with plain torch ops."""
+    import types
+
+    import torch
+
+    forward = type(model).forward
+
+    def fused(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if not fused_lm_head:
+            return out
+        logp = out.logits[:, :-1].log_softmax(-1)
+        target = labels[:, 1:]
+        mask = target != -100
+        log_probs = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0].masked_fill(~mask, 0)
+        zeros = torch.zeros_like(log_probs)
+        return types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=mask & False,
+                                     log_sum_sq_probs=torch.logsumexp(2 * logp, -1).masked_fill(~mask, 0).detach(),
+                                     loss=None, aux_loss=None)
+
+    model.forward = types.MethodType(fused, model)
+
+
+def dpo_trl_oracle(model, data, dp_config, tmp_path, exact_head: bool = True, **kw):
+    """A plain trl DPOTrainer with the DP run's DPO settings (``dp_config``), on ``model`` (a copy of the DP run's
+    initial model)."""
+    from trl import DPOConfig, DPOTrainer
+
+    keep = ("beta", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
+            "label_smoothing", "use_weighting", "max_length", "precompute_ref_log_probs", "truncation_mode", "seed",
+            "discopop_tau")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = DPOConfig(output_dir=str(tmp_path / "oracle"), use_cpu=True, report_to="none", bf16=False,
+                           gradient_checkpointing=False, **{k: getattr(dp_config, k) for k in keep})
+        trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=chat_tokenizer(), **kw)
+    if exact_head:
+        dpo_float64_head(trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model)
+        if trainer.ref_model is not None:
+            dpo_float64_head(trainer.ref_model)
+    return trainer
+
+
+def dpo_row_grads(oracle, indices: list[int]) -> list[dict]:
+    """Each row's gradient of trl's own loss on a batch of that row alone."""
+    import torch
+
+    model = oracle.model
+    model.train()
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = []
+    for i in indices:
+        model.zero_grad(set_to_none=True)
+        oracle.compute_loss(model, oracle.data_collator([oracle.train_dataset[i]])).backward()
+        out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
+    model.zero_grad(set_to_none=True)
+    return out

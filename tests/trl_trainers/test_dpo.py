@@ -4,15 +4,15 @@ The oracle (float64, σ = 0, q = 1): one step of SGD with lr = 1 moves the param
 where ``L_r`` is **trl's own DPO loss** (``DPOTrainer.compute_loss``) on a batch of ONE preference row, as trl
 collated it, from a plain trl ``DPOTrainer`` on a copy of the same model (same reference). trl computes log-probs
 with a fused head in float32; for a float64 oracle that head is replaced in the oracle's model by plain float64
-``log_softmax`` of the model's own logits (``float64_head``: the same quantity, computed without rounding; trl's loss
-code is untouched). One test also compares against trl's unmodified fused head (float32 precision).
+``log_softmax`` of the model's own logits (``helpers.preference.dpo_float64_head``: the same quantity, computed
+without rounding; trl's loss code is untouched). One test also compares against trl's unmodified fused head (float32
+precision).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import types
 import warnings
 
 import pytest
@@ -21,71 +21,20 @@ from helpers import (
     SCRIPTS,
     assert_refused_before_any_release,
     assert_updates_close,
-    chat_tokenizer,
     tiny_gpt2,
     tiny_llama,
 )
 from helpers import one_step_against_oracle as dp_update  # noqa: E402
 from helpers.preference import ROWS, distributed_pairs, dpo_args, padding_dependent, pairs  # noqa: F401
+from helpers.preference import dpo_row_grads as row_grads
+from helpers.preference import dpo_trl_oracle as trl_oracle
 from helpers.preference import make_dpo_trainer as make_trainer
 
 pytest.importorskip("trl")
 
-from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl import DPOConfig  # noqa: E402
 
 from hf_dp import DPDPOConfig, DPTrainingArguments  # noqa: E402
-
-
-# ---------------------------------------------------------------------- the oracle (trl's own loss, one row)
-def float64_head(model) -> None:
-    """Replace trl's fused log-prob head (float32 tiles) in ``model`` by the same per-token quantities computed in
-    float64 from the model's own logits with plain torch ops."""
-    forward = type(model).forward
-
-    def fused(self, *args, fused_lm_head=False, labels=None, **kwargs):
-        out = forward(self, *args, **kwargs)
-        if not fused_lm_head:
-            return out
-        logp = out.logits[:, :-1].log_softmax(-1)
-        target = labels[:, 1:]
-        mask = target != -100
-        log_probs = logp.gather(-1, target.clamp(min=0)[..., None])[..., 0].masked_fill(~mask, 0)
-        zeros = torch.zeros_like(log_probs)
-        return types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros, is_top1=mask & False,
-                                     log_sum_sq_probs=torch.logsumexp(2 * logp, -1).masked_fill(~mask, 0).detach(),
-                                     loss=None, aux_loss=None)
-
-    model.forward = types.MethodType(fused, model)
-
-
-def trl_oracle(model, data, dp_config: DPDPOConfig, tmp_path, exact_head: bool = True, **kw) -> DPOTrainer:
-    """A plain trl DPOTrainer with the DP run's DPO settings, on ``model`` (a copy of the DP run's initial model)."""
-    keep = ("beta", "loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef",
-            "label_smoothing", "use_weighting", "max_length", "precompute_ref_log_probs", "truncation_mode", "seed")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = DPOConfig(output_dir=str(tmp_path / "oracle"), use_cpu=True, report_to="none", bf16=False,
-                           gradient_checkpointing=False, **{k: getattr(dp_config, k) for k in keep})
-        trainer = DPOTrainer(model=model, args=config, train_dataset=data, processing_class=chat_tokenizer(), **kw)
-    if exact_head:
-        float64_head(trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model)
-        if trainer.ref_model is not None:
-            float64_head(trainer.ref_model)
-    return trainer
-
-
-def row_grads(oracle: DPOTrainer, indices: list[int]) -> list[dict[str, torch.Tensor]]:
-    """Each row's gradient of trl's own loss on a batch of that row alone."""
-    model = oracle.model
-    model.train()
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    out = []
-    for i in indices:
-        model.zero_grad(set_to_none=True)
-        oracle.compute_loss(model, oracle.data_collator([oracle.train_dataset[i]])).backward()
-        out.append({n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()})
-    model.zero_grad(set_to_none=True)
-    return out
 
 
 # ---------------------------------------------------------------------- configuration
