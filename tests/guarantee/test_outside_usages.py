@@ -76,6 +76,19 @@ def test_sampling_rate_changed_during_train_is_refused_before_its_step(tmp_path,
     assert [(r.sample_rate, r.steps) for r in trainer.accountant.history] == [(0.2, 2)]
 
 
+def test_accumulation_changed_with_q_kept_is_refused_with_its_cause(tmp_path):
+    """Batch size and accumulation changed together (4 x 2 -> 2 x 4: q unchanged) after step 1: the sampler still
+    draws each step as 2 chunks while the Trainer runs 4 per step. It was refused at step 2 with an untrue cause ("a
+    misalignment between hf_dp's sampler and the Trainer's loop ... please report it"; with loader workers the draws
+    cut in two were discarded step after step). Now refused at step 2's start, naming gradient_accumulation_steps;
+    step 1 was recorded at the q it was drawn with."""
+    trainer = noisy_trainer(tmp_path, per_device=4, ga=2)
+    trainer.add_callback(ChangeAt(trainer, "step_end", 1, per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps is 4, but .* draws each DP step as 2 chunk"):
+        trainer.train()
+    assert [(r.sample_rate, r.steps) for r in trainer.accountant.history] == [(0.2, 1)]
+
+
 def test_clipping_norm_changed_between_chunks_is_refused_and_between_steps_holds(tmp_path):
     """C shrunk after the first of two accumulation chunks: the first chunk's examples were clipped at 100, the noise
     would be σ·1e-4. Refused before the step is released (nothing was). The same change between steps: every chunk
