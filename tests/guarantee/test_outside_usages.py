@@ -213,6 +213,19 @@ def test_per_example_loss_reduced_over_the_batch_is_refused_with_its_cause(tmp_p
                                                r"batch")
 
 
+def test_per_example_loss_squeezed_for_one_example_is_refused_with_its_cause(tmp_path):
+    """A per-example loss ending in ``.squeeze()`` returns () for a batch of one (each example is run alone by the
+    counterfactual check; a Poisson micro-batch may hold one). Refused before any release; the message said only "a
+    loss reduced over the whole batch (a mean or a sum)", untrue here: it now names the squeeze too."""
+
+    def squeezed(outputs, labels):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none").squeeze()
+
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=bert_data(N),
+                        per_example_loss=squeezed)
+    assert_refused_before_any_release(trainer, r"returned \(\) — .* or one example's loss squeezed to a scalar")
+
+
 # ---------------------------------------------------------------------- a training set whose rows are random
 def augmented(m: int):
     """``bert_data(m)`` with a random augmentation at each read (``set_transform``, as the transformers image
