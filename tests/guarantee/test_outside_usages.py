@@ -300,3 +300,38 @@ def test_adapter_whose_backward_torch_func_cannot_run_is_refused_naming_it(tmp_p
     trainer = DPTrainer(model=model.double(), args=neighbour_args(tmp_path, 4), train_dataset=lm_dataset(4))
     assert_refused_before_any_release(trainer, r"q_proj.*shira_weight.*differentiating it on one example at a time "
                                                r"under torch.func.vmap failed.*Freeze", UnsupportedLayerError)
+
+
+class Gate(torch.nn.Module):
+    """A layer of one's own (no rule): ``x · σ(w)``, its per-example gradient from the generic fallback (vmap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.w)
+
+
+@pytest.mark.parametrize("where", ["first_step_rerun", "gradients"])
+def test_running_out_of_memory_in_the_fallback_is_not_a_refusal_of_the_layer(tmp_path, monkeypatch, where):
+    """The fallback's per-example vmap instantiates B × numel gradients: the place a large Poisson batch runs out of
+    memory. Every failure there was turned into a refusal of the layer ("torch.func does not support an operation
+    ... Freeze these parameters"), an untrue cause, at whichever step the batch was large, and
+    ``auto_find_batch_size`` (which retries on out-of-memory errors only) could not retry. Now re-raised as it is
+    (at the first step's re-run of the layer and at every step's per-example gradients)."""
+    from helpers.runs import train_toy
+
+    import hf_dp.clipping.fallback as fallback
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    real = fallback.vmap
+
+    def vmap(fn, *args, **kwargs):  # the first-step re-run maps in_dims=(None, 0); the gradients' vmap maps all
+        return oom if ("in_dims" in kwargs) == (where == "first_step_rerun") else real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(fallback, "vmap", vmap)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        train_toy(Gate(), tmp_path)
