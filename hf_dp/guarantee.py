@@ -702,7 +702,8 @@ def drawn_rate(sampler: Any) -> float | None:
     return None
 
 
-def check_step_mechanism(sampler: Any, sample_rate: float, step_clip: float | None, clip: float | None) -> None:
+def check_step_mechanism(sampler: Any, sample_rate: float, step_clip: float | None, clip: float | None,
+                         chunks: int | None = None) -> None:
     """DESIGN invariants 4-6: the step released is the mechanism the accountant records. The accountant records
     q = B/N from the arguments and the training set as they are when the step is released (read live, so that a
     hyperparameter search may set them), but the loader's sampler drew the step at the rate fixed when it was built
@@ -710,7 +711,11 @@ def check_step_mechanism(sampler: Any, sample_rate: float, step_clip: float | No
     ``trainer.train_dataset`` during ``train()`` would have ε computed for a q the batches were not drawn with (a
     smaller q: a smaller ε than the run spent). Flat clipping reads C at every chunk and for the noise: C changed
     between the chunks of a step (``step_clip`` at the first chunk, ``clip`` now) would noise at σ·C a sum whose
-    examples were clipped at a larger C. Either is refused before the step is released."""
+    examples were clipped at a larger C. Either is refused before the step is released. ``chunks``: the Trainer's
+    chunks per step (``gradient_accumulation_steps``, read live); the sampler draws each step as the number of chunks
+    fixed when it was built (``num_chunks``). Changed with q kept (batch size and accumulation changed together), the
+    Trainer's step would end inside a draw or span two: refused with that cause (it was refused at the next step as
+    a sampler/loop misalignment, or, with loader workers, the draws cut in two were discarded step after step)."""
     drawn = drawn_rate(sampler)
     if drawn is not None and not math.isclose(drawn, sample_rate, rel_tol=1e-9, abs_tol=0.0):
         raise RuntimeError(
@@ -720,6 +725,15 @@ def check_step_mechanism(sampler: Any, sample_rate: float, step_clip: float | No
             "built, so ε would not be the privacy this run spends. Nothing of this step was released. Set them "
             "before train(); to change them, end this train() and call train() again (a new loader is built and "
             "the accountant composes both mechanisms)."
+        )
+    drawn_chunks = getattr(sampler, "num_chunks", None)
+    if chunks is not None and drawn_chunks is not None and drawn_chunks != chunks:
+        raise RuntimeError(
+            f"hf_dp: gradient_accumulation_steps is {chunks}, but the train loader's sampler, built at train start, "
+            f"draws each DP step as {drawn_chunks} chunk(s): gradient_accumulation_steps changed after the loader "
+            "was built, so the Trainer's steps would no longer be the sampler's draws (a step ending inside a draw "
+            "or spanning two). Nothing of this step was released. Set it before train(); to change it, end this "
+            "train() and call train() again (a new loader is built and the accountant composes both mechanisms)."
         )
     if step_clip is not None and clip != step_clip:
         raise RuntimeError(

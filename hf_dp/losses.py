@@ -332,15 +332,18 @@ def _uses_causal_loss_function(base: nn.Module) -> bool:
 def check_loss_per_example(losses: Any) -> torch.Tensor:
     """``losses`` as the per-example loss returned them, if they are one loss per example (a 1-D tensor); else a
     ``ValueError`` naming the cause, before any other check reads them: a scalar is a loss reduced over the batch (a
-    mean or a sum), which no per-example clipping can split (DESIGN invariant 2). Its length is checked where the
-    batch's example count is known (the DP step) and its per-example meaning by the counterfactual check."""
+    mean or a sum), which no per-example clipping can split (DESIGN invariant 2), or a batch of one squeezed (a
+    ``.squeeze()`` that drops the batch axis; the counterfactual check runs each example alone). Its length is
+    checked where the batch's example count is known (the DP step) and its per-example meaning by the
+    counterfactual check."""
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(
             f"per_example_loss must return one loss per example, a tensor of shape (batch,); it returned {shape}"
-            + (" — a loss reduced over the whole batch (a mean or a sum)" if shape == () else "")
+            + (" — a loss reduced over the whole batch (a mean or a sum), or one example's loss squeezed to a "
+               "scalar (.squeeze() on a batch of one: each example is also run alone)" if shape == () else "")
             + ". Reduce over each example's own tokens only: e.g. cross_entropy(..., reduction='none') per token, "
-            "then a sum or mean per row."
+            "then a sum or mean per row; keep the batch axis for a batch of one (squeeze(-1), not squeeze())."
         )
     return losses
 

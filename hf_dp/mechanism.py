@@ -151,10 +151,11 @@ class Mechanism:
 
     def check_step(self, sampler: Any) -> None:
         """At a step's start and release: the q the accountant records (from the arguments and the training set,
-        read live) is the rate ``sampler`` drew the step with, and C has not changed since the step's first chunk
+        read live) is the rate ``sampler`` drew the step with, in as many chunks as the Trainer runs per step
+        (``gradient_accumulation_steps``), and C has not changed since the step's first chunk
         (``guarantee.check_step_mechanism``; DESIGN invariants 4-6)."""
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
-        check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip)
+        check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:

@@ -241,6 +241,9 @@ class _StepHooks:
 
     def check_release(self) -> None:
         self._trainer._state_guard.before_release()
+        self.check_step_mechanism()
+
+    def check_step_mechanism(self) -> None:
         self._trainer.mechanism.check_step(self._trainer._dp_sampler)  # q and C are those the step ran with
 
 
@@ -791,6 +794,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
                 self.mechanism.begin_step(self._dp_sampler)  # C of the step's chunks; q as drawn
                 self._discard_stale_gradients()
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
+        elif self._dp_step.at_step_boundary:
+            self.mechanism.begin_step(self._dp_sampler)  # FSDP too: C of the step's chunks; q as drawn
         try:
             return self._dp_step.run_chunk(model, None if is_empty(inputs) else inputs)
         except Exception as err:

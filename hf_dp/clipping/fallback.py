@@ -44,7 +44,17 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .rules import UnsupportedLayerError
 
-__all__ = ["Fallback", "float_outputs", "is_drop_rate"]
+__all__ = ["Fallback", "float_outputs", "is_drop_rate", "out_of_memory"]
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is running out of memory (``torch.OutOfMemoryError``, or what accelerate's
+    ``should_reduce_batch_size`` recognises): not a failure of ``torch.func``, so re-raised as it is, never turned
+    into a refusal of the layer (an untrue cause, at any step whose Poisson batch is large), and the Trainer's
+    ``auto_find_batch_size`` can retry the step with smaller micro-batches."""
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    return isinstance(err, torch.OutOfMemoryError) or should_reduce_batch_size(err)
 
 
 def is_drop_rate(key: str) -> bool:
@@ -269,6 +279,8 @@ class Fallback:
             with torch.no_grad():
                 again = vmap(run, in_dims=(None, 0), randomness="different")(self._params(), per_example)
         except Exception as err:  # noqa: BLE001 - any failure of the per-example re-run is a refusal
+            if out_of_memory(err):
+                raise
             # not enclosable: a larger module would run the same operation under vmap
             raise UnsupportedLayerError(
                 f"{self.name} ({cls}) {self._whose()}, and re-running it on one example at a time under "
@@ -305,6 +317,8 @@ class Fallback:
             with torch.enable_grad():
                 out = vmap(one, randomness="different")(per_example, grads)
         except Exception as err:  # noqa: BLE001 - as a failed re-run of the forward: a refusal naming the module
+            if out_of_memory(err):
+                raise
             raise UnsupportedLayerError(
                 f"{self.name} ({type(self.module).__name__}) {self._whose()}, and differentiating it on one example at "
                 f"a time under torch.func.vmap failed ({type(err).__name__}: {str(err)[:300]}): torch.func does not "

@@ -388,6 +388,7 @@ class FSDPFlatClipping(DPStep):
         """At the step's last chunk: noise once per coordinate on the local shards, record the step."""
         pc = self.pieces
         mech = pc.mechanism
+        pc.hooks.check_step_mechanism()  # q and C unchanged since the step's first chunk (a callback between chunks)
         params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
         if not mech.budget_allows(1):
             mech.stop_for_budget()  # never release a step beyond the budget: no update, nothing recorded

@@ -182,6 +182,10 @@ class StepHooks(Protocol):
         """Called first thing when a step releases (or, at a budget stop, releases nothing): the released-state
         check (``guarantee.ReleasedStateGuard``)."""
 
+    def check_step_mechanism(self) -> None:
+        """Before a step releases: its q and C are those the accountant records (``Mechanism.check_step``); called by
+        :meth:`check_release`, and by the FSDP step, which has no released-state check."""
+
 
 @dataclass
 class StepPieces:

@@ -130,6 +130,21 @@ def test_fsdp2_use_outside_a_hooked_forward_is_refused_without_self_check(fsdp_r
 
 
 @pytest.mark.slow
+def test_fsdp2_q_or_c_changed_inside_a_step_is_refused_before_its_release(fsdp_run):
+    """Under FSDP the step's q and C were checked only when its chunks were fetched: C shrunk between two chunks
+    (clipped at 0.5, noised at σ·1e-4) trained, and a batch size changed in ``on_step_begin`` (after the draw) had
+    step 2 recorded at q = 0.25 for a draw at q = 0.5. Both are now refused before that step is released, on every
+    rank; C changed before a step's first chunk (every chunk and the noise use it) trains."""
+    _, _, infos = fsdp_run
+    for info in infos:
+        mid = info["mid_step"]
+        c, q, ok = mid["c_between_chunks"], mid["q_after_draw"], mid["c_before_chunks"]
+        assert "per_sample_max_grad_norm changed from 0.5 to 0.0001 inside a DP step" in c["outcome"], c
+        assert not c["history"], c
+        assert "drawn at sampling rate q = 0.5" in q["outcome"] and q["history"] == [[0.5, 1]], q
+        assert ok == {"outcome": "trained", "history": [[0.5, 2]]}, ok
+
+
 def test_fsdp2_noise_added_once_per_coordinate(fsdp_run):
     _, params, infos = fsdp_run
     noisy = [p["noisy"][0] for p in params]

@@ -76,6 +76,19 @@ def test_sampling_rate_changed_during_train_is_refused_before_its_step(tmp_path,
     assert [(r.sample_rate, r.steps) for r in trainer.accountant.history] == [(0.2, 2)]
 
 
+def test_accumulation_changed_with_q_kept_is_refused_with_its_cause(tmp_path):
+    """Batch size and accumulation changed together (4 x 2 -> 2 x 4: q unchanged) after step 1: the sampler still
+    draws each step as 2 chunks while the Trainer runs 4 per step. It was refused at step 2 with an untrue cause ("a
+    misalignment between hf_dp's sampler and the Trainer's loop ... please report it"; with loader workers the draws
+    cut in two were discarded step after step). Now refused at step 2's start, naming gradient_accumulation_steps;
+    step 1 was recorded at the q it was drawn with."""
+    trainer = noisy_trainer(tmp_path, per_device=4, ga=2)
+    trainer.add_callback(ChangeAt(trainer, "step_end", 1, per_device_train_batch_size=2, gradient_accumulation_steps=4))
+    with pytest.raises(RuntimeError, match=r"gradient_accumulation_steps is 4, but .* draws each DP step as 2 chunk"):
+        trainer.train()
+    assert [(r.sample_rate, r.steps) for r in trainer.accountant.history] == [(0.2, 1)]
+
+
 def test_clipping_norm_changed_between_chunks_is_refused_and_between_steps_holds(tmp_path):
     """C shrunk after the first of two accumulation chunks: the first chunk's examples were clipped at 100, the noise
     would be σ·1e-4. Refused before the step is released (nothing was). The same change between steps: every chunk
@@ -200,6 +213,19 @@ def test_per_example_loss_reduced_over_the_batch_is_refused_with_its_cause(tmp_p
                                                r"batch")
 
 
+def test_per_example_loss_squeezed_for_one_example_is_refused_with_its_cause(tmp_path):
+    """A per-example loss ending in ``.squeeze()`` returns () for a batch of one (each example is run alone by the
+    counterfactual check; a Poisson micro-batch may hold one). Refused before any release; the message said only "a
+    loss reduced over the whole batch (a mean or a sum)", untrue here: it now names the squeeze too."""
+
+    def squeezed(outputs, labels):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none").squeeze()
+
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=bert_data(N),
+                        per_example_loss=squeezed)
+    assert_refused_before_any_release(trainer, r"returned \(\) — .* or one example's loss squeezed to a scalar")
+
+
 # ---------------------------------------------------------------------- a training set whose rows are random
 def augmented(m: int):
     """``bert_data(m)`` with a random augmentation at each read (``set_transform``, as the transformers image
@@ -274,3 +300,38 @@ def test_adapter_whose_backward_torch_func_cannot_run_is_refused_naming_it(tmp_p
     trainer = DPTrainer(model=model.double(), args=neighbour_args(tmp_path, 4), train_dataset=lm_dataset(4))
     assert_refused_before_any_release(trainer, r"q_proj.*shira_weight.*differentiating it on one example at a time "
                                                r"under torch.func.vmap failed.*Freeze", UnsupportedLayerError)
+
+
+class Gate(torch.nn.Module):
+    """A layer of one's own (no rule): ``x · σ(w)``, its per-example gradient from the generic fallback (vmap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.w)
+
+
+@pytest.mark.parametrize("where", ["first_step_rerun", "gradients"])
+def test_running_out_of_memory_in_the_fallback_is_not_a_refusal_of_the_layer(tmp_path, monkeypatch, where):
+    """The fallback's per-example vmap instantiates B × numel gradients: the place a large Poisson batch runs out of
+    memory. Every failure there was turned into a refusal of the layer ("torch.func does not support an operation
+    ... Freeze these parameters"), an untrue cause, at whichever step the batch was large, and
+    ``auto_find_batch_size`` (which retries on out-of-memory errors only) could not retry. Now re-raised as it is
+    (at the first step's re-run of the layer and at every step's per-example gradients)."""
+    from helpers.runs import train_toy
+
+    import hf_dp.clipping.fallback as fallback
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    real = fallback.vmap
+
+    def vmap(fn, *args, **kwargs):  # the first-step re-run maps in_dims=(None, 0); the gradients' vmap maps all
+        return oom if ("in_dims" in kwargs) == (where == "first_step_rerun") else real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(fallback, "vmap", vmap)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        train_toy(Gate(), tmp_path)

@@ -124,6 +124,48 @@ def run(out_dir: str, sigma: float, steps: int, save: bool, nan: bool = False) -
     return {"trainer": trainer, "snaps": snaps.params}
 
 
+class ChangeArgs(TrainerCallback):
+    """Sets ``args`` fields once, at the first ``on_substep_end`` (between a step's two chunks) or at step 2's
+    ``on_step_begin`` (its chunks drawn, none run)."""
+
+    def __init__(self, event: str, **changes):
+        self.event, self.changes, self.done = event, changes, False
+
+    def _fire(self, args) -> None:
+        if not self.done:
+            self.done = True
+            for k, v in self.changes.items():
+                setattr(args, k, v)
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.event == "substep_end":
+            self._fire(args)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.event == "step_begin" and state.global_step == 1:
+            self._fire(args)
+
+
+def run_mid_step(out_dir: str) -> dict:
+    """q or C changed by a callback inside a step (``Mechanism.check_step`` under FSDP): the outcome and the steps the
+    accountant recorded, ``(q, steps)``."""
+    results = {}
+    for name, event, change in [("c_between_chunks", "substep_end", {"per_sample_max_grad_norm": 1e-4}),
+                                ("q_after_draw", "step_begin", {"per_device_train_batch_size": 1}),
+                                ("c_before_chunks", "step_begin", {"per_sample_max_grad_norm": C / 2})]:
+        torch.manual_seed(0)
+        args = make_args(os.path.join(out_dir, name), SIGMA, 2, False)
+        trainer = ShimDPTrainer(model=tiny_gpt2().double(), args=args, train_dataset=lm_dataset(N, seed=3),
+                                callbacks=[ChangeArgs(event, **change)])
+        try:
+            trainer.train()
+            outcome = "trained"
+        except RuntimeError as err:
+            outcome = f"RuntimeError: {err}"
+        results[name] = {"outcome": outcome, "history": [(r.sample_rate, r.steps) for r in trainer.accountant.history]}
+    return results
+
+
 def main(out: str) -> None:
     # 0. FSDP asked for, no shim: accelerate drops the plugin on CPU (DDP) and DPTrainer says so.
     with warnings.catch_warnings(record=True) as caught:
@@ -138,6 +180,7 @@ def main(out: str) -> None:
     noisy = run(os.path.join(out, "noisy"), SIGMA, 1, save=False)
     nan = run(os.path.join(out, "nan"), 0.0, 1, save=False, nan=True)
     escape = run_escape(os.path.join(out, "escape"))
+    mid_step = run_mid_step(os.path.join(out, "mid_step"))
     tr = clean["trainer"]
     rank = tr.args.process_index
     torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"]},
@@ -152,7 +195,7 @@ def main(out: str) -> None:
             "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
             "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
             "nan_stats": nan["trainer"]._fsdp.stats, "nan_nonfinite": nan["trainer"].nonfinite_examples,
-            "escape": escape,
+            "escape": escape, "mid_step": mid_step,
         }, f)
 
 
