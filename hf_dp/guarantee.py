@@ -800,9 +800,10 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
         raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(
-            "use_liger_kernel=True patches the model at train() so that, in training with labels, its forward returns "
-            "no logits but one fused linear-cross-entropy loss averaged over the whole batch (Liger Kernel): the "
-            "per-example losses DP clips cannot be formed from it. Set use_liger_kernel=False; for the memory of a "
-            "large vocabulary's logits use lm_loss_chunk_size (the LM head and loss in chunks of positions, "
-            "per example)."
+            "use_liger_kernel=True patches the model at train() with Liger Kernel's Triton kernels: by default its "
+            "fused linear-cross-entropy, under which the forward returns no logits but one loss averaged over the "
+            "whole batch, from which the per-example losses DP clips cannot be formed; and its other kernels "
+            "(RMSNorm, SwiGLU, RoPE, ...) replace layers whose per-example gradients hf_dp has not verified. Set "
+            "use_liger_kernel=False; for the memory of a large vocabulary's logits use lm_loss_chunk_size (the LM "
+            "head and loss in chunks of positions, per example)."
         )

@@ -329,21 +329,23 @@ def _uses_causal_loss_function(base: nn.Module) -> bool:
         ForCausalLMLoss)
 
 
-def check_loss_per_example(losses: Any) -> torch.Tensor:
+def check_loss_per_example(losses: Any, rows: int | None = None) -> torch.Tensor:
     """``losses`` as the per-example loss returned them, if they are one loss per example (a 1-D tensor); else a
     ``ValueError`` naming the cause, before any other check reads them: a scalar is a loss reduced over the batch (a
-    mean or a sum), which no per-example clipping can split (DESIGN invariant 2), or a batch of one squeezed (a
-    ``.squeeze()`` that drops the batch axis; the counterfactual check runs each example alone). Its length is
-    checked where the batch's example count is known (the DP step) and its per-example meaning by the
-    counterfactual check."""
+    mean or a sum), which no per-example clipping can split (DESIGN invariant 2). One exception: on a micro-batch of
+    ``rows = 1`` row holding one example (not packed), a scalar is that example's loss whatever the reduction (a
+    ``.squeeze()`` that dropped the batch axis, or a mean over a batch of one): it is returned as shape ``(1,)``, so a
+    Poisson micro-batch of one never stops a run that trains on larger ones. Its length is checked where the
+    batch's example count is known (the DP step) and its per-example meaning by the counterfactual check."""
+    if isinstance(losses, torch.Tensor) and losses.dim() == 0 and rows == 1:
+        return losses.reshape(1)
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
         shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ValueError(
             f"per_example_loss must return one loss per example, a tensor of shape (batch,); it returned {shape}"
-            + (" — a loss reduced over the whole batch (a mean or a sum), or one example's loss squeezed to a "
-               "scalar (.squeeze() on a batch of one: each example is also run alone)" if shape == () else "")
+            + (" — a loss reduced over the whole batch (a mean or a sum)" if shape == () else "")
             + ". Reduce over each example's own tokens only: e.g. cross_entropy(..., reduction='none') per token, "
-            "then a sum or mean per row; keep the batch axis for a batch of one (squeeze(-1), not squeeze())."
+            "then a sum or mean per row; keep the batch axis (squeeze(-1), not squeeze())."
         )
     return losses
 

@@ -215,8 +215,10 @@ class _StepHooks:
     def model_inputs(self, model: torch.nn.Module, inputs: dict, labels: torch.Tensor) -> dict:
         return self._trainer._model_inputs(model, inputs, labels)
 
-    def example_losses(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return check_loss_per_example(self._trainer._example_losses(*args, **kwargs))  # losses.py
+    def example_losses(self, net: Any, inputs: dict, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        one = labels.shape[0] == 1 and "segments" not in kwargs and self._trainer._dp_step.pieces.rows_per_example == 1
+        return check_loss_per_example(self._trainer._example_losses(net, inputs, labels, **kwargs),  # losses.py
+                                      rows=1 if one else None)
 
     def micro_batches(self, *args: Any) -> list:
         return self._trainer._micro_batches(*args)

@@ -213,17 +213,19 @@ def test_per_example_loss_reduced_over_the_batch_is_refused_with_its_cause(tmp_p
                                                r"batch")
 
 
-def test_per_example_loss_squeezed_for_one_example_is_refused_with_its_cause(tmp_path):
-    """A per-example loss ending in ``.squeeze()`` returns () for a batch of one (each example is run alone by the
-    counterfactual check; a Poisson micro-batch may hold one). Refused before any release; the message said only "a
-    loss reduced over the whole batch (a mean or a sum)", untrue here: it now names the squeeze too."""
+def test_per_example_loss_squeezed_for_one_example_trains_exactly(tmp_path):
+    """A per-example loss ending in ``.squeeze()`` returns () on a micro-batch of one example (each example is run
+    alone by the counterfactual check; a Poisson micro-batch may hold one). There a scalar IS that example's loss
+    whatever the reduction, so it is taken as shape (1,) (``losses.check_loss_per_example``): with one row per
+    micro-batch the step equals the oracle (the model's own loss on a batch of one, clipped and summed). A scalar on
+    a micro-batch of several rows stays refused (the test above). Session 10's first version refused it at the first
+    step (and, where the counterfactual check is skipped, mid-run on a Poisson micro-batch of one)."""
+    from helpers.runs import check_exact
 
     def squeezed(outputs, labels):
         return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none").squeeze()
 
-    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, N), train_dataset=bert_data(N),
-                        per_example_loss=squeezed)
-    assert_refused_before_any_release(trainer, r"returned \(\) — .* or one example's loss squeezed to a scalar")
+    check_exact(bert(), bert_data(4), tmp_path, ga=4, per_example_loss=squeezed)
 
 
 # ---------------------------------------------------------------------- a training set whose rows are random
