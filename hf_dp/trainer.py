@@ -692,7 +692,9 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
         be the draw of the DP step the accountant is at (checked exactly when the loader has no workers, which
         would draw ahead; with workers, a draw of an earlier step is refused)."""
         self._dp_step.begin_step()
-        self.mechanism.begin_step(self._dp_sampler)  # drawn at the q the accountant records (guarantee.py)
+        # before the draw, so that a changed q or chunk count is refused with its cause (not as a misaligned draw);
+        # training_step begins it again at the first chunk, after on_step_begin, for the C the chunks clip with
+        self.mechanism.begin_step(self._dp_sampler)
         batches = []
         for _ in range(num_batches):
             try:
