@@ -49,6 +49,7 @@ from .counterfactual import (
     hard_batch,
     longest_position,
 )
+from .evaluation import EvalDataWiring
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
@@ -446,7 +447,7 @@ class _HistoryAndUnitWiring:
         return None if units is None else units.detail(self.train_dataset)
 
 
-class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
+class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Trainer):
     """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD; DP-Adam with AdamW).
 
     Use it exactly like ``Trainer``, with :class:`~hf_dp.DPTrainingArguments`::
