@@ -27,7 +27,8 @@ from torch import nn
 __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGradientGuard",
            "trainable_set_difference", "describe_difference", "check_trainable_set_change",
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
-           "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
+           "check_train_loader", "overriding_class", "check_train_sampler_not_overridden", "check_delta",
+           "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "check_training_setup", "check_step_mechanism", "check_optimizer_updates_in_step"]
 
@@ -600,6 +601,22 @@ def check_train_loader(loader: Any, dp_sampler: Any) -> None:
 def overriding_class(cls: type, name: str) -> type | None:
     """The class in ``cls``'s MRO that defines ``name`` (None if none does)."""
     return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def check_train_sampler_not_overridden(cls: type) -> None:
+    """Refuse a trainer class of the user's whose ``_get_train_sampler`` the DP train loader would silently ignore
+    (a weighted, class-balanced or curriculum sampler): every training batch is drawn by the mechanism's Poisson
+    sampler at rate q, the sampling the accountant analyses (DESIGN invariant 4). Checked at construction."""
+    owner = overriding_class(cls, "_get_train_sampler")
+    if owner is None or owner.__module__.split(".")[0] in ("transformers", "trl", "hf_dp"):
+        return
+    raise ValueError(
+        f"{owner.__name__} overrides _get_train_sampler, but DPTrainer draws every training batch by Poisson "
+        "sampling (each example independently with probability q, the sampling the privacy accountant analyses) "
+        "and never calls it: your sampler would be silently ignored. To weight examples or classes, weight each "
+        "example's loss in per_example_loss=fn (every example's gradient is still clipped at "
+        "per_sample_max_grad_norm); a sampler of your own is not covered by the accountant."
+    )
 
 
 # ---------------------------------------------------------------------- arguments that need N or σ

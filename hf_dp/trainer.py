@@ -60,6 +60,7 @@ from .guarantee import (
     check_something_trainable,
     check_step_gradients,
     check_train_loader,
+    check_train_sampler_not_overridden,
     check_trainable_set_change,
     check_training_setup,
     describe_difference,
@@ -282,6 +283,7 @@ def _check_compute_loss_not_overridden(cls: type) -> None:
     overrides ``compute_loss``) is refused with this reason, not with whatever its ``__init__`` trips over first
     (e.g. a trl config field missing from ``DPTrainingArguments``).
     """
+    check_train_sampler_not_overridden(cls)  # the same for a sampler the DP train loader would ignore
     owner = overriding_class(cls, "compute_loss")
     if owner in (Trainer, DPTrainer) or getattr(owner, "_dp_compute_loss_is_not_trained", False):
         return

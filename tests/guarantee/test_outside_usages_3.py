@@ -130,3 +130,18 @@ def test_auto_find_batch_size_restart_keeps_q_and_takes_the_steps_the_budget_all
     (mechanism,) = trainer.accountant.history
     assert (mechanism.sample_rate, mechanism.steps) == (0.2, 3)
     assert trainer.privacy_record().epsilon() <= 2.0 and max(sizes[22:]) < 8
+
+
+# ---------------------------------------------------------------------- a sampler of the user's own
+def test_subclass_sampler_that_the_dp_loader_would_ignore_is_refused(tmp_path):
+    """A subclass overriding ``_get_train_sampler`` (the usual way to weight classes or examples): unchecked, the
+    run trained on uniform Poisson batches, never calling it, and the user believed the sampling was weighted.
+    Refused at construction, naming the class and the way to weight examples (their losses)."""
+
+    class Weighted(DPTrainer):
+        def _get_train_sampler(self, train_dataset=None):  # pragma: no cover - never called
+            return torch.utils.data.WeightedRandomSampler([1.0] * len(self.train_dataset), len(self.train_dataset))
+
+    with pytest.raises(ValueError, match=r"Weighted overrides _get_train_sampler, but DPTrainer draws every training "
+                                         r"batch by Poisson sampling.*silently ignored.*per_example_loss"):
+        Weighted(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
