@@ -56,6 +56,7 @@ from .guarantee import (
     check_batch_rows,
     check_delta,
     check_not_compiled,
+    check_optimizer_holds,
     check_optimizer_updates_in_step,
     check_something_trainable,
     check_step_gradients,
@@ -122,6 +123,8 @@ class _DPCallback(TrainerCallback):
         self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
         check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
+        if self.trainer._fsdp is None:  # (FSDP2 holds the sharded parameters) a trainable one not held: trains nothing
+            check_optimizer_holds(self.trainer.optimizer, self.trainer.model, "at train start")
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):

@@ -145,3 +145,38 @@ def test_subclass_sampler_that_the_dp_loader_would_ignore_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"Weighted overrides _get_train_sampler, but DPTrainer draws every training "
                                          r"batch by Poisson sampling.*silently ignored.*per_example_loss"):
         Weighted(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+
+
+# ---------------------------------------------------------------------- the optimizer applies every release
+def test_trainable_parameters_the_optimizer_does_not_hold_are_refused(tmp_path):
+    """An optimizer built on the base model, passed with ``peft_config`` (DPTrainer adds the adapter after it was
+    built): unchecked, three steps ran, nothing moved, and ε = 0.66 was reported for them. Refused at train start,
+    before any step, naming the adapter's parameters. An adapter switched in by ``set_adapter`` in a callback (the
+    optimizer holds the first adapter's): refused before the optimizer step, nothing of that step applied."""
+    from helpers import lm_dataset, tiny_llama
+    from peft import LoraConfig, get_peft_model
+    from transformers import TrainerCallback
+
+    lora = LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    args = quick_dp_args(tmp_path / "peft_config", max_steps=2, logging_strategy="no", dp_seed=0)
+    trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(8), peft_config=lora,
+                        optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    with pytest.raises(ValueError, match=r"the optimizer does not hold these trainable parameters \(at train start\): "
+                                         r".*q_proj.lora_A.default.weight.*would never train"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+    class SwitchAdapter(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.set_adapter("second")
+
+    model = get_peft_model(tiny_llama(), lora)
+    model.add_adapter("second", lora)
+    args = quick_dp_args(tmp_path / "set_adapter", max_steps=2, logging_strategy="no", dp_seed=0)
+    trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(8), callbacks=[SwitchAdapter()])
+    with pytest.raises(ValueError, match=r"does not hold .*\(before this optimizer step; nothing of it applied\): "
+                                         r".*lora_A.second.weight"):
+        trainer.train()
+    assert trainer.state.global_step == 1
