@@ -10,6 +10,11 @@
 * ``auto_find_batch_size`` (the Trainer begins its training loop again after running out of memory, within one
   ``train()``): the budget's allowance counts from the loop's start (invariant 6), so the run takes the steps
   ``target_epsilon`` allows, no fewer, with q unchanged and smaller micro-batches.
+* Every batch is the mechanism's Poisson draw (invariant 4): a subclass's ``_get_train_sampler``, which the DP loader
+  never calls, is refused at construction instead of silently ignored.
+* The release is what trains (invariant 14): a trainable parameter the optimizer does not hold (an optimizer built
+  before ``peft_config`` added the adapter, an adapter switched in by ``set_adapter``) trained nothing while ε was
+  reported; refused at train start and before every optimizer step.
 """
 
 from __future__ import annotations
