@@ -27,7 +27,9 @@ from torch import nn
 __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGradientGuard",
            "trainable_set_difference", "describe_difference", "check_trainable_set_change",
            "discard_stale_gradients", "check_step_gradients", "nonfinite_message", "check_batch_rows",
-           "check_train_loader", "overriding_class", "check_delta", "check_noise_std", "check_budget_left",
+           "check_train_loader", "overriding_class", "check_train_sampler_not_overridden", "check_optimizer_holds",
+           "check_delta",
+           "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "check_training_setup", "check_step_mechanism", "check_optimizer_updates_in_step"]
 
@@ -510,13 +512,40 @@ class StepGradientGuard:
             )
 
 
+def check_optimizer_holds(optimizer: Any, params: Iterable[tuple[str, nn.Parameter]] | nn.Module, where: str) -> None:
+    """Every parameter the DP step releases a gradient for is applied by ``optimizer.step()`` (DESIGN invariant 14).
+    One the optimizer does not hold (an optimizer built before ``peft_config`` added the adapter, an adapter switched
+    in by ``set_adapter`` during training) is trained by nothing, while its gradient takes part in every example's
+    clipping and ε is reported for the run: refused, naming it. Not checked for an optimizer whose param groups are not
+    visible. ``params``: ``(name, parameter)`` pairs, or a model (its trainable parameters)."""
+    if getattr(optimizer, "param_groups", None) is None:
+        return
+    if isinstance(params, nn.Module):
+        params = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+    held = {id(t) for t in optimizer_tensors(optimizer)}
+    missing = [name for name, p in params if id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"hf_dp: the optimizer does not hold these trainable parameters ({where}): "
+            f"{', '.join(missing[:6])}" + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+            + ". The DP step releases a gradient for every trainable parameter and "
+            "only optimizer.step() applies it, so they would never train, while their gradients take part in every "
+            "example's clipping and ε is reported for the run. Freeze them, or build the optimizer over the model "
+            "as it is trained (after peft_config is applied: let the Trainer create it, or pass optimizers= built "
+            "on trainer.model; after switching adapters, a new train())."
+        )
+
+
 def check_step_gradients(guard: StepGradientGuard, model: nn.Module, engine_params: Mapping[str, nn.Parameter],
                          allowed_version_bumps: int = 0, optimizer: Any = None) -> None:
     """Before the optimizer step: the gradients are this step's DP release and nothing else
-    (:class:`StepGradientGuard`), and the trainable set did not change during the step's backward pass (a parameter
-    made trainable there got a gradient the engine never clipped)."""
+    (:class:`StepGradientGuard`), the trainable set did not change during the step's backward pass (a parameter
+    made trainable there got a gradient the engine never clipped), and the optimizer holds every parameter released
+    (:func:`check_optimizer_holds`)."""
     released = guard.has_released
     guard.check(model, allowed_version_bumps=allowed_version_bumps, optimizer=optimizer)
+    if released and optimizer is not None:
+        check_optimizer_holds(optimizer, engine_params.items(), "before this optimizer step; nothing of it applied")
     added, removed = trainable_set_difference(model, engine_params)
     if released and (added or removed):
         raise RuntimeError(
@@ -600,6 +629,22 @@ def check_train_loader(loader: Any, dp_sampler: Any) -> None:
 def overriding_class(cls: type, name: str) -> type | None:
     """The class in ``cls``'s MRO that defines ``name`` (None if none does)."""
     return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def check_train_sampler_not_overridden(cls: type) -> None:
+    """Refuse a trainer class of the user's whose ``_get_train_sampler`` the DP train loader would silently ignore
+    (a weighted, class-balanced or curriculum sampler): every training batch is drawn by the mechanism's Poisson
+    sampler at rate q, the sampling the accountant analyses (DESIGN invariant 4). Checked at construction."""
+    owner = overriding_class(cls, "_get_train_sampler")
+    if owner is None or owner.__module__.split(".")[0] in ("transformers", "trl", "hf_dp"):
+        return
+    raise ValueError(
+        f"{owner.__name__} overrides _get_train_sampler, but DPTrainer draws every training batch by Poisson "
+        "sampling (each example independently with probability q, the sampling the privacy accountant analyses) "
+        "and never calls it: your sampler would be silently ignored. To weight examples or classes, weight each "
+        "example's loss in per_example_loss=fn (every example's gradient is still clipped at "
+        "per_sample_max_grad_norm); a sampler of your own is not covered by the accountant."
+    )
 
 
 # ---------------------------------------------------------------------- arguments that need N or σ

@@ -249,6 +249,9 @@ class Mechanism:
             self.quantile_noise()  # adaptive clipping: fails loudly if σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) is not real
         self.accountant.planned_steps = self.accountant.steps + remaining
         self.allowed_steps = steps_within_budget(self.epsilon_after, remaining, args.target_epsilon)
+        # The allowance counts from here: the Trainer may begin its training loop again within one train()
+        # (auto_find_batch_size after running out of memory), with the steps released before already counted.
+        self.steps_at_run_begin = self.accountant.steps
 
     def resume_from(self, record: Any) -> None:
         """Resuming from a checkpoint's :class:`~hf_dp.record.PrivacyRecord`: its accountant (ε continues from its

@@ -49,16 +49,19 @@ from .counterfactual import (
     hard_batch,
     longest_position,
 )
+from .evaluation import EvalDataWiring
 from .guarantee import (
     ReleasedStateGuard,
     StepGradientGuard,
     check_batch_rows,
     check_delta,
     check_not_compiled,
+    check_optimizer_holds,
     check_optimizer_updates_in_step,
     check_something_trainable,
     check_step_gradients,
     check_train_loader,
+    check_train_sampler_not_overridden,
     check_trainable_set_change,
     check_training_setup,
     describe_difference,
@@ -120,6 +123,8 @@ class _DPCallback(TrainerCallback):
         self.trainer._epoch_begun = False
         self.trainer._dp_on_train_begin(state, kwargs.get("train_dataloader"))
         check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
+        if self.trainer._fsdp is None:  # (FSDP2 holds the sharded parameters) a trainable one not held: trains nothing
+            check_optimizer_holds(self.trainer.optimizer, self.trainer.model, "at train start")
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -281,6 +286,7 @@ def _check_compute_loss_not_overridden(cls: type) -> None:
     overrides ``compute_loss``) is refused with this reason, not with whatever its ``__init__`` trips over first
     (e.g. a trl config field missing from ``DPTrainingArguments``).
     """
+    check_train_sampler_not_overridden(cls)  # the same for a sampler the DP train loader would ignore
     owner = overriding_class(cls, "compute_loss")
     if owner in (Trainer, DPTrainer) or getattr(owner, "_dp_compute_loss_is_not_trained", False):
         return
@@ -446,7 +452,7 @@ class _HistoryAndUnitWiring:
         return None if units is None else units.detail(self.train_dataset)
 
 
-class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, Trainer):
+class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Trainer):
     """A ``transformers.Trainer`` that trains with differential privacy (DP-SGD; DP-Adam with AdamW).
 
     Use it exactly like ``Trainer``, with :class:`~hf_dp.DPTrainingArguments`::

@@ -138,11 +138,37 @@ class JudgedCalls(dict):
         self.judge(key, value)
 
 
+#: the relative tolerance of the comparisons once the model is seen computing in half precision (bf16 / fp16: the
+#: Trainer's ``bf16=True`` or a ``torch.autocast`` of the user's own inside the forward), as
+#: ``counterfactual.alone_rtol``
+LOW_PRECISION_RTOL = 5e-2
+
+
+def half_precision_of(uses: dict) -> torch.dtype | None:
+    """The half-precision dtype (bf16 / fp16) a recorded layer computed in (its output gradient or input), if any: the
+    precision the model's forward and backward actually ran at, whatever set it."""
+    for use_list in uses.values():
+        for use in use_list:
+            for t in (use.left, use.right):
+                if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
+                    return t.dtype
+    return None
+
+
 class FirstStepChecks:
     """The first-step checks of one :class:`~hf_dp.clipping.engine.ClippingEngine` (see the module docstring)."""
 
     def __init__(self, engine):
         self.engine = engine
+        #: the half-precision dtype the model was seen computing in (:func:`half_precision_of`); the comparisons'
+        #: tolerances follow it (rounding, not a mixing of examples or an escaped use, is then at the 1e-2 level)
+        self.half_precision: torch.dtype | None = None
+
+    def _see_precision(self) -> None:
+        self.half_precision = self.half_precision or half_precision_of(self.engine.recorded_uses())
+
+    def _rtol(self, rtol: float) -> float:
+        return max(rtol, LOW_PRECISION_RTOL) if self.half_precision is not None else rtol
 
     def recorded_norms(self, run: Callable[[], torch.Tensor], rows: int, segments: torch.Tensor | None = None,
                        context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -154,6 +180,7 @@ class FirstStepChecks:
             losses = run()
             if losses.requires_grad:
                 losses.sum().backward()
+        self._see_precision()
         return self._total_norms(rows)
 
     @torch.no_grad()
@@ -331,6 +358,8 @@ class FirstStepChecks:
             losses = run_losses(slice(0, n))
             if losses.requires_grad:
                 losses.sum().backward()
+        self._see_precision()
+        rtol = self._rtol(rtol)
         self.engine.per_example_norms_sq()
         self.engine.accumulate_clipped(torch.ones(n, dtype=torch.float64, device=losses.device))
         hooked = self.engine.summed_grads
@@ -359,7 +388,7 @@ class FirstStepChecks:
             if unseen and bool(ref.any()):
                 escaped.append(f"{name} (owned by {', '.join(self.engine.plan.owners.get(id(p), ['?']))})")
                 continue
-            floor = 100 * torch.finfo(ref.dtype).eps * scale if ref.is_floating_point() else 0.0
+            floor = 100 * torch.finfo(self.half_precision or ref.dtype).eps * scale if ref.is_floating_point() else 0.0
             tol = rtol * max(float(ref.abs().max()), floor / rtol, 1e-12)
             if not torch.allclose(mine, ref, rtol=rtol, atol=tol):
                 escaped.append(f"{name} (owned by {', '.join(self.engine.plan.owners.get(id(p), ['?']))})")
@@ -392,7 +421,7 @@ class FirstStepChecks:
             for i in range(min(num_single, batch_size)):
                 # per example: unit regrouping is exact tensor algebra, tested separately
                 alone = float(self.recorded_norms(lambda i=i: run_losses(slice(i, i + 1)), 1)[0])
-                problem = norm_alone_problem(i, float(batched[i]), alone, batch_size, rtol, mode)
+                problem = norm_alone_problem(i, float(batched[i]), alone, batch_size, self._rtol(rtol), mode)
                 if problem is not None:
                     raise UnsupportedLayerError(
                         f"{problem}: the model mixes examples (batch statistics, "
@@ -449,6 +478,8 @@ class FirstStepChecks:
                 live[~torch.isfinite(losses.detach()).to(live.device)] = 0.0
                 if losses.requires_grad:
                     losses.sum().backward()
+            self._see_precision()
+            rtol = self._rtol(rtol)
             losses = losses.detach().double().cpu()
             factors[~torch.isfinite(losses)] = 0.0
             hook_norms = (torch.stack([v.double() for v in sq.values()]).sum(0).sqrt().cpu() if sq
@@ -494,7 +525,7 @@ class FirstStepChecks:
                         continue
                     r = torch.zeros_like(self.engine.params[n], dtype=torch.float64) if r is None else r
                     m = torch.zeros_like(r) if m is None else m.to(r.device, torch.float64)
-                    floor = 100 * torch.finfo(self.engine.params[n].dtype).eps * scale \
+                    floor = 100 * torch.finfo(self.half_precision or self.engine.params[n].dtype).eps * scale \
                         if self.engine.params[n].is_floating_point() else 0.0
                     tol = rtol * max(float(r.abs().max()) if r.numel() else 0.0, floor / rtol, 1e-12)
                     if not torch.allclose(m, r, rtol=rtol, atol=tol):
