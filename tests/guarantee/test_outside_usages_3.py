@@ -108,6 +108,44 @@ def test_autocast_inside_the_users_forward_trains_within_the_bound(tmp_path):
     assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-5)
 
 
+class ReadsChildWeight(torch.nn.Module):
+    """Uses ``lin.weight`` a second time outside ``lin``'s forward (a use the per-layer hooks do not see)."""
+
+    def __init__(self, mixes: bool = False):
+        super().__init__()
+        self.lin, self.mixes = torch.nn.Linear(3, 3), mixes
+
+    def forward(self, x):
+        out = self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
+        return out + self.lin.weight.sum() * x.mean(0, keepdim=True) if self.mixes else out
+
+
+def test_autocast_keeps_finding_a_use_outside_the_owning_forward(tmp_path, caplog):
+    """Under the model's half precision the comparisons' relative tolerance is relaxed, but the floor below which a
+    gradient counts as rounding noise stays at the parameters' own precision: at 100 bf16 epsilons (0.78 of the
+    largest gradient entry) the hooks-vs-autograd check passed a weight used twice, and the run was refused with an
+    untrue cause ("an example's loss depends on the other rows of its batch"). The escaped use is found and handled
+    by re-running the enclosing module per example; with a batch mean as well, refused naming the escaped use."""
+    from helpers import Rows, Toy, dp_args, toy_loss
+
+    from hf_dp import UnsupportedLayerError
+
+    g = torch.Generator().manual_seed(0)
+    rows = Rows([{"x": torch.randn(4, 3, generator=g), "labels": torch.tensor(i % 2)} for i in range(4)])
+
+    def trainer(mixes, out):
+        torch.manual_seed(0)
+        model = autocast_forward(Toy(ReadsChildWeight(mixes)).float())
+        return DPTrainer(model=model, args=dp_args(out, 4, dp_self_check=False), train_dataset=rows,
+                         per_example_loss=toy_loss)
+
+    with caplog.at_level("WARNING", logger="hf_dp.clipping.engine"):
+        trainer(False, tmp_path / "escaped").train()
+    assert "enclosing module of lin.weight" in caplog.text
+    with pytest.raises(UnsupportedLayerError, match="a use outside the forward of the module that owns them"):
+        trainer(True, tmp_path / "mixes").train()
+
+
 # ---------------------------------------------------------------------- auto_find_batch_size
 def test_auto_find_batch_size_restart_keeps_q_and_takes_the_steps_the_budget_allows(tmp_path):
     """Out of memory in step 2's forward (after one released step): the Trainer begins its loop again with a smaller
