@@ -68,6 +68,20 @@ def test_training_rows_given_for_evaluation_later_are_refused_before_anything_is
         trainer.evaluate(eval_dataset=train.select(range(8)))
 
 
+def test_evaluation_set_sharing_only_a_label_column_is_not_taken_for_training_rows(tmp_path):
+    """A held-out evaluation set of raw text (tokenized by the collator) shares only ``labels`` with the tokenized
+    training set: with 3 classes every evaluation row "equalled" a training row, and eval_data_is_public=True was
+    refused saying the evaluation set holds training rows. Columns that do not tell rows apart say nothing."""
+    from hf_dp.evaluation import training_rows_in
+
+    train = cls_dataset(16, 3)
+    raw = Dataset.from_dict({"text": [f"held-out sentence {i}" for i in range(12)],
+                             "labels": [i % 3 for i in range(12)]})
+    assert training_rows_in(train, raw) is None
+    assert training_rows_in(train, train.select(range(8)).remove_columns(["attention_mask"])) is not None
+    eval_trainer(tmp_path, train, raw, eval_data_is_public=True)  # constructs
+
+
 def test_choice_made_on_metrics_of_training_rows_is_named_in_the_guarantee(tmp_path):
     """Without the declaration, evaluating on training rows is allowed (its metrics stay in the local logs), and a
     checkpoint chosen on them makes dp_guarantee say so, not "if the evaluation data is private"."""
