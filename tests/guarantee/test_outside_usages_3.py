@@ -237,3 +237,33 @@ def test_trainable_parameters_the_optimizer_does_not_hold_are_refused(tmp_path):
                                          r".*lora_A.second.weight"):
         trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_gradual_unfreezing_from_a_frozen_start_names_the_optimizer_that_trains_it(tmp_path):
+    """The encoder frozen before train(), a layer unfrozen by a callback at step 1 (flat clipping rebuilds the engine):
+    the Trainer's optimizer, built over the parameters trainable at train start, does not hold the layer. Before
+    invariant 14 the layer was clipped and never moved, silently; now refused before the optimizer step, saying how
+    to unfreeze during training: an optimizer built over all parameters, with which the layer trains."""
+    from transformers import TrainerCallback
+
+    class UnfreezeLayer(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                model.bert.encoder.layer[1].requires_grad_(True)
+
+    def trainer(out, optimizer=None):
+        model = bert()
+        model.bert.requires_grad_(False)
+        args = quick_dp_args(out, max_steps=2, logging_strategy="no", dp_seed=0, learning_rate=0.1)
+        optimizers = (None, None) if optimizer is None else (optimizer(model.parameters(), lr=0.1), None)
+        return DPTrainer(model=model, args=args, train_dataset=cls_dataset(16, 3), callbacks=[UnfreezeLayer()],
+                         optimizers=optimizers)
+
+    with pytest.raises(ValueError, match=r"does not hold .*encoder.layer.1.*\(gradual unfreezing\).*"
+                                         r"optimizers=\(torch.optim.AdamW\(model.parameters\(\)"):
+        trainer(tmp_path / "trainer").train()
+    built_over_all = trainer(tmp_path / "all", torch.optim.AdamW)
+    before = params(built_over_all.model)
+    built_over_all.train()
+    assert not torch.equal(before["bert.encoder.layer.1.output.dense.weight"],
+                           built_over_all.model.bert.encoder.layer[1].output.dense.weight)
