@@ -532,7 +532,10 @@ def check_optimizer_holds(optimizer: Any, params: Iterable[tuple[str, nn.Paramet
             "only optimizer.step() applies it, so they would never train, while their gradients take part in every "
             "example's clipping and ε is reported for the run. Freeze them, or build the optimizer over the model "
             "as it is trained (after peft_config is applied: let the Trainer create it, or pass optimizers= built "
-            "on trainer.model; after switching adapters, a new train())."
+            "on trainer.model; after switching adapters, a new train()). To unfreeze parameters during training "
+            "(gradual unfreezing), the optimizer must hold them from the start: the Trainer builds its own over the "
+            "parameters trainable when train() begins, so pass optimizers=(torch.optim.AdamW(model.parameters(), "
+            "lr=...), None) built over all of them (a frozen parameter gets no gradient and is left alone)."
         )
 
 

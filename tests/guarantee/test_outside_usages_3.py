@@ -68,6 +68,20 @@ def test_training_rows_given_for_evaluation_later_are_refused_before_anything_is
         trainer.evaluate(eval_dataset=train.select(range(8)))
 
 
+def test_evaluation_set_sharing_only_a_label_column_is_not_taken_for_training_rows(tmp_path):
+    """A held-out evaluation set of raw text (tokenized by the collator) shares only ``labels`` with the tokenized
+    training set: with 3 classes every evaluation row "equalled" a training row, and eval_data_is_public=True was
+    refused saying the evaluation set holds training rows. Columns that do not tell rows apart say nothing."""
+    from hf_dp.evaluation import training_rows_in
+
+    train = cls_dataset(16, 3)
+    raw = Dataset.from_dict({"text": [f"held-out sentence {i}" for i in range(12)],
+                             "labels": [i % 3 for i in range(12)]})
+    assert training_rows_in(train, raw) is None
+    assert training_rows_in(train, train.select(range(8)).remove_columns(["attention_mask"])) is not None
+    eval_trainer(tmp_path, train, raw, eval_data_is_public=True)  # constructs
+
+
 def test_choice_made_on_metrics_of_training_rows_is_named_in_the_guarantee(tmp_path):
     """Without the declaration, evaluating on training rows is allowed (its metrics stay in the local logs), and a
     checkpoint chosen on them makes dp_guarantee say so, not "if the evaluation data is private"."""
@@ -106,6 +120,44 @@ def test_autocast_inside_the_users_forward_trains_within_the_bound(tmp_path):
 
     sigma_d, sigma_d2 = summed_updates(tmp_path, build=build, data_fn=bert_data)
     assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-5)
+
+
+class ReadsChildWeight(torch.nn.Module):
+    """Uses ``lin.weight`` a second time outside ``lin``'s forward (a use the per-layer hooks do not see)."""
+
+    def __init__(self, mixes: bool = False):
+        super().__init__()
+        self.lin, self.mixes = torch.nn.Linear(3, 3), mixes
+
+    def forward(self, x):
+        out = self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
+        return out + self.lin.weight.sum() * x.mean(0, keepdim=True) if self.mixes else out
+
+
+def test_autocast_keeps_finding_a_use_outside_the_owning_forward(tmp_path, caplog):
+    """Under the model's half precision the comparisons' relative tolerance is relaxed, but the floor below which a
+    gradient counts as rounding noise stays at the parameters' own precision: at 100 bf16 epsilons (0.78 of the
+    largest gradient entry) the hooks-vs-autograd check passed a weight used twice, and the run was refused with an
+    untrue cause ("an example's loss depends on the other rows of its batch"). The escaped use is found and handled
+    by re-running the enclosing module per example; with a batch mean as well, refused naming the escaped use."""
+    from helpers import Rows, Toy, dp_args, toy_loss
+
+    from hf_dp import UnsupportedLayerError
+
+    g = torch.Generator().manual_seed(0)
+    rows = Rows([{"x": torch.randn(4, 3, generator=g), "labels": torch.tensor(i % 2)} for i in range(4)])
+
+    def trainer(mixes, out):
+        torch.manual_seed(0)
+        model = autocast_forward(Toy(ReadsChildWeight(mixes)).float())
+        return DPTrainer(model=model, args=dp_args(out, 4, dp_self_check=False), train_dataset=rows,
+                         per_example_loss=toy_loss)
+
+    with caplog.at_level("WARNING", logger="hf_dp.clipping.engine"):
+        trainer(False, tmp_path / "escaped").train()
+    assert "enclosing module of lin.weight" in caplog.text
+    with pytest.raises(UnsupportedLayerError, match="a use outside the forward of the module that owns them"):
+        trainer(True, tmp_path / "mixes").train()
 
 
 # ---------------------------------------------------------------------- auto_find_batch_size
@@ -185,3 +237,33 @@ def test_trainable_parameters_the_optimizer_does_not_hold_are_refused(tmp_path):
                                          r".*lora_A.second.weight"):
         trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_gradual_unfreezing_from_a_frozen_start_names_the_optimizer_that_trains_it(tmp_path):
+    """The encoder frozen before train(), a layer unfrozen by a callback at step 1 (flat clipping rebuilds the engine):
+    the Trainer's optimizer, built over the parameters trainable at train start, does not hold the layer. Before
+    invariant 14 the layer was clipped and never moved, silently; now refused before the optimizer step, saying how
+    to unfreeze during training: an optimizer built over all parameters, with which the layer trains."""
+    from transformers import TrainerCallback
+
+    class UnfreezeLayer(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                model.bert.encoder.layer[1].requires_grad_(True)
+
+    def trainer(out, optimizer=None):
+        model = bert()
+        model.bert.requires_grad_(False)
+        args = quick_dp_args(out, max_steps=2, logging_strategy="no", dp_seed=0, learning_rate=0.1)
+        optimizers = (None, None) if optimizer is None else (optimizer(model.parameters(), lr=0.1), None)
+        return DPTrainer(model=model, args=args, train_dataset=cls_dataset(16, 3), callbacks=[UnfreezeLayer()],
+                         optimizers=optimizers)
+
+    with pytest.raises(ValueError, match=r"does not hold .*encoder.layer.1.*\(gradual unfreezing\).*"
+                                         r"optimizers=\(torch.optim.AdamW\(model.parameters\(\)"):
+        trainer(tmp_path / "trainer").train()
+    built_over_all = trainer(tmp_path / "all", torch.optim.AdamW)
+    before = params(built_over_all.model)
+    built_over_all.train()
+    assert not torch.equal(before["bert.encoder.layer.1.output.dense.weight"],
+                           built_over_all.model.bert.encoder.layer[1].output.dense.weight)
