@@ -34,6 +34,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from transformers import set_seed  # noqa: E402
+
+from hf_dp import DPTrainer  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -172,6 +176,33 @@ def build_cache(path: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> dic
     return out
 
 
+def run_clip_only(cache: dict[str, Any], run: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A diagnostic, not a private run: the DP run of ``run`` (same Poisson batches, clipping, optimizer and learning
+    rates as ``utility.run_one``'s) with σ = 0 — whatever it loses to non-private is the clipping's (and the Poisson
+    batches'), the rest of the DP run's loss is the noise's."""
+    if math.isinf(run["epsilon"]) or run["method"].startswith("probe_") or run["optim"] != "adam":
+        raise ValueError(f"clip-only diagnostic: a DP (clip | automatic, adam) run, not {utility.key(run)!r}")
+    method = run["method"]
+    train, test = utility.datasets_for(cache, "head" if method == "head" else "top")
+    epochs = utility.EPOCHS[method]
+    lr = run.get("lr", utility.LR[method])
+    set_seed(seed)
+    cpu0 = time.process_time()
+    model = utility.make_model(cache, method, seed)
+    kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=utility.collate)
+    if run.get("head_lr") is not None:
+        kwargs["optimizers"] = (utility.head_optimizer(model, lr, run["head_lr"]), None)
+    out = Path("/tmp/hf_dp_utility_austen_clip_only") / utility.key(run).replace("|", "_")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = utility.dp_args(out, method, run, seed, len(train), epochs, lr, None, noise_multiplier=0.0)
+        trainer = DPTrainer(model=model, args=args, **kwargs)
+        trainer.train()
+    return {**run, "seed": seed, "noise_multiplier": 0.0, "diagnostic": "clip_only (sigma = 0, not private)",
+            "steps": trainer.state.global_step, "accuracy": utility.accuracy(trainer, test),
+            "cpu_s": time.process_time() - cpu0, "task": "austen"}
+
+
 # --------------------------------------------------------------------------------------------------------- report
 def gaps(records: list[dict[str, Any]]) -> list[str]:
     """One markdown row per (method, ε < ∞) with a non-private counterpart of the same method: accuracy mean ± sd,
@@ -211,7 +242,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--runs", default=None, help="Comma-separated run keys (utility.py's), in this order; default RUNS.")
     p.add_argument("--seeds", default="42", help="Comma-separated seeds; each run key runs once per seed.")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--clip-only", action="store_true",
+                   help="Diagnostic: the DP runs with σ = 0 (run_clip_only), into --out (default "
+                        "benchmarks/utility_austen_clip_only.json). Not private.")
     args = p.parse_args(argv)
+    if args.clip_only and args.out == p.get_default("out"):
+        args.out = "benchmarks/utility_austen_clip_only.json"
     torch.set_num_threads(1)
     logging.getLogger("hf_dp").setLevel(logging.WARNING)
     out = Path(args.out)
@@ -225,13 +261,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                           f"{N_TRAIN} train / {N_TEST} test, {SEQ_LEN} tokens",
                      cache_cpu_s=cache.get("cpu_s"))
         runs = [utility.parse_key(k) for k in (args.runs.split(",") if args.runs else RUNS)]
+        if args.clip_only:  # σ = 0: ε does not enter, so one run (the first) per key up to ε
+            unique: dict[str, dict[str, Any]] = {}
+            for r in runs:
+                if not math.isinf(r["epsilon"]):
+                    unique.setdefault(utility.key({**r, "epsilon": 0.0}), r)
+            runs = list(unique.values())
         done = {(utility.key(r), r["seed"]) for r in records}
         for seed in (int(s) for s in args.seeds.split(",")):
             for run in runs:
                 if (utility.key(run), seed) in done:
                     continue
                 tmp = Path("/tmp/hf_dp_utility_austen") / utility.key(run).replace("|", "_")
-                rec = utility.run_one(cache, run, tmp, seed, 1.0)
+                rec = (run_clip_only(cache, run, seed) if args.clip_only
+                       else utility.run_one(cache, run, tmp, seed, 1.0))
                 rec["task"] = "austen"
                 records.append(rec)
                 print(json.dumps(rec, default=str), flush=True)
