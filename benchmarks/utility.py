@@ -318,7 +318,7 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
 # --------------------------------------------------------------------------------------------------------- runs
 def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
-    config.num_labels = 2
+    config.num_labels = cache.get("num_labels", 2)  # utility_unseen.py's cache: 6 (fine-food: 2)
     config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
     torch.manual_seed(seed)
     if method == "head":
