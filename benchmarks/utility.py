@@ -89,9 +89,10 @@ from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, plan_privac
 ROOT = Path(__file__).resolve().parent.parent
 TOP = 2  # trained layers on top of the cached ones
 EPSILONS = (1.0, 3.0, 8.0)
-LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3}
-EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0}
-ACCUM = {"head": 4, "lora": 2, "top2": 2}  # × 64 per micro-batch: expected batch 256 (head), 128 (others)
+LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3, "full": 1e-3}
+EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0, "full": 1.0}
+# × 64 per micro-batch: expected batch 256 (head), 128 (LoRA, top-2), 512 (full: session 11, always run with settings)
+ACCUM = {"head": 4, "lora": 2, "top2": 2, "full": 8}
 VARIANTS = [("clip", "adam"), ("automatic", "adam"), ("clip", "adam_bc"), ("automatic", "adam_bc")]
 
 
@@ -129,8 +130,10 @@ def grid() -> list[dict[str, Any]]:
 # C_body, each group's noise std ∝ its threshold (noise_allocation "equal_budget", sensitivity √2 for the two groups).
 # n (session 10): train on the first n training reviews only (the package's row order, a random sample; nested:
 # 1,000 ⊂ 2,000 ⊂ 4,000), the evaluation set unchanged; δ = 1/n^1.1 follows n (DPTrainer's default).
+# freeze (session 11, method ``full`` only): parameters whose name contains this text are frozen, e.g.
+# ``freeze=word_embeddings`` (the 11.7 M coordinates of the word-embedding table: fewer noised coordinates).
 SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "C_body": float,
-            "split": str, "n": int}
+            "split": str, "n": int, "freeze": str}
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -184,6 +187,8 @@ def parse_key(text: str) -> dict[str, Any]:
         raise ValueError(f"batch must be a multiple of the micro-batch 64 (in {text!r})")
     if run.get("n", 1) < 1:
         raise ValueError(f"n must be a positive number of training reviews (in {text!r})")
+    if "freeze" in run and method != "full":
+        raise ValueError(f"freeze applies to the whole-model method 'full' only (in {text!r})")
     return run
 
 
@@ -238,10 +243,20 @@ class Rows(torch.utils.data.Dataset):
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Pads cached states to the batch's longest row (zeros, masked out); features stack."""
+    """Pads cached states (or token ids, method ``full``) to the batch's longest row (zeros, masked out); features
+    stack."""
     labels = torch.tensor([int(r["labels"]) for r in rows])
     if "features" in rows[0]:
         return {"features": torch.stack([r["features"] for r in rows]), "labels": labels}
+    if "input_ids" in rows[0]:
+        t = max(int(r["input_ids"].shape[0]) for r in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)  # BERT's [PAD] is 0
+        mask = torch.zeros(len(rows), t, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = int(r["input_ids"].shape[0])
+            ids[i, :n] = r["input_ids"]
+            mask[i, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     t = max(int(r["hidden_states"].shape[0]) for r in rows)
     d = rows[0]["hidden_states"].shape[1]
     hs = torch.zeros(len(rows), t, d)
@@ -315,6 +330,32 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
     return out
 
 
+def add_tokens(cache: dict[str, Any]) -> dict[str, Any]:
+    """Method ``full`` (session 11): the token ids of the cache's reviews, tokenised now (kept in memory, never written
+    to the cache file), ``cache["tokens"][split]``: the same reviews, order, labels and 64-token truncation as the
+    cached states — checked: every review's label and length must equal the cache's, or this fails."""
+    if "tokens" in cache:
+        return cache
+    from transformers import AutoTokenizer
+
+    ex = _example()
+    data = ex._data_module().load_fine_foods()
+    tok = AutoTokenizer.from_pretrained(ex.default_model_path())
+    n_train, n_test, seq_len = cache["settings"]
+    tokens = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        ds = data[split].select(range(min(n, len(data[split]))))
+        ids = tok(list(ds["text"]), truncation=True, max_length=seq_len)["input_ids"]
+        labels = [int(y) for y in ds["label"]]
+        lengths = [int(s.shape[0]) for s in cache[split]["states"]]
+        if labels != cache[split]["labels"] or [len(x) for x in ids] != lengths:
+            raise RuntimeError(f"the {split} reviews tokenised now differ from the cache's (labels or lengths): the "
+                               "data or tokenizer changed since the cache was built; rebuild it (delete the file)")
+        tokens[split] = [torch.tensor(x, dtype=torch.long) for x in ids]
+    cache["tokens"] = tokens
+    return cache
+
+
 # --------------------------------------------------------------------------------------------------------- runs
 def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
@@ -323,6 +364,14 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if method == "head":
         return FeatureClassifierForSequenceClassification(config)
+    if method == "full":  # the main example's model, pretrained, end to end from tokens (session 11)
+        ex = _example()
+        model = ex.BertMeanPoolingForSequenceClassification.from_pretrained(
+            ex.default_model_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            classifier_dropout=None)
+        if not all(m.p == 0.0 for m in model.modules() if isinstance(m, nn.Dropout)):
+            raise RuntimeError("method full: a dropout is still on; the benchmark trains without dropout")
+        return model
     model = TopLayersForSequenceClassification(config)
     model.layer.load_state_dict(cache["top_state"])
     if method in ("lora", "probe_lora"):
@@ -350,6 +399,8 @@ def datasets_for(cache: dict[str, Any], method: str, split: str = "test", n: int
         c = cache[part]
         if method == "head":
             return [{"features": f, "labels": y} for f, y in zip(c["features"], c["labels"])]
+        if method == "full":
+            return [{"input_ids": t, "labels": y} for t, y in zip(cache["tokens"][part], c["labels"])]
         return [{"hidden_states": s, "labels": y} for s, y in zip(c["states"], c["labels"])]
 
     train = rows("train")
@@ -445,7 +496,10 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
 def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, epochs_scale: float) -> dict[str, Any]:
     method = run["method"]
     base_method = method.removeprefix("probe_")
-    train, test = datasets_for(cache, "head" if method == "head" else "top", run.get("split", "test"), run.get("n"))
+    if method == "full":
+        add_tokens(cache)
+    kind = method if method in ("head", "full") else "top"
+    train, test = datasets_for(cache, kind, run.get("split", "test"), run.get("n"))
     n = len(train)
     epochs = EPOCHS[base_method] * epochs_scale
     lr = run.get("lr", LR[base_method])
@@ -453,6 +507,12 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     start = time.perf_counter()
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
+    if run.get("freeze"):
+        frozen = [p for name, p in model.named_parameters() if run["freeze"] in name]
+        if not frozen:
+            raise ValueError(f"freeze={run['freeze']}: no parameter name contains it")
+        for p in frozen:
+            p.requires_grad_(False)
     result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test),
                               "epochs": run["max_steps"] * 64 * accum(method, run) / n if run.get("max_steps")
                               else epochs,
@@ -490,8 +550,11 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = DPTrainer(model=model, args=args, **kwargs)
+            plan = trainer.privacy_plan()
             trainer.train()
         spent = trainer.privacy_spent()
+        result.update(noise_to_signal=plan.get("noise_to_signal"),
+                      noise_to_signal_over_run=plan.get("noise_to_signal_over_run"))
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
                       accountant_used=spent.get("accountant_used"),
@@ -505,7 +568,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
 
 # --------------------------------------------------------------------------------------------------------- report
 LABEL = {"head": "head (frozen features)", "lora": "LoRA r=8 (top 2 layers)", "top2": "top 2 layers (full)",
-         "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers"}
+         "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers", "full": "whole model (full)"}
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
