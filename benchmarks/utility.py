@@ -341,19 +341,29 @@ def add_tokens(cache: dict[str, Any]) -> dict[str, Any]:
     ex = _example()
     data = ex._data_module().load_fine_foods()
     tok = AutoTokenizer.from_pretrained(ex.default_model_path())
-    n_train, n_test, seq_len = cache["settings"]
-    tokens = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        ds = data[split].select(range(min(n, len(data[split]))))
-        ids = tok(list(ds["text"]), truncation=True, max_length=seq_len)["input_ids"]
-        labels = [int(y) for y in ds["label"]]
-        lengths = [int(s.shape[0]) for s in cache[split]["states"]]
-        if labels != cache[split]["labels"] or [len(x) for x in ids] != lengths:
-            raise RuntimeError(f"the {split} reviews tokenised now differ from the cache's (labels or lengths): the "
-                               "data or tokenizer changed since the cache was built; rebuild it (delete the file)")
-        tokens[split] = [torch.tensor(x, dtype=torch.long) for x in ids]
-    cache["tokens"] = tokens
+    n_train, n_test, _ = cache["settings"]
+    parts = {split: data[split].select(range(min(n, len(data[split])))) for split, n in (("train", n_train),
+                                                                                          ("test", n_test))}
+    cache["tokens"] = tokens_like_cache(cache, {k: (list(ds["text"]), list(ds["label"])) for k, ds in parts.items()},
+                                        tok)
     return cache
+
+
+def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], list[int]]], tokenizer: Any
+                      ) -> dict[str, list[torch.Tensor]]:
+    """Per split, each review's token ids (truncated to the cache's length), in the cache's row order; refused unless
+    every review's label and token count equal the cache's (then they are the reviews whose states it holds)."""
+    seq_len = cache["settings"][2]
+    tokens = {}
+    for split, (text, labels) in texts.items():
+        ids = tokenizer(text, truncation=True, max_length=seq_len)["input_ids"]
+        lengths = [int(s.shape[0]) for s in cache[split]["states"]]
+        if [int(y) for y in labels] != cache[split]["labels"] or [len(x) for x in ids] != lengths:
+            raise RuntimeError(f"the {split} reviews tokenised now differ from the cache's (labels or token counts): "
+                               "the data or the tokenizer changed since the cache was built; rebuild the cache "
+                               "(delete the file)")
+        tokens[split] = [torch.tensor(x, dtype=torch.long) for x in ids]
+    return tokens
 
 
 # --------------------------------------------------------------------------------------------------------- runs
@@ -369,8 +379,6 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
         model = ex.BertMeanPoolingForSequenceClassification.from_pretrained(
             ex.default_model_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             classifier_dropout=None)
-        if not all(m.p == 0.0 for m in model.modules() if isinstance(m, nn.Dropout)):
-            raise RuntimeError("method full: a dropout is still on; the benchmark trains without dropout")
         return model
     model = TopLayersForSequenceClassification(config)
     model.layer.load_state_dict(cache["top_state"])
@@ -380,6 +388,17 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
 
             model = get_peft_model(model, lora_config())
     return model
+
+
+def freeze(model: nn.Module, text: str) -> int:
+    """Setting ``freeze``: the parameters whose name contains ``text`` no longer train (no gradient, no noise); returns
+    how many coordinates that froze. Refused if no name contains it (a typo would otherwise train everything)."""
+    frozen = [p for name, p in model.named_parameters() if text in name]
+    if not frozen:
+        raise ValueError(f"freeze={text}: no parameter name of the model contains {text!r}")
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen)
 
 
 def lora_config() -> Any:
@@ -508,11 +527,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
     if run.get("freeze"):
-        frozen = [p for name, p in model.named_parameters() if run["freeze"] in name]
-        if not frozen:
-            raise ValueError(f"freeze={run['freeze']}: no parameter name contains it")
-        for p in frozen:
-            p.requires_grad_(False)
+        freeze(model, run["freeze"])
     result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test),
                               "epochs": run["max_steps"] * 64 * accum(method, run) / n if run.get("max_steps")
                               else epochs,
