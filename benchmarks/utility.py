@@ -11,7 +11,11 @@ counterpart with the plain ``Trainer``, same batches, steps, learning rate and s
 * ``top2``: the top 2 layers trained fully, plus the classifier ("full" fine-tuning of the part that trains);
 * ``probe_lora`` / ``probe_top2``: probe-then-fine-tune (``hf_dp.probe_then_finetune``): the classifier alone on the
   frozen top layers with half the budget (``probe_share`` 0.5), then the ``lora`` / ``top2`` run from it, σ calibrated
-  so that both phases compose to the total ε.
+  so that both phases compose to the total ε;
+* ``full`` (session 11): the whole model (all 22,566,146 parameters: embeddings, the 6 layers, the classifier) end to
+  end from the tokenised reviews (tokenised when run, checked against the cache's labels and token counts), no cache
+  of states; only with settings (RESULTS.md "Whole-model full fine-tuning (session 11)"); ``|freeze=word_embeddings``
+  freezes the word-embedding table (11.7 M coordinates).
 
 Each DP method × clipping function (``clip``: min(1, C/‖g‖); ``automatic``: C/(‖g‖ + 0.01), Bu et al. 2023) ×
 optimizer (``adam``: AdamW; ``adam_bc``: DP-AdamBC, Tang et al. 2024, with the floor γ′ set to the noise variance
@@ -20,8 +24,7 @@ optimizer (``adam``: AdamW; ``adam_bc``: DP-AdamBC, Tang et al. 2024, with the f
 **What makes it affordable on 2 shared CPU cores.** The bottom 4 layers are frozen in every method, so their output
 is computed once (one forward pass over the 5,000 reviews) and cached, with the final layer's mean-pooled states for
 the head: the LoRA / top-2 runs train exactly the model they would train end to end (no dropout), at a third of the
-cost. The whole-model full fine-tuning of the issue is not run (22.6 M parameters: the noise-to-signal ratio at
-ε = 8 is 1.7, README "Choosing hyperparameters", and ~6 min per epoch here).
+cost. The whole model (``full``) cannot use the cache: ≈ 12 CPU-min per DP run of 32 steps at expected batch 512.
 
 Settings: C = 1, constant learning rate (head 5e-2, LoRA 5e-3, top-2 1e-3; Li et al. 2022 §3 style, not tuned on the
 test set), no weight decay; the head: expected batch 256 (64 × 4 accumulated, q = 0.064), 3 epochs (48 steps); LoRA and
