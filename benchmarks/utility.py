@@ -157,6 +157,10 @@ def sweep() -> list[dict[str, Any]]:
 CHOSEN = "head_lr=0.1|lr=0.01|batch=512|max_steps=32"  # the best LoRA setting of sweep() at ε = 8 (validation)
 # top 2 layers: LoRA's chosen recipe with the top-2 runs' learning rate (1e-3) for the layers; not tuned on validation
 CHOSEN_FOR = {"lora": CHOSEN, "top2": "head_lr=0.1|lr=0.001|batch=512|max_steps=32"}
+# the whole model (session 11): top-2's settings chosen on validation in session 10, pre-registered; the non-private
+# counterpart at its own (top-2's validation choice), drawn in the plot as "non-private, own settings"
+CHOSEN_FOR["full"] = CHOSEN_FOR["top2"]
+OWN_NONPRIVATE = {"full": "head_lr=0.05|lr=0.0001|batch=512|max_steps=32"}
 
 
 def final() -> list[dict[str, Any]]:
@@ -702,6 +706,10 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
             elif tuned_base:  # below the axis (diverged): stated, not drawn
                 ax.text(0.98, 0.97, f"non-private, same*: {100 * tuned_base['accuracy']:.1f} %", color="C4",
                         fontsize=5, ha="right", va="top", transform=ax.transAxes)
+            own = by.get(f"{method}|inf|-|adam|{OWN_NONPRIVATE[method]}") if method in OWN_NONPRIVATE else None
+            if own:
+                ax.axhline(100 * own["accuracy"], color="C5", lw=1, ls="-.",
+                           label="non-private, own settings, same compute")
             ax.legend(fontsize=5, loc="lower left", title="* " + CHOSEN_FOR[method].replace("|", ", "),
                       title_fontsize=4)
         if majority is not None:
