@@ -11,7 +11,11 @@ counterpart with the plain ``Trainer``, same batches, steps, learning rate and s
 * ``top2``: the top 2 layers trained fully, plus the classifier ("full" fine-tuning of the part that trains);
 * ``probe_lora`` / ``probe_top2``: probe-then-fine-tune (``hf_dp.probe_then_finetune``): the classifier alone on the
   frozen top layers with half the budget (``probe_share`` 0.5), then the ``lora`` / ``top2`` run from it, σ calibrated
-  so that both phases compose to the total ε.
+  so that both phases compose to the total ε;
+* ``full`` (session 11): the whole model (all 22,566,146 parameters: embeddings, the 6 layers, the classifier) end to
+  end from the tokenised reviews (tokenised when run, checked against the cache's labels and token counts), no cache
+  of states; only with settings (RESULTS.md "Whole-model full fine-tuning (session 11)"); ``|freeze=word_embeddings``
+  freezes the word-embedding table (11.7 M coordinates).
 
 Each DP method × clipping function (``clip``: min(1, C/‖g‖); ``automatic``: C/(‖g‖ + 0.01), Bu et al. 2023) ×
 optimizer (``adam``: AdamW; ``adam_bc``: DP-AdamBC, Tang et al. 2024, with the floor γ′ set to the noise variance
@@ -20,8 +24,7 @@ optimizer (``adam``: AdamW; ``adam_bc``: DP-AdamBC, Tang et al. 2024, with the f
 **What makes it affordable on 2 shared CPU cores.** The bottom 4 layers are frozen in every method, so their output
 is computed once (one forward pass over the 5,000 reviews) and cached, with the final layer's mean-pooled states for
 the head: the LoRA / top-2 runs train exactly the model they would train end to end (no dropout), at a third of the
-cost. The whole-model full fine-tuning of the issue is not run (22.6 M parameters: the noise-to-signal ratio at
-ε = 8 is 1.7, README "Choosing hyperparameters", and ~6 min per epoch here).
+cost. The whole model (``full``) cannot use the cache: ≈ 12 CPU-min per DP run of 32 steps at expected batch 512.
 
 Settings: C = 1, constant learning rate (head 5e-2, LoRA 5e-3, top-2 1e-3; Li et al. 2022 §3 style, not tuned on the
 test set), no weight decay; the head: expected batch 256 (64 × 4 accumulated, q = 0.064), 3 epochs (48 steps); LoRA and
@@ -89,9 +92,10 @@ from hf_dp import DPTrainer, DPTrainingArguments, NotPrivateWarning, plan_privac
 ROOT = Path(__file__).resolve().parent.parent
 TOP = 2  # trained layers on top of the cached ones
 EPSILONS = (1.0, 3.0, 8.0)
-LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3}
-EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0}
-ACCUM = {"head": 4, "lora": 2, "top2": 2}  # × 64 per micro-batch: expected batch 256 (head), 128 (others)
+LR = {"head": 5e-2, "lora": 5e-3, "top2": 1e-3, "full": 1e-3}
+EPOCHS = {"head": 3.0, "lora": 1.0, "top2": 1.0, "full": 1.0}
+# × 64 per micro-batch: expected batch 256 (head), 128 (LoRA, top-2), 512 (full: session 11, always run with settings)
+ACCUM = {"head": 4, "lora": 2, "top2": 2, "full": 8}
 VARIANTS = [("clip", "adam"), ("automatic", "adam"), ("clip", "adam_bc"), ("automatic", "adam_bc")]
 
 
@@ -129,8 +133,10 @@ def grid() -> list[dict[str, Any]]:
 # C_body, each group's noise std ∝ its threshold (noise_allocation "equal_budget", sensitivity √2 for the two groups).
 # n (session 10): train on the first n training reviews only (the package's row order, a random sample; nested:
 # 1,000 ⊂ 2,000 ⊂ 4,000), the evaluation set unchanged; δ = 1/n^1.1 follows n (DPTrainer's default).
+# freeze (session 11, method ``full`` only): parameters whose name contains this text are frozen, e.g.
+# ``freeze=word_embeddings`` (the 11.7 M coordinates of the word-embedding table: fewer noised coordinates).
 SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "C_body": float,
-            "split": str, "n": int}
+            "split": str, "n": int, "freeze": str}
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -151,6 +157,10 @@ def sweep() -> list[dict[str, Any]]:
 CHOSEN = "head_lr=0.1|lr=0.01|batch=512|max_steps=32"  # the best LoRA setting of sweep() at ε = 8 (validation)
 # top 2 layers: LoRA's chosen recipe with the top-2 runs' learning rate (1e-3) for the layers; not tuned on validation
 CHOSEN_FOR = {"lora": CHOSEN, "top2": "head_lr=0.1|lr=0.001|batch=512|max_steps=32"}
+# the whole model (session 11): top-2's settings chosen on validation in session 10, pre-registered; the non-private
+# counterpart at its own (top-2's validation choice), drawn in the plot as "non-private, own settings"
+CHOSEN_FOR["full"] = CHOSEN_FOR["top2"]
+OWN_NONPRIVATE = {"full": "head_lr=0.05|lr=0.0001|batch=512|max_steps=32"}
 
 
 def final() -> list[dict[str, Any]]:
@@ -184,6 +194,8 @@ def parse_key(text: str) -> dict[str, Any]:
         raise ValueError(f"batch must be a multiple of the micro-batch 64 (in {text!r})")
     if run.get("n", 1) < 1:
         raise ValueError(f"n must be a positive number of training reviews (in {text!r})")
+    if "freeze" in run and method != "full":
+        raise ValueError(f"freeze applies to the whole-model method 'full' only (in {text!r})")
     return run
 
 
@@ -238,10 +250,20 @@ class Rows(torch.utils.data.Dataset):
 
 
 def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Pads cached states to the batch's longest row (zeros, masked out); features stack."""
+    """Pads cached states (or token ids, method ``full``) to the batch's longest row (zeros, masked out); features
+    stack."""
     labels = torch.tensor([int(r["labels"]) for r in rows])
     if "features" in rows[0]:
         return {"features": torch.stack([r["features"] for r in rows]), "labels": labels}
+    if "input_ids" in rows[0]:
+        t = max(int(r["input_ids"].shape[0]) for r in rows)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)  # BERT's [PAD] is 0
+        mask = torch.zeros(len(rows), t, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = int(r["input_ids"].shape[0])
+            ids[i, :n] = r["input_ids"]
+            mask[i, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
     t = max(int(r["hidden_states"].shape[0]) for r in rows)
     d = rows[0]["hidden_states"].shape[1]
     hs = torch.zeros(len(rows), t, d)
@@ -315,6 +337,42 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
     return out
 
 
+def add_tokens(cache: dict[str, Any]) -> dict[str, Any]:
+    """Method ``full`` (session 11): the token ids of the cache's reviews, tokenised now (kept in memory, never written
+    to the cache file), ``cache["tokens"][split]``: the same reviews, order, labels and 64-token truncation as the
+    cached states — checked: every review's label and length must equal the cache's, or this fails."""
+    if "tokens" in cache:
+        return cache
+    from transformers import AutoTokenizer
+
+    ex = _example()
+    data = ex._data_module().load_fine_foods()
+    tok = AutoTokenizer.from_pretrained(ex.default_model_path())
+    n_train, n_test, _ = cache["settings"]
+    parts = {split: data[split].select(range(min(n, len(data[split])))) for split, n in (("train", n_train),
+                                                                                          ("test", n_test))}
+    cache["tokens"] = tokens_like_cache(cache, {k: (list(ds["text"]), list(ds["label"])) for k, ds in parts.items()},
+                                        tok)
+    return cache
+
+
+def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], list[int]]], tokenizer: Any
+                      ) -> dict[str, list[torch.Tensor]]:
+    """Per split, each review's token ids (truncated to the cache's length), in the cache's row order; refused unless
+    every review's label and token count equal the cache's (then they are the reviews whose states it holds)."""
+    seq_len = cache["settings"][2]
+    tokens = {}
+    for split, (text, labels) in texts.items():
+        ids = tokenizer(text, truncation=True, max_length=seq_len)["input_ids"]
+        lengths = [int(s.shape[0]) for s in cache[split]["states"]]
+        if [int(y) for y in labels] != cache[split]["labels"] or [len(x) for x in ids] != lengths:
+            raise RuntimeError(f"the {split} reviews tokenised now differ from the cache's (labels or token counts): "
+                               "the data or the tokenizer changed since the cache was built; rebuild the cache "
+                               "(delete the file)")
+        tokens[split] = [torch.tensor(x, dtype=torch.long) for x in ids]
+    return tokens
+
+
 # --------------------------------------------------------------------------------------------------------- runs
 def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
@@ -323,6 +381,12 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if method == "head":
         return FeatureClassifierForSequenceClassification(config)
+    if method == "full":  # the main example's model, pretrained, end to end from tokens (session 11)
+        ex = _example()
+        model = ex.BertMeanPoolingForSequenceClassification.from_pretrained(
+            ex.default_model_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            classifier_dropout=None)
+        return model
     model = TopLayersForSequenceClassification(config)
     model.layer.load_state_dict(cache["top_state"])
     if method in ("lora", "probe_lora"):
@@ -331,6 +395,17 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
 
             model = get_peft_model(model, lora_config())
     return model
+
+
+def freeze(model: nn.Module, text: str) -> int:
+    """Setting ``freeze``: the parameters whose name contains ``text`` no longer train (no gradient, no noise); returns
+    how many coordinates that froze. Refused if no name contains it (a typo would otherwise train everything)."""
+    frozen = [p for name, p in model.named_parameters() if text in name]
+    if not frozen:
+        raise ValueError(f"freeze={text}: no parameter name of the model contains {text!r}")
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen)
 
 
 def lora_config() -> Any:
@@ -350,6 +425,8 @@ def datasets_for(cache: dict[str, Any], method: str, split: str = "test", n: int
         c = cache[part]
         if method == "head":
             return [{"features": f, "labels": y} for f, y in zip(c["features"], c["labels"])]
+        if method == "full":
+            return [{"input_ids": t, "labels": y} for t, y in zip(cache["tokens"][part], c["labels"])]
         return [{"hidden_states": s, "labels": y} for s, y in zip(c["states"], c["labels"])]
 
     train = rows("train")
@@ -445,7 +522,10 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
 def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, epochs_scale: float) -> dict[str, Any]:
     method = run["method"]
     base_method = method.removeprefix("probe_")
-    train, test = datasets_for(cache, "head" if method == "head" else "top", run.get("split", "test"), run.get("n"))
+    if method == "full":
+        add_tokens(cache)
+    kind = method if method in ("head", "full") else "top"
+    train, test = datasets_for(cache, kind, run.get("split", "test"), run.get("n"))
     n = len(train)
     epochs = EPOCHS[base_method] * epochs_scale
     lr = run.get("lr", LR[base_method])
@@ -453,6 +533,8 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     start = time.perf_counter()
     cpu0 = time.process_time()
     model = make_model(cache, method, seed)
+    if run.get("freeze"):
+        freeze(model, run["freeze"])
     result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test),
                               "epochs": run["max_steps"] * 64 * accum(method, run) / n if run.get("max_steps")
                               else epochs,
@@ -490,8 +572,11 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer = DPTrainer(model=model, args=args, **kwargs)
+            plan = trainer.privacy_plan()
             trainer.train()
         spent = trainer.privacy_spent()
+        result.update(noise_to_signal=plan.get("noise_to_signal"),
+                      noise_to_signal_over_run=plan.get("noise_to_signal_over_run"))
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
                       accountant_used=spent.get("accountant_used"),
@@ -505,7 +590,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
 
 # --------------------------------------------------------------------------------------------------------- report
 LABEL = {"head": "head (frozen features)", "lora": "LoRA r=8 (top 2 layers)", "top2": "top 2 layers (full)",
-         "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers"}
+         "probe_lora": "probe → LoRA", "probe_top2": "probe → top 2 layers", "full": "whole model (full)"}
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -621,6 +706,10 @@ def plot(records: list[dict[str, Any]], path: Path, majority: float | None) -> N
             elif tuned_base:  # below the axis (diverged): stated, not drawn
                 ax.text(0.98, 0.97, f"non-private, same*: {100 * tuned_base['accuracy']:.1f} %", color="C4",
                         fontsize=5, ha="right", va="top", transform=ax.transAxes)
+            own = by.get(f"{method}|inf|-|adam|{OWN_NONPRIVATE[method]}") if method in OWN_NONPRIVATE else None
+            if own:
+                ax.axhline(100 * own["accuracy"], color="C5", lw=1, ls="-.",
+                           label="non-private, own settings, same compute")
             ax.legend(fontsize=5, loc="lower left", title="* " + CHOSEN_FOR[method].replace("|", ", "),
                       title_fontsize=4)
         if majority is not None:
