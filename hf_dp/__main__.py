@@ -105,7 +105,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         else:
             value = fmt.format(plan[key])
         lines.append(f"{label:<28} {value}")
-    if plan["learning_unlikely"]:
+    if plan["noise_dominates"]:
         lines.append("")
         lines.append(plan["advice"])
     return "\n".join(lines)

@@ -365,7 +365,7 @@ class Mechanism:
 
     def plan_log(self, remaining: int, trainable_parameters: int, earlier_steps: int | None = None
                  ) -> tuple[dict[str, Any], str | None]:
-        """At train start: the budget as one log block, and the advice when learning is unlikely (``plan.py``:
+        """At train start: the budget as one log block, and the advice when the noise dominates (``plan.py``:
         the same functions as :func:`~hf_dp.plan.plan_privacy`). ``earlier_steps``: the steps of the model's earlier
         DP runs (``None``: it has none)."""
         args = self.args

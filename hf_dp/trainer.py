@@ -961,7 +961,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         for ``d`` trainable parameters, over the largest possible norm of the averaged clipped gradient, ``C`` (all
         examples pointing the same way); ``noise_to_signal_over_run`` is the same for the sum of the run's ``T``
         updates (noise grows as √T, signal at most as T): ``noise_to_signal / √T``. Above
-        :data:`NOISE_TO_SIGNAL_WARNING` learning is unlikely, and the plan says so (``learning_unlikely``,
+        :data:`NOISE_TO_SIGNAL_WARNING` the noise dominates, and the plan says so (``noise_dominates``,
         ``advice``; ``train()`` warns) — see the README's "Choosing hyperparameters".
 
         Args:

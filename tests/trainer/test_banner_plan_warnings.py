@@ -98,7 +98,7 @@ def test_privacy_plan_before_training_is_what_train_uses(tmp_path):
     assert trainer.privacy_spent()["epsilon"] == pytest.approx(plan["epsilon"], rel=1e-9)
 
 
-def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
+def test_noise_to_signal_warning_when_the_noise_dominates(tmp_path):
     data = cls_dataset(64, num_labels=2)
     head = DPTrainer(model=frozen_bert_head_only(), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=4),
                      train_dataset=data)
@@ -106,18 +106,19 @@ def test_noise_to_signal_warning_when_learning_is_unlikely(tmp_path):
     d = plan["trainable_parameters"]
     assert plan["noise_to_signal"] == pytest.approx(1.0 * math.sqrt(d) / 16)
     assert plan["noise_to_signal_over_run"] == pytest.approx(plan["noise_to_signal"] / 2)  # √(4 steps)
-    assert not plan["learning_unlikely"] and plan["advice"] is None
+    assert not plan["noise_dominates"] and not plan["learning_unlikely"] and plan["advice"] is None
 
     full = DPTrainer(model=tiny_bert(num_labels=2), args=make_args(tmp_path, noise_multiplier=1.0, max_steps=1,
                                                                    per_device_train_batch_size=2,
                                                                    gradient_accumulation_steps=1),
                      train_dataset=data)
     plan = full.privacy_plan()
-    assert plan["noise_to_signal_over_run"] > NOISE_TO_SIGNAL_WARNING and plan["learning_unlikely"]
-    for words in ("learning is unlikely", "LoRA", "larger expected batch", "more data", "larger ε",
+    assert plan["noise_to_signal_over_run"] > NOISE_TO_SIGNAL_WARNING and plan["noise_dominates"]
+    assert plan["learning_unlikely"]  # the same flag, under its first name
+    for words in ("the noise dominates", "can still learn", "LoRA", "larger expected batch", "more data", "larger ε",
                   "Choosing hyperparameters"):
         assert words in plan["advice"]
-    with pytest.warns(UserWarning, match="learning is unlikely"):
+    with pytest.warns(UserWarning, match="the noise dominates"):
         full.train()
 
 
