@@ -192,6 +192,8 @@ def run_clip_only(cache: dict[str, Any], run: dict[str, Any], seed: int) -> dict
     kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=utility.collate)
     if run.get("head_lr") is not None:
         kwargs["optimizers"] = (utility.head_optimizer(model, lr, run["head_lr"]), None)
+    if utility.last_iterate_callbacks(run):  # ema (sched goes through dp_args)
+        kwargs["callbacks"] = utility.last_iterate_callbacks(run)
     out = Path("/tmp/hf_dp_utility_austen_clip_only") / utility.key(run).replace("|", "_")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -242,6 +244,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--runs", default=None, help="Comma-separated run keys (utility.py's), in this order; default RUNS.")
     p.add_argument("--seeds", default="42", help="Comma-separated seeds; each run key runs once per seed.")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--also", nargs="*", default=[],
+                   help="More result JSONs whose records join the table only (not run, not written): e.g. the "
+                        "non-private counterparts in benchmarks/utility_austen.json for runs kept in another --out.")
     p.add_argument("--clip-only", action="store_true",
                    help="Diagnostic: the DP runs with σ = 0 (run_clip_only), into --out (default "
                         "benchmarks/utility_austen_clip_only.json). Not private.")
@@ -281,7 +286,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps({**saved, "runs": records}, indent=1, default=str))
     print(f"majority class: {100 * saved.get('majority', float('nan')):.1f} %")
-    print("\n".join(gaps(records)))
+    also = [r for extra in args.also for r in json.loads(Path(extra).read_text())["runs"]]
+    print("\n".join(gaps(also + records)))
     return records
 
 
