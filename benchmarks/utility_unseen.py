@@ -212,7 +212,10 @@ def gaps(records: list[dict[str, Any]]) -> list[str]:
     by_key: dict[str, dict[int, float]] = {}
     for r in records:
         by_key.setdefault(utility.key(r), {})[r["seed"]] = 100 * r["accuracy"]
-    base = {k.split("|")[0]: v for k, v in by_key.items() if k.split("|")[1] == "inf"}
+    # the non-private counterpart: the same method with the same last-iterate settings (sched, ema; session 11) if
+    # run, else the method's non-private run without them
+    base = {(r["method"], r.get("sched"), r.get("ema")): by_key[utility.key(r)] for r in records
+            if math.isinf(r["epsilon"])}
 
     def stats(v: dict[int, float]) -> str:
         a = np.array(list(v.values()))
@@ -224,10 +227,11 @@ def gaps(records: list[dict[str, Any]]) -> list[str]:
         method, eps = k.split("|")[0], float(k.split("|")[1])
         seeds = sorted(v)
         per = " / ".join(f"{v[s]:.1f}" for s in seeds)
-        if math.isinf(eps) or method not in base:
+        run = utility.parse_key(k)
+        b = base.get((method, run.get("sched"), run.get("ema")), base.get((method, None, None)))
+        if math.isinf(eps) or b is None:
             rows.append(f"| `{k}` | {', '.join(map(str, seeds))} | {stats(v)} | {per} | | | |")
             continue
-        b = base[method]
         gap = np.mean(list(b.values())) - np.mean(list(v.values()))
         per_gap = " / ".join(f"{b[s] - v[s]:.1f}" for s in seeds if s in b)
         target = TARGET.get(eps)
