@@ -46,7 +46,9 @@ optim`` as ``|name=value``: ``head_lr`` (the classifier in its own AdamW param g
 ``batch`` (expected batch, a multiple of the micro-batch 64), ``max_steps``, ``C``, ``C_body`` (group-wise clipping:
 the classifier at C, the rest at C_body, noise std ∝ each group's threshold), ``split=val`` and ``n`` (train on the
 first n training reviews only, e.g. ``|n=1000``; the evaluation set and the other settings unchanged, δ = 1/n^1.1;
-RESULTS.md "Seeds, full fine-tuning and N (session 10)"). ``--val`` trains on
+RESULTS.md "Seeds, full fine-tuning and N (session 10)"), ``sched=linear`` (the learning rate decays linearly to 0
+over the run; absent: constant) and ``ema`` (e.g. ``|ema=0.9``: the evaluated weights are an exponential moving
+average of the iterates, :class:`WeightEMA`; RESULTS.md "The last iterate's noise (session 11)"). ``--val`` trains on
 all but the last 500 training reviews and evaluates on those (results in ``benchmarks/utility_val.json``): settings
 are chosen there, never on the test set. Choosing them on private data would itself not be covered by the guarantee;
 here the data are a public benchmark.
@@ -137,6 +139,11 @@ def grid() -> list[dict[str, Any]]:
 # ``freeze=word_embeddings`` (the 11.7 M coordinates of the word-embedding table: fewer noised coordinates).
 SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": float, "C_body": float,
             "split": str, "n": int, "freeze": str}
+# sched, ema (session 11, RESULTS.md "The last iterate's noise"): the learning-rate schedule (the Trainer's
+# lr_scheduler_type; absent: "constant", as every earlier run) and an exponential moving average of the trainable
+# weights (absent: none), both post-processing of the released gradients. Appended last, so earlier keys are unchanged.
+SETTINGS.update(sched=str, ema=float)
+SCHEDULES = ("linear", "cosine")  # "constant" is the default: left out of the key
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -196,7 +203,18 @@ def parse_key(text: str) -> dict[str, Any]:
         raise ValueError(f"n must be a positive number of training reviews (in {text!r})")
     if "freeze" in run and method != "full":
         raise ValueError(f"freeze applies to the whole-model method 'full' only (in {text!r})")
+    check_last_iterate_settings(run, text)
     return run
+
+
+def check_last_iterate_settings(run: dict[str, Any], text: str) -> None:
+    """``sched`` is one of :data:`SCHEDULES` (constant is the default: leave it out, so one run has one key); ``ema``
+    a decay in (0, 1)."""
+    if run.get("sched") is not None and run["sched"] not in SCHEDULES:
+        raise ValueError(f"sched must be one of {', '.join(SCHEDULES)} (constant is the default: leave sched out), "
+                         f"not {run['sched']!r} (in {text!r})")
+    if run.get("ema") is not None and not 0.0 < run["ema"] < 1.0:
+        raise ValueError(f"ema is the moving average's decay, in (0, 1), not {run['ema']:g} (in {text!r})")
 
 
 # --------------------------------------------------------------------------------------------------------- models
@@ -446,7 +464,8 @@ def common_args(out: Path, method: str, lr: float, epochs: float, seed: int, run
                 ) -> dict[str, Any]:
     run = run or {}
     return dict(output_dir=str(out), per_device_train_batch_size=64, gradient_accumulation_steps=accum(method, run),
-                per_device_eval_batch_size=256, learning_rate=lr, num_train_epochs=epochs, lr_scheduler_type="constant",
+                per_device_eval_batch_size=256, learning_rate=lr, num_train_epochs=epochs,
+                lr_scheduler_type=run.get("sched") or "constant",
                 max_steps=run.get("max_steps", -1),
                 weight_decay=0.0, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1000,
                 seed=seed, use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False)
@@ -494,6 +513,59 @@ class PhaseAccuracy(TrainerCallback):
                 right += int((logits.argmax(-1) == batch["labels"]).sum())
         self.accuracies.append(right / len(self.test))
         model.train(was_training)
+
+
+class WeightEMA(TrainerCallback):
+    """The evaluated weights are an exponential moving average of the iterates (De et al. 2022, "Unlocking
+    High-Accuracy Differentially Private Image Classification through Scale", parameter averaging): after each
+    optimizer step t = 1..T the average m_t = d·m_{t−1} + (1 − d)·w_t of the trainable weights is updated (m_0 = 0,
+    kept outside the model), and at the end of training the model's trainable weights are set to m_T / (1 − d^T) —
+    the average of w_1..w_T with weights ∝ d^(T−t), normalised (zero-debiased as Adam's moments, Kingma & Ba 2015
+    §3), so the initial weights do not enter. It reads only the released model: post-processing, no privacy cost; the
+    swap is made inside ``hf_dp.post_processing()`` (a declaration: DPTrainer's own ``on_train_end`` runs first and has
+    stopped its released-state guard by then; outside DPTrainer's ``train()`` the block does nothing). Each
+    ``train()`` starts a new average (probe-then-fine-tune: one per phase)."""
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"the EMA decay must be in (0, 1), not {decay}")
+        self.decay = decay
+        self.steps = 0
+        self.average: dict[str, torch.Tensor] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        self.steps = 0
+        self.average = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in model.named_parameters()
+                        if p.requires_grad}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        self.steps += 1
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in self.average:
+                    self.average[n].mul_(self.decay).add_(p.detach().to(torch.float64), alpha=1.0 - self.decay)
+
+    def averaged(self) -> dict[str, torch.Tensor]:
+        """The debiased average m_T / (1 − d^T), per trainable parameter name (empty before the first step)."""
+        if not self.steps:
+            return {}
+        scale = 1.0 - self.decay ** self.steps
+        return {n: m / scale for n, m in self.average.items()}
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kw: Any) -> None:
+        import hf_dp
+
+        averaged = self.averaged()
+        with torch.no_grad(), hf_dp.post_processing():
+            for n, p in model.named_parameters():
+                if n in averaged:
+                    p.copy_(averaged[n].to(p.dtype))
+
+
+def last_iterate_callbacks(run: dict[str, Any]) -> list[TrainerCallback]:
+    """``[WeightEMA(run["ema"])]`` when the run sets ``ema``, else ``[]`` (``sched`` goes to the Trainer's
+    arguments, :func:`common_args`)."""
+    return [WeightEMA(run["ema"])] if run.get("ema") is not None else []
 
 
 def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epochs: float, lr: float,
@@ -545,6 +617,9 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=collate)
     if run.get("head_lr") is not None:
         kwargs["optimizers"] = (head_optimizer(model, lr, run["head_lr"]), None)
+    last_iterate = last_iterate_callbacks(run)  # sched / ema (session 11); [] for every earlier key
+    if last_iterate:
+        kwargs["callbacks"] = last_iterate
     if math.isinf(run["epsilon"]):
         args = TrainingArguments(**common_args(out, method, lr, epochs, seed, run))
         trainer = Trainer(model=model, args=args, **kwargs)
@@ -557,11 +632,12 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
                              probe_epsilon(total, share))
         ft_args = dp_args(out / "finetune", method, run, seed, n, epochs, lr, total)
         phases = PhaseAccuracy(test)
+        kwargs["callbacks"] = kwargs.get("callbacks", []) + [phases]  # the EMA swapped in before each phase's accuracy
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             probe, trainer = probe_then_finetune(
                 DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
-                peft_config=lora_config() if base_method == "lora" else None, callbacks=[phases], **kwargs)
+                peft_config=lora_config() if base_method == "lora" else None, **kwargs)
         spent = trainer.privacy_spent()
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], probe_noise_multiplier=probe.noise_multiplier,

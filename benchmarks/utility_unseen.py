@@ -192,6 +192,8 @@ def run_clip_only(cache: dict[str, Any], run: dict[str, Any], seed: int) -> dict
     kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=utility.collate)
     if run.get("head_lr") is not None:
         kwargs["optimizers"] = (utility.head_optimizer(model, lr, run["head_lr"]), None)
+    if utility.last_iterate_callbacks(run):  # ema (sched goes through dp_args)
+        kwargs["callbacks"] = utility.last_iterate_callbacks(run)
     out = Path("/tmp/hf_dp_utility_austen_clip_only") / utility.key(run).replace("|", "_")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -210,7 +212,10 @@ def gaps(records: list[dict[str, Any]]) -> list[str]:
     by_key: dict[str, dict[int, float]] = {}
     for r in records:
         by_key.setdefault(utility.key(r), {})[r["seed"]] = 100 * r["accuracy"]
-    base = {k.split("|")[0]: v for k, v in by_key.items() if k.split("|")[1] == "inf"}
+    # the non-private counterpart: the same method with the same last-iterate settings (sched, ema; session 11) if
+    # run, else the method's non-private run without them
+    base = {(r["method"], r.get("sched"), r.get("ema")): by_key[utility.key(r)] for r in records
+            if math.isinf(r["epsilon"])}
 
     def stats(v: dict[int, float]) -> str:
         a = np.array(list(v.values()))
@@ -222,10 +227,11 @@ def gaps(records: list[dict[str, Any]]) -> list[str]:
         method, eps = k.split("|")[0], float(k.split("|")[1])
         seeds = sorted(v)
         per = " / ".join(f"{v[s]:.1f}" for s in seeds)
-        if math.isinf(eps) or method not in base:
+        run = utility.parse_key(k)
+        b = base.get((method, run.get("sched"), run.get("ema")), base.get((method, None, None)))
+        if math.isinf(eps) or b is None:
             rows.append(f"| `{k}` | {', '.join(map(str, seeds))} | {stats(v)} | {per} | | | |")
             continue
-        b = base[method]
         gap = np.mean(list(b.values())) - np.mean(list(v.values()))
         per_gap = " / ".join(f"{b[s] - v[s]:.1f}" for s in seeds if s in b)
         target = TARGET.get(eps)
@@ -242,6 +248,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--runs", default=None, help="Comma-separated run keys (utility.py's), in this order; default RUNS.")
     p.add_argument("--seeds", default="42", help="Comma-separated seeds; each run key runs once per seed.")
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--also", nargs="*", default=[],
+                   help="More result JSONs whose records join the table only (not run, not written): e.g. the "
+                        "non-private counterparts in benchmarks/utility_austen.json for runs kept in another --out.")
     p.add_argument("--clip-only", action="store_true",
                    help="Diagnostic: the DP runs with σ = 0 (run_clip_only), into --out (default "
                         "benchmarks/utility_austen_clip_only.json). Not private.")
@@ -281,7 +290,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps({**saved, "runs": records}, indent=1, default=str))
     print(f"majority class: {100 * saved.get('majority', float('nan')):.1f} %")
-    print("\n".join(gaps(records)))
+    also = [r for extra in args.also for r in json.loads(Path(extra).read_text())["runs"]]
+    print("\n".join(gaps(also + records)))
     return records
 
 
