@@ -303,6 +303,39 @@ def _example() -> Any:
     return module
 
 
+def encode_states(bert: nn.Module, tok: Any, texts: list[str], seq_len: int, cut: int
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """One forward pass of the frozen encoder over ``texts`` (batches of 64 in order of length): per text, the states
+    entering layer ``cut`` (unpadded), the final mean-pooled states, and the token count."""
+    enc = tok(texts, truncation=True, max_length=seq_len)
+    lengths = [len(x) for x in enc["input_ids"]]
+    order = np.argsort(lengths)
+    states: list[Any] = [None] * len(texts)
+    feats: list[Any] = [None] * len(texts)
+    with torch.no_grad():
+        for s in range(0, len(texts), 64):
+            idx = order[s:s + 64]
+            t = max(lengths[i] for i in idx)
+            ids = torch.zeros(len(idx), t, dtype=torch.long)
+            mask = torch.zeros(len(idx), t, dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, :lengths[i]] = torch.tensor(enc["input_ids"][i])
+                mask[j, :lengths[i]] = 1
+            h = bert.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+            mask4 = create_bidirectional_mask(config=bert.config, inputs_embeds=h, attention_mask=mask)
+            for k, layer in enumerate(bert.encoder.layer):
+                if k == cut:
+                    for j, i in enumerate(idx):
+                        states[i] = h[j, :lengths[i]].clone()
+                h = layer(h, attention_mask=mask4)
+                h = h[0] if isinstance(h, tuple) else h
+            m = mask.unsqueeze(-1).float()
+            pooled = (h * m).sum(1) / m.sum(1)
+            for j, i in enumerate(idx):
+                feats[i] = pooled[j].clone()
+    return states, feats, lengths
+
+
 def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str, Any]:
     """One forward pass of the frozen encoder: per review, the states entering layer 6 − TOP (unpadded) and the final
     mean-pooled states; plus the pretrained top layers' weights and the config."""
@@ -323,32 +356,7 @@ def build_cache(n_train: int, n_test: int, seq_len: int, path: Path) -> dict[str
                            "top_state": {k: v.clone() for k, v in bert.encoder.layer[cut:].state_dict().items()}}
     for split, n in (("train", n_train), ("test", n_test)):
         ds = data[split].select(range(min(n, len(data[split]))))
-        enc = tok(list(ds["text"]), truncation=True, max_length=seq_len)
-        lengths = [len(x) for x in enc["input_ids"]]
-        order = np.argsort(lengths)
-        states: list[Any] = [None] * len(ds)
-        feats: list[Any] = [None] * len(ds)
-        with torch.no_grad():
-            for s in range(0, len(ds), 64):
-                idx = order[s:s + 64]
-                t = max(lengths[i] for i in idx)
-                ids = torch.zeros(len(idx), t, dtype=torch.long)
-                mask = torch.zeros(len(idx), t, dtype=torch.long)
-                for j, i in enumerate(idx):
-                    ids[j, :lengths[i]] = torch.tensor(enc["input_ids"][i])
-                    mask[j, :lengths[i]] = 1
-                h = bert.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
-                mask4 = create_bidirectional_mask(config=bert.config, inputs_embeds=h, attention_mask=mask)
-                for k, layer in enumerate(bert.encoder.layer):
-                    if k == cut:
-                        for j, i in enumerate(idx):
-                            states[i] = h[j, :lengths[i]].clone()
-                    h = layer(h, attention_mask=mask4)
-                    h = h[0] if isinstance(h, tuple) else h
-                m = mask.unsqueeze(-1).float()
-                pooled = (h * m).sum(1) / m.sum(1)
-                for j, i in enumerate(idx):
-                    feats[i] = pooled[j].clone()
+        states, feats, _ = encode_states(bert, tok, list(ds["text"]), seq_len, cut)
         out[split] = {"states": states, "features": feats, "labels": [int(y) for y in ds["label"]]}
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(out, path)

@@ -127,7 +127,6 @@ def build_cache(path: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> dic
         if cache["settings"] == settings:
             return cache
     from transformers import AutoTokenizer
-    from transformers.masking_utils import create_bidirectional_mask
 
     ex = _load("hf_dp_example_text_cls", ROOT / "examples" / "dp_text_classification.py")
     splits, books = austen_splits(n_train, n_test)
@@ -142,32 +141,7 @@ def build_cache(path: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> dic
                            "books": books,
                            "top_state": {k: v.clone() for k, v in bert.encoder.layer[cut:].state_dict().items()}}
     for split, part in splits.items():
-        enc = tok(part["text"], truncation=True, max_length=SEQ_LEN)
-        lengths = [len(x) for x in enc["input_ids"]]
-        order = np.argsort(lengths)
-        states: list[Any] = [None] * len(lengths)
-        feats: list[Any] = [None] * len(lengths)
-        with torch.no_grad():
-            for s in range(0, len(lengths), 64):
-                idx = order[s:s + 64]
-                t = max(lengths[i] for i in idx)
-                ids = torch.zeros(len(idx), t, dtype=torch.long)
-                mask = torch.zeros(len(idx), t, dtype=torch.long)
-                for j, i in enumerate(idx):
-                    ids[j, :lengths[i]] = torch.tensor(enc["input_ids"][i])
-                    mask[j, :lengths[i]] = 1
-                h = bert.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
-                mask4 = create_bidirectional_mask(config=bert.config, inputs_embeds=h, attention_mask=mask)
-                for k, layer in enumerate(bert.encoder.layer):
-                    if k == cut:
-                        for j, i in enumerate(idx):
-                            states[i] = h[j, :lengths[i]].clone()
-                    h = layer(h, attention_mask=mask4)
-                    h = h[0] if isinstance(h, tuple) else h
-                m = mask.unsqueeze(-1).float()
-                pooled = (h * m).sum(1) / m.sum(1)
-                for j, i in enumerate(idx):
-                    feats[i] = pooled[j].clone()
+        states, feats, lengths = utility.encode_states(bert, tok, part["text"], SEQ_LEN, cut)
         out[split] = {"states": states, "features": feats, "labels": part["label"],
                       "tokens": lengths, "chars": [len(t) for t in part["text"]]}
     out["cpu_s"] = time.process_time() - cpu0

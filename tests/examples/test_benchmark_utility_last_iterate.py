@@ -5,13 +5,12 @@ with DPTrainer's released-state guard active (the swap is declared post-processi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_example
 from transformers import BertConfig, TrainerCallback
 
 from hf_dp import DPTrainer, DPTrainingArguments
@@ -21,13 +20,7 @@ PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "utility.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    name = "hf_dp_benchmark_utility"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_example("utility.py", "hf_dp_benchmark_utility", folder="benchmarks")
 
 
 def test_keys_old_unchanged_new_round_trip_bad_refused(bench, tmp_path):

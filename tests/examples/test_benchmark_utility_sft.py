@@ -4,26 +4,19 @@ table's aggregation over seeds."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import datasets
 import pytest
+from helpers import load_example
 
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "utility_sft.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    name = "hf_dp_benchmark_utility_sft"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_example("utility_sft.py", "hf_dp_benchmark_utility_sft", folder="benchmarks")
 
 
 def test_validation_split_comes_from_training_conversations_only(bench):

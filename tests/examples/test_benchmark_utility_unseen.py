@@ -5,12 +5,11 @@ per seed and on the mean, against issue 25's target."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_example
 from transformers import BertConfig
 
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "utility_unseen.py"
@@ -18,13 +17,7 @@ PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "utility_unseen.py"
 
 @pytest.fixture(scope="module")
 def bench():
-    name = "hf_dp_benchmark_utility_unseen"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load_example("utility_unseen.py", "hf_dp_benchmark_utility_unseen", folder="benchmarks")
 
 
 def test_stratified_split_is_exact_disjoint_proportional_and_seeded(bench):

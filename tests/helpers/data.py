@@ -109,16 +109,17 @@ def user_data() -> Dataset:
     return data.add_column("author", AUTHORS)
 
 
-def load_example(filename: str, name: str | None = None):
-    """``examples/<filename>`` imported as a module (registered in ``sys.modules`` first: dataclasses resolve the
-    module's annotations through it). The same module object on later calls."""
+def load_example(filename: str, name: str | None = None, folder: str = "examples"):
+    """``examples/<filename>`` (or ``<folder>/<filename>``, e.g. ``benchmarks``) imported as a module (registered in
+    ``sys.modules`` first: dataclasses resolve the module's annotations through it). The same module object on later
+    calls with the same name."""
     import importlib.util
     import sys
 
-    name = name or "hf_dp_example_" + filename.removesuffix(".py")
+    name = name or f"hf_dp_{folder.rstrip('s')}_" + filename.removesuffix(".py")
     if name in sys.modules:
         return sys.modules[name]
-    path = EXAMPLES / filename
+    path = EXAMPLES.parent / folder / filename
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

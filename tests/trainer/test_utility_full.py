@@ -8,23 +8,18 @@ pads with a mask; the model is the main example's pretrained one with every para
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_example
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def utility():
-    spec = importlib.util.spec_from_file_location("hf_dp_benchmark_utility_full", ROOT / "benchmarks" / "utility.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("utility.py", "hf_dp_benchmark_utility_full", folder="benchmarks")
 
 
 def fake_cache(n_train: int = 8, n_test: int = 4) -> dict:
