@@ -273,24 +273,16 @@ def collate(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     labels = torch.tensor([int(r["labels"]) for r in rows])
     if "features" in rows[0]:
         return {"features": torch.stack([r["features"] for r in rows]), "labels": labels}
-    if "input_ids" in rows[0]:
-        t = max(int(r["input_ids"].shape[0]) for r in rows)
-        ids = torch.zeros(len(rows), t, dtype=torch.long)  # BERT's [PAD] is 0
-        mask = torch.zeros(len(rows), t, dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = int(r["input_ids"].shape[0])
-            ids[i, :n] = r["input_ids"]
-            mask[i, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    t = max(int(r["hidden_states"].shape[0]) for r in rows)
-    d = rows[0]["hidden_states"].shape[1]
-    hs = torch.zeros(len(rows), t, d)
+    key = "input_ids" if "input_ids" in rows[0] else "hidden_states"
+    t = max(int(r[key].shape[0]) for r in rows)
+    first = rows[0][key]
+    padded = torch.zeros((len(rows), t, *first.shape[1:]), dtype=first.dtype)  # zeros: BERT's [PAD] id, masked states
     mask = torch.zeros(len(rows), t, dtype=torch.long)
     for i, r in enumerate(rows):
-        n = int(r["hidden_states"].shape[0])
-        hs[i, :n] = r["hidden_states"]
+        n = int(r[key].shape[0])
+        padded[i, :n] = r[key]
         mask[i, :n] = 1
-    return {"hidden_states": hs, "attention_mask": mask, "labels": labels}
+    return {key: padded, "attention_mask": mask, "labels": labels}
 
 
 # --------------------------------------------------------------------------------------------------------- cache
