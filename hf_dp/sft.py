@@ -38,6 +38,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .arguments import DPTrainingArguments, TrlOverridesUnderDP
 from .chunked_loss import register_token_loss
+from .clipping.checks import check_rtol
 from .clipping.engine import train_without_dropout
 from .clipping.rules import UnsupportedLayerError
 from .losses import (
@@ -440,7 +441,7 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
                 unpacked = self._norms(net, padded, padded_labels, None)
         finally:
             engine.set_fused_groups(*saved)
-        rtol = 5e-2 if (self.args.bf16 or self.args.fp16) else 1e-3
+        rtol = check_rtol(self.args, net)
         if not torch.allclose(packed, unpacked, rtol=rtol, atol=1e-12):
             raise UnsupportedLayerError(
                 f"Per-example gradient norms of a packed row ({packed.tolist()}) differ from those of the same "

@@ -35,6 +35,7 @@ from .accounting import PrivacyAccountant
 from .arguments import DPTrainingArguments, NotPrivateWarning
 from .audit import audit_report
 from .chunked_loss import ChunkedLMLoss
+from .clipping.checks import computes_in_half
 from .clipping.engine import ClippingEngine, train_without_dropout
 from .clipping.fsdp import FSDPClippingEngine, FSDPFlatClipping, check_fsdp_supported, fsdp_requested
 from .clipping.local import LocalDPStep, first_step_check
@@ -321,7 +322,7 @@ class _ExamplesAloneWiring:
         loss of the model's full logits (``ChunkedLMLoss.check_against_model``)."""
         row = self._slice_batch(micro, slice(0, 1), labels.shape[0])
         row_labels = labels_to_compare(self.task, row, labels[:1])
-        half = self.args.bf16 or self.args.fp16
+        half = computes_in_half(self.args, net)
         with self.compute_loss_context_manager(), train_without_dropout(net):
             if self.per_example_loss is self._own_loss and self._segment_ids(row) is None:
                 check_models_own_loss(net, self._model_inputs(net, row, row_labels), row_labels,
@@ -372,7 +373,7 @@ class _ExamplesAloneWiring:
         features, random_rows = (None, False) if indices is None or len(indices) < num or rows is None else \
             first_batch_features(rows, indices, num)  # re-read: a random transform draws again (counterfactual.py)
         check_first_step_alone(self.clipping_engine, _StepHooks(self), net, micro, labels, collate, alone, features,
-                               self._hard_batch(), alone_rtol(net, self.args.bf16 or self.args.fp16),
+                               self._hard_batch(), alone_rtol(net, computes_in_half(self.args, net)),
                                **self._alone_layout(), random_rows=random_rows)
 
     def _alone_layout(self) -> dict:
@@ -395,7 +396,7 @@ class _ExamplesAloneWiring:
         hooks = _StepHooks(self)
         with self.compute_loss_context_manager():
             return check_known_dependences(net, hard[1], hard[2], lambda b, lab: net(**hooks.model_inputs(net, b, lab)),
-                                           rtol=alone_rtol(net, self.args.bf16 or self.args.fp16), longest=longest)
+                                           rtol=alone_rtol(net, computes_in_half(self.args, net)), longest=longest)
 
 
 class _HistoryAndUnitWiring:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..noise import add_noise_to_shards
-from .checks import norm_alone_problem
+from .checks import check_rtol, norm_alone_problem
 from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .modes import flat_clip_factors
 from .recorder import Recorder
@@ -460,8 +460,7 @@ class FSDPFlatClipping(DPStep):
         args = self.pieces.args
         batch, labels = self._check_batch(batch, labels)
         b = labels.shape[0]
-        low_precision = args.bf16 or args.fp16
-        rtol = 5e-2 if low_precision else 1e-3
+        rtol = check_rtol(args, model)
         was_training = model.training
         problem = None
         try:
@@ -499,7 +498,7 @@ class FSDPFlatClipping(DPStep):
         args = self.pieces.args
         hooked = self.engine.summed_grads
         self.engine.summed_grads = {}
-        rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
+        rtol = check_rtol(args, self.engine.model)
         escaped, unknown = [], [n for n, _ in params if n not in self.engine.params]
         for n, p in params:
             if n not in self.engine.params:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..noise import privatize
 from ..peft_support import adapter_advice
+from .checks import check_rtol
 from .engine import ClippingEngine, train_without_dropout
 from .modes import flat_clip_factors
 from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
@@ -191,7 +192,7 @@ def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: n
         with hooks.loss_context():
             return hooks.example_losses(net, part, part_labels)
 
-    rtol = 5e-2 if (args.bf16 or args.fp16) else 1e-3
+    rtol = check_rtol(args, net)
     was_training = net.training
     try:
         with train_without_dropout(net), adapter_advice(net):
