@@ -18,8 +18,13 @@ equal to training rows: at least half of the evaluation rows compared), that con
 Plain evaluation on training rows without either is allowed: its metrics are private logs like the training loss
 (uploads drop them, ``release.py``).
 
-How rows are compared: up to :data:`SAMPLED_EVAL_ROWS` evenly spaced evaluation rows are fingerprinted (their
-columns shared with the training rows, values as nested lists) and every training row is looked up among them; the
+How rows are compared: up to :data:`SAMPLED_EVAL_ROWS` evenly spaced evaluation rows are fingerprinted and every
+training row is looked up among them. A fingerprint holds the columns both sets have that the model consumes (its
+forward's named arguments and the labels; every shared column if no input of the model but the labels is), each
+value without the positions the row's ``attention_mask`` marks as padding (when both sets have one), numbers as
+float64: a
+row padded to another length, with ``1.0`` for the label ``1``, or beside an id column that differs, is the same
+row. The
 evaluation set is taken for training data when at least half of them are training rows (a held-out split that shares
 a few duplicate rows with the training split is not: a public row's metric is computed from the released model and
 public data). Columns that do not tell the sampled evaluation rows apart (fewer distinct fingerprints than half of them:
@@ -30,6 +35,7 @@ of the training set (as numpy arrays: 0.45 s CPU for 50,000 rows of 128 tokens),
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -37,6 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import EarlyStoppingCallback, TrainerCallback
+
+from .guarantee import choices_on_eval_metrics
 
 __all__ = ["training_rows_in", "check_eval_not_training_data", "EvalDataNotes", "EvalDataWiring"]
 
@@ -47,8 +55,8 @@ _BATCH = 1024
 
 def _plain(value: Any) -> Any:
     """A hashable form of a row's value, the same whatever its container (a ``torch`` or ``numpy`` formatted row
-    equals the same row as lists): a rectangular numeric value as its shape and its bytes at 64 bits; anything else
-    (ragged lists, strings, dicts) recursively as tuples."""
+    equals the same row as lists) and its numeric type (a label ``1`` equals ``1.0``): a rectangular numeric value as
+    its shape and its float64 bytes; anything else (ragged lists, strings, dicts) recursively as tuples."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     if isinstance(value, (list, tuple, np.ndarray, np.generic, bool, int, float)):
@@ -57,8 +65,7 @@ def _plain(value: Any) -> Any:
         except ValueError:  # ragged
             array = None
         if array is not None and array.dtype.kind in "biuf":
-            wide = array.astype(np.float64 if array.dtype.kind == "f" else np.int64, copy=False)
-            return ("array", array.shape, wide.tobytes())
+            return ("array", array.shape, array.astype(np.float64, copy=False).tobytes())
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if isinstance(value, (list, tuple)):
@@ -99,15 +106,50 @@ def _rows(dataset: Any) -> Iterator[tuple[int, Any]]:
         yield i, _row(dataset, i)
 
 
+def _unpadded(row: Mapping, key: str) -> Any:
+    """``row[key]`` without the positions its row's ``attention_mask`` marks as padding (every 1-D value as long as
+    the mask: the tokens, the labels and the mask itself), so that a row padded to another length, or not padded,
+    is the same row."""
+    value, mask = row[key], row.get("attention_mask")
+    try:
+        mask = np.asarray(mask.detach().cpu() if isinstance(mask, torch.Tensor) else mask)
+        value_array = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+    except (ValueError, TypeError):  # ragged
+        return value
+    if mask.ndim != 1 or value_array.ndim != 1 or mask.shape != value_array.shape or mask.dtype.kind not in "biuf" \
+            or value_array.dtype.kind not in "biuf":
+        return value
+    return value_array[mask != 0]
+
+
 def _fingerprint(row: Any, keys: tuple[str, ...] | None) -> Any:
     if keys is None:
         return _plain(row)
-    return tuple(_plain(row[k]) if k in row else None for k in keys)
+    if "attention_mask" not in keys:  # one set without a mask: the values are compared as they are
+        return tuple(_plain(row[k]) if k in row else None for k in keys)
+    return tuple(_plain(_unpadded(row, k)) if k in row else None for k in keys)
 
 
-def training_rows_in(train_dataset: Any, eval_dataset: Any) -> str | None:
+LABEL_COLUMNS = frozenset({"label", "labels", "label_ids"})
+
+
+def model_columns(model: Any) -> set[str] | None:
+    """The columns ``model`` consumes: the named arguments of its forward (the base model's under PEFT, as the
+    Trainer's ``remove_unused_columns`` reads them) and the label names; ``None`` when its forward cannot be read."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        parameters = inspect.signature(base.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return None
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in named} | LABEL_COLUMNS
+
+
+def training_rows_in(train_dataset: Any, eval_dataset: Any, columns: set[str] | None = None) -> str | None:
     """How ``eval_dataset`` is seen to hold training rows (``"is the training set"``, ``"holds training rows
-    (evaluation row j equals training row i)"``), or ``None``: not seen (see the module's docstring)."""
+    (evaluation row j equals training row i)"``), or ``None``: not seen (see the module's docstring). ``columns``: the
+    columns the model consumes (:func:`model_columns`); rows are compared on those both sets have (an id or a split
+    name column that differs does not make a training row another one), else on every column both have."""
     if train_dataset is None or eval_dataset is None:
         return None
     if eval_dataset is train_dataset:
@@ -121,7 +163,9 @@ def training_rows_in(train_dataset: Any, eval_dataset: Any) -> str | None:
     first_eval, first_train = _row(eval_dataset, 0), _row(train_dataset, 0)
     keys = None
     if isinstance(first_eval, Mapping) and isinstance(first_train, Mapping):
-        keys = tuple(sorted(set(first_eval) & set(first_train)))
+        shared = set(first_eval) & set(first_train)
+        inputs = shared & columns if columns else set()
+        keys = tuple(sorted(inputs if inputs - LABEL_COLUMNS else shared))
         if not keys:
             return None
     picks = sorted({int(round(x)) for x in np.linspace(0, n_eval - 1, min(SAMPLED_EVAL_ROWS, n_eval))})
@@ -152,10 +196,12 @@ def _eval_sets(eval_dataset: Any) -> list[tuple[str, Any]]:
 
 class _Overlap:
     """:func:`training_rows_in` for each evaluation set, remembered for the last (training set, evaluation set) pair
-    seen (reading the training set once per pair)."""
+    seen (reading the training set once per pair); ``model``: a callable returning the model whose input columns
+    the rows are compared on (:func:`model_columns`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any = None) -> None:
         self._seen: dict[tuple[int, int], tuple[Any, Any, str | None]] = {}
+        self._model = model
 
     def of(self, train_dataset: Any, eval_dataset: Any) -> list[str]:
         found = []
@@ -163,7 +209,9 @@ class _Overlap:
             key = (id(train_dataset), id(data))
             hit = self._seen.get(key)
             if hit is None or hit[0] is not train_dataset or hit[1] is not data:
-                hit = (train_dataset, data, training_rows_in(train_dataset, data))
+                model = self._model() if self._model is not None else None
+                columns = model_columns(model) if model is not None else None
+                hit = (train_dataset, data, training_rows_in(train_dataset, data, columns))
                 self._seen = {k: v for k, v in self._seen.items() if v[0] is train_dataset} | {key: hit}
             if hit[2] is not None:
                 found.append(f"{name} {hit[2]}")
@@ -187,20 +235,6 @@ def check_eval_not_training_data(args: Any, train_dataset: Any, eval_dataset: An
         )
 
 
-def _selects_on_eval(args: Any, callbacks: list) -> list[str]:
-    """The choices this run makes on evaluation metrics."""
-    out = []
-    if getattr(args, "load_best_model_at_end", False):
-        out.append("the checkpoint kept (load_best_model_at_end)")
-    elif getattr(args, "save_strategy", None) == "best":
-        out.append("the checkpoints saved (save_strategy='best')")
-    if getattr(args, "lr_scheduler_type", None) == "reduce_lr_on_plateau":
-        out.append("the learning rate (reduce_lr_on_plateau)")
-    if any(isinstance(cb, EarlyStoppingCallback) for cb in callbacks):
-        out.append("when training stopped (EarlyStoppingCallback)")
-    return out
-
-
 class EvalDataNotes(TrainerCallback):
     """A callback of every ``DPTrainer``: at train start, :func:`check_eval_not_training_data`; its
     ``dp_guarantee_notes()`` (collected by ``DPTrainer.dp_guarantee_notes``) names the choices made on evaluation
@@ -208,7 +242,7 @@ class EvalDataNotes(TrainerCallback):
 
     def __init__(self, trainer: Any):
         self._trainer = weakref.ref(trainer)
-        self.overlap = _Overlap()
+        self.overlap = _Overlap(lambda: getattr(self._trainer(), "model", None))
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer = self._trainer()
@@ -220,7 +254,8 @@ class EvalDataNotes(TrainerCallback):
         trainer = self._trainer()
         if trainer is None or trainer.eval_dataset is None:
             return []
-        choices = _selects_on_eval(trainer.args, trainer.callback_handler.callbacks)
+        early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in trainer.callback_handler.callbacks)
+        choices = [what for what, _ in choices_on_eval_metrics(trainer.args, early_stopping)]
         if not choices:
             return []
         found = self.overlap.of(trainer.train_dataset, trainer.eval_dataset)

@@ -31,7 +31,8 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "check_delta",
            "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
-           "setting_notes", "check_training_setup", "check_step_mechanism", "check_optimizer_updates_in_step"]
+           "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
+           "check_optimizer_updates_in_step"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -722,21 +723,34 @@ def setting_notes(args: Any, noise_multiplier: float | None, early_stopping: boo
         notes.append("shuffled fixed-size batches: the reported ε assumes Poisson sampling")
     if args.dp_seed is not None:
         notes.append("fixed dp_seed: the sampling and the noise are predictable to anyone who knows it")
-    if args.load_best_model_at_end:
-        notes.append("checkpoint selected on evaluation metrics (not covered if the evaluation data is private)")
-    elif args.save_strategy == "best":
-        notes.append("checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
-                     "among them is not covered if the evaluation data is private")
-    if args.lr_scheduler_type == "reduce_lr_on_plateau":
-        notes.append("learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
-                     "evaluation data is private")
-    if early_stopping:
-        notes.append("training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
-                     "evaluation data is private")
+    notes.extend(note for _, note in choices_on_eval_metrics(args, early_stopping))
     if hyperparameter_search:
         notes.append("hyperparameter search: ε covers one trial's training run; running several trials on the "
                      "private data and selecting among them is not covered")
     return notes
+
+
+def choices_on_eval_metrics(args: Any, early_stopping: bool) -> list[tuple[str, str]]:
+    """The run's choices made on evaluation metrics, each ``(what is chosen, its note)``: the note for evaluation data
+    that may be private (:func:`setting_notes`); ``hf_dp/evaluation.py`` names what is chosen when the evaluation
+    data is seen to be training rows. One list of such choices for both."""
+    out = []
+    if args.load_best_model_at_end:
+        out.append(("the checkpoint kept (load_best_model_at_end)",
+                    "checkpoint selected on evaluation metrics (not covered if the evaluation data is private)"))
+    elif args.save_strategy == "best":
+        out.append(("the checkpoints saved (save_strategy='best')",
+                    "checkpoints saved only when an evaluation metric improved (save_strategy='best'): choosing "
+                    "among them is not covered if the evaluation data is private"))
+    if args.lr_scheduler_type == "reduce_lr_on_plateau":
+        out.append(("the learning rate (reduce_lr_on_plateau)",
+                    "learning rate lowered by evaluation metrics (reduce_lr_on_plateau): not covered if the "
+                    "evaluation data is private"))
+    if early_stopping:
+        out.append(("when training stopped (EarlyStoppingCallback)",
+                    "training stopped early by evaluation metrics (EarlyStoppingCallback): not covered if the "
+                    "evaluation data is private"))
+    return out
 
 
 # ---------------------------------------------------------------------- the mechanism of a step

@@ -50,6 +50,26 @@ def test_evaluation_set_declared_public_but_seen_to_be_training_rows_is_refused(
         eval_trainer(tmp_path, train, evaluation(train), eval_data_is_public=True)
 
 
+def padded_further(d, length=12):
+    return {**d, "input_ids": [r + [0] * (length - len(r)) for r in d["input_ids"]],
+            "attention_mask": [r + [0] * (length - len(r)) for r in d["attention_mask"]]}
+
+
+@pytest.mark.parametrize("copy", [padded_further, lambda d: {**d, "labels": [float(y) for y in d["labels"]]},
+                                  lambda d: {**d, "row_id": [f"eval-{i}" for i in range(len(d["labels"]))]}],
+                         ids=["padded_to_another_length", "float_labels", "an_id_column_that_differs"])
+def test_training_rows_copied_in_another_form_are_still_training_rows(tmp_path, copy):
+    """Session 12 (review of the detection): the same training rows re-padded to another length, with float labels,
+    or beside an id column that differs from the training set's were "held-out data" to the fingerprint (padding,
+    the label's type and a column the model never reads took part in it), and eval_data_is_public=True published
+    their metrics. Rows are compared on the columns the model consumes, without padding, numbers as float64."""
+    train = cls_dataset(16, 3)
+    if "row_id" in copy(train[:1]):
+        train = train.add_column("row_id", [f"train-{i}" for i in range(16)])
+    with pytest.raises(ValueError, match=r"eval_dataset holds training rows \(8 of the 8 evaluation rows"):
+        eval_trainer(tmp_path, train, Dataset.from_dict(copy(train[4:12])), eval_data_is_public=True)
+
+
 def test_training_rows_given_for_evaluation_later_are_refused_before_anything_is_computed(tmp_path):
     """The evaluation set given after construction: refused at train start (nothing released) and at an evaluation
     (no metric computed). A held-out set that shares one duplicate row with the training set is not training data."""
