@@ -858,8 +858,9 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
     records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
     DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
-    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss). ``args``: the run's
-    ``DPTrainingArguments``."""
+    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss), a
+    ``train_sampling_strategy`` other than ``"random"`` (the DP loader never builds the Trainer's sampler). ``args``:
+    the run's ``DPTrainingArguments``."""
     if compute_loss_func is not None:
         raise ValueError(
             "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
@@ -883,7 +884,21 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
         )
     if neftune_noise_alpha is not None:
-        raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
+        raise ValueError(
+            "NEFTune (neftune_noise_alpha) adds noise to the input embeddings scaled by the padded batch's length, a "
+            "statistic of the other sampled examples, outside the DP mechanism; unsupported with DPTrainer. Set "
+            "neftune_noise_alpha=None."
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in (None, "random"):
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} asks the Trainer's sampler for the order of the training rows, but "
+            "DPTrainer draws every training batch by Poisson sampling (each row independently with probability q, the "
+            "sampling the accountant assumes: DESIGN invariant 4) and never builds that sampler, so the setting "
+            "would be silently ignored. Leave train_sampling_strategy='random' (the default); to waste less "
+            "padding, lower per_device_train_batch_size (a Poisson batch is split into micro-batches) or truncate "
+            "the rows; a curriculum or length grouping cannot be expressed by Poisson sampling."
+        )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(
             "use_liger_kernel=True patches the model at train() with Liger Kernel's Triton kernels: by default its "
