@@ -1,0 +1,108 @@
+"""Ordinary Trainer usages from a fourth outside probe (session 12), each closed by the invariant it violated.
+
+* The release is what trains (DESIGN invariant 14): a hook on a trainable parameter's gradient
+  (``p.register_hook`` — a masked or scaled gradient, a recorded norm —, ``register_post_accumulate_grad_hook``; PEFT's
+  OSF and CPT adapters install such hooks themselves) acts on the batch's gradient and cannot act per example. The
+  one-pass step silently skipped it (OSF trained without its orthogonal projection); the two-pass step (gradient
+  checkpointing) ran it on the clipped sum before the noise: ``g * 100`` moved the neighbouring datasets' update by
+  100 × C. Refused at train start and before every optimizer step.
+* Every batch is the mechanism's Poisson draw (invariant 4): ``train_sampling_strategy`` ('sequential',
+  'group_by_length') was silently ignored by the DP loader; refused at construction, as a subclass's sampler is.
+* NEFTune's refusal names its true cause (noise scaled by the padded batch's length) and the fix.
+
+What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.neighbours import C, bert, bert_data, distance, neighbour_args, params, summed_updates
+
+from hf_dp import DPTrainer
+
+
+# ---------------------------------------------------------------------- a hook on a parameter's gradient
+def scaled_gradients(model, factor=100.0):
+    """The user's own gradient hook on every trainable parameter (here a scale, as a per-layer gradient multiplier or
+    an embedding-row mask would be)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: g * factor)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["two_pass", "one_pass"])
+def test_gradient_hook_on_a_trainable_parameter_is_refused_at_train_start(tmp_path, checkpointing):
+    """Unchecked, with gradient checkpointing (the two-pass step: a plain backward of Σ c_i L_i) the hook scaled the
+    clipped sum before the noise: ‖Σ_D − Σ_D′‖ = 100 × C at σ = 0, q = 1; without it the hook was silently skipped
+    (the user's gradient transformation never applied). Refused before any step, naming the parameters."""
+    args = neighbour_args(tmp_path, 4, gradient_checkpointing=checkpointing)
+    trainer = DPTrainer(model=scaled_gradients(bert()), args=args, train_dataset=bert_data(4))
+    before = params(trainer.model)
+    with pytest.raises(ValueError, match=r"these trainable parameters carry a hook on their gradient \(at train "
+                                         r"start\): bert\.embeddings\.word_embeddings\.weight.*Remove the hooks"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    assert all(torch.equal(p, before[k]) for k, p in params(trainer.model).items())
+
+
+def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_step(tmp_path):
+    """A callback that hooks a gradient after step 1 (a post-accumulate hook, as optimizer-in-backward recipes use):
+    refused before step 2's optimizer step, nothing of it applied; step 1 was released as usual."""
+    from transformers import TrainerCallback
+
+    class HookAfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.classifier.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    args = neighbour_args(tmp_path, 4, max_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookAfterFirstStep()])
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(before this optimizer step; nothing of "
+                                         r"it applied\): classifier\.weight"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_peft_adapter_that_projects_its_gradients_by_hooks_is_refused(tmp_path):
+    """PEFT's OSF keeps its update orthogonal to the pretrained subspace by hooks on U_low / V_low's gradients.
+    Unchecked, the hooks never ran under DP: OSF trained without its projection, silently."""
+    from peft import OSFConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(bert().float(), OSFConfig(target_modules=["query"]))
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at train start\): .*osf_svd_params"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_a_hook_removed_before_train_trains_within_the_bound(tmp_path):
+    """The way out the refusal names: the hook removed (handle.remove()) — the run trains, within C."""
+
+    def build(args, data):
+        model = bert()
+        handles = [p.register_hook(lambda g: g * 100.0) for p in model.parameters() if p.requires_grad]
+        for handle in handles:
+            handle.remove()
+        return DPTrainer(model=model, args=args, train_dataset=data)
+
+    sigma_d, sigma_d2 = summed_updates(tmp_path, build=build, gradient_checkpointing=True)
+    assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-6)
+
+
+# ---------------------------------------------------------------------- settings the DP loader cannot honour
+@pytest.mark.parametrize("strategy", ["sequential", "group_by_length"])
+def test_train_sampling_strategy_the_dp_loader_would_ignore_is_refused(tmp_path, strategy):
+    """Unchecked, the run drew uniform Poisson batches and the user believed the rows came in order (a curriculum)
+    or grouped by length."""
+    with pytest.raises(ValueError, match=rf"train_sampling_strategy='{strategy}' .*Poisson sampling.*silently "
+                                         r"ignored.*Leave train_sampling_strategy='random'"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, train_sampling_strategy=strategy),
+                  train_dataset=bert_data(4))
+
+
+def test_neftune_refusal_names_its_cause_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"NEFTune \(neftune_noise_alpha\) .*padded batch's length.*Set "
+                                         r"neftune_noise_alpha=None"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, neftune_noise_alpha=5.0), train_dataset=bert_data(4))
