@@ -47,18 +47,26 @@ def test_within_layer_strict_uses_the_previous_private_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("privacy", ["strict", "paper"])
-def test_strict_never_touches_raw_private_gradients(tmp_path, privacy):
-    """Poison every raw (autograd) parameter gradient: strict runs never compute one; the paper variant does."""
+def test_strict_never_touches_raw_private_gradients(tmp_path, privacy, monkeypatch):
+    """Poison every raw (autograd) parameter gradient: strict runs never compute one; the paper variant does.
+    (The poison wraps ``torch.autograd.grad`` for the model's parameters: a hook on a parameter's gradient is refused
+    at train start, ``guarantee.check_no_gradient_hooks``.)"""
     torch.manual_seed(1)
     model = tiny_gpt2()
     raw_calls = []
+    model_params = {id(p) for p in model.parameters()}
+    autograd_grad = torch.autograd.grad
 
-    def poison(grad):
+    def poison(outputs, inputs, *args, **kwargs):
+        grads = autograd_grad(outputs, inputs, *args, **kwargs)
+        listed = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if not any(id(t) in model_params for t in listed):
+            return grads
         raw_calls.append(1)
-        return torch.full_like(grad, 1e6)
+        return tuple(g if g is None or id(t) not in model_params else torch.full_like(g, 1e6)
+                     for t, g in zip(listed, grads))
 
-    for p in model.parameters():
-        p.register_hook(poison)
+    monkeypatch.setattr(torch.autograd, "grad", poison)
     args = dp_args(tmp_path, 4, 1, 0.3, dp_self_check=False)  # the self-check compares with autograd on purpose
     args.max_steps, args.noise_multiplier = 3, 1.0
     cb = WithinLayerFlattening(radius=0.05, warmup_steps=3, privacy=privacy)
