@@ -106,3 +106,50 @@ def test_neftune_refusal_names_its_cause_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"NEFTune \(neftune_noise_alpha\) .*padded batch's length.*Set "
                                          r"neftune_noise_alpha=None"):
         DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, neftune_noise_alpha=5.0), train_dataset=bert_data(4))
+
+
+# ---------------------------------------------------------------------- rows that repeat other rows
+def test_oversampled_rows_are_said_once_and_recorded_as_the_unit(tmp_path):
+    """A minority example oversampled by concatenation is two rows: each step can sample both copies, so removing
+    that example moved the summed update (σ = 0, q = 1) by 1.7 × C; ε protects a row, the example only as a group of
+    2. It ran silently, the card saying the unit was one row; now warned once at construction and recorded in
+    privacy_unit_detail (dp_state.json, the card)."""
+    import warnings
+
+    from datasets import concatenate_datasets
+    from helpers import cls_dataset
+
+    data = cls_dataset(16, 3)
+    oversampled = concatenate_datasets([data, data.select([3, 5, 5])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=oversampled)
+    said = [str(w.message) for w in caught if "repeat another row exactly" in str(w.message)]
+    assert len(said) == 1 and "3 row(s)" in said[0] and "row 16 equals row 3; up to 3 copies" in said[0]
+    assert "group of 3" in said[0] and "privacy_unit='user'" in said[0]
+    assert "3 row(s) of the training set repeat another row exactly" in trainer.privacy_record().privacy_unit_detail
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distinct = DPTrainer(model=bert(), args=neighbour_args(tmp_path / "d", 4), train_dataset=data)
+    assert not [w for w in caught if "repeat another row" in str(w.message)]
+    assert distinct.privacy_record().privacy_unit_detail is None
+
+
+def test_repeated_rows_are_found_however_the_set_was_built():
+    """``interleave_datasets(stopping_strategy="all_exhausted")`` repeats the smaller set's rows; a torch
+    ``ConcatDataset``; a random ``set_transform`` (the stored rows are compared, not one random read of each)."""
+    from datasets import concatenate_datasets, interleave_datasets
+    from helpers import cls_dataset
+    from torch.utils.data import ConcatDataset
+
+    from hf_dp.units import repeated_rows
+
+    data = cls_dataset(16, 3)
+    assert repeated_rows(data) is None
+    assert repeated_rows(interleave_datasets([data.select(range(12)), data.select(range(12, 16))],
+                                             stopping_strategy="all_exhausted")) == (8, 3, (1, 9))
+    assert repeated_rows(ConcatDataset([data, data.select([3])])) == (1, 2, (3, 16))
+    noisy = concatenate_datasets([data, data.select([7])]).with_transform(
+        lambda batch: {**batch, "input_ids": [[t + int(torch.randint(0, 5, ())) for t in row]
+                                              for row in batch["input_ids"]]})
+    assert repeated_rows(noisy) == (1, 2, (7, 16))
