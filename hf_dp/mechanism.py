@@ -74,6 +74,7 @@ class Mechanism:
         self.on_budget_stop: Callable[[], None] | None = None  # the trainer's: stop the training loop
         self._unit_cache: tuple[Any, np.ndarray] | None = None
         self._step_clip: float | None = None  # C at the step's first chunk (flat clipping; begin_step)
+        self._sigma_asked: float | None = args.noise_multiplier  # noise_multiplier as train() began (follow_sigma)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -156,6 +157,20 @@ class Mechanism:
         (``guarantee.check_step_mechanism``; DESIGN invariants 4-6)."""
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
+        self.follow_sigma()
+
+    def follow_sigma(self) -> None:
+        """``noise_multiplier`` changed in the arguments during ``train()`` (a callback's noise schedule): from this
+        step on, the noise and the accountant's record use the new σ (each step's σ is recorded where it is released,
+        as when ``trainer.noise_multiplier`` is set). Before, the change was silently ignored until the next
+        ``train()``. Not with ``target_epsilon`` (σ calibrated at train start, ``noise_multiplier`` None)."""
+        asked = self.args.noise_multiplier
+        if asked is None or asked == self._sigma_asked:
+            return
+        check_noise_std(asked, self.args.per_sample_max_grad_norm)
+        logger.info("hf_dp: noise_multiplier changed to %s during train(): steps from here on are noised and "
+                    "accounted at σ = %s", asked, asked)
+        self.noise_multiplier, self._sigma_asked = float(asked), asked
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:
@@ -230,6 +245,7 @@ class Mechanism:
         given), checked (σ·C finite; adaptive clipping's σ_new real), the accountant's planned steps and the steps
         the budget allows."""
         args = self.args
+        self._sigma_asked = args.noise_multiplier
         if self.noise_multiplier is None:
             self.check_budget_left()
             try:

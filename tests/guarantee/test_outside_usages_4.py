@@ -153,3 +153,31 @@ def test_repeated_rows_are_found_however_the_set_was_built():
         lambda batch: {**batch, "input_ids": [[t + int(torch.randint(0, 5, ())) for t in row]
                                               for row in batch["input_ids"]]})
     assert repeated_rows(noisy) == (1, 2, (7, 16))
+
+
+# ---------------------------------------------------------------------- a noise schedule in a callback
+def test_noise_multiplier_changed_by_a_callback_is_the_noise_released_and_recorded(tmp_path):
+    """A callback lowers and raises σ between steps (a noise schedule): it was silently ignored until the next
+    train() (the steps noised at the σ of train start). Each step is now noised at the σ asked when it is released,
+    and the accountant records exactly that: step 1 at σ = 0 (its update is the clipped sum, ‖Σ‖ ≤ C · m), step 2 at
+    σ = 1e4 (its update is noise, far above C)."""
+    from transformers import TrainerCallback
+
+    class RaiseNoise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            args.noise_multiplier = 1e4
+
+    steps = []
+
+    class Params(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            steps.append(params(model))
+
+    args = neighbour_args(tmp_path, 4, max_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[RaiseNoise(), Params()])
+    before = params(trainer.model)
+    trainer.train()
+    step1 = distance(before, steps[0]) * 4  # Σ = (θ₀ − θ₁) · m
+    step2 = distance(steps[0], steps[1]) * 4
+    assert step1 <= 4 * C * (1 + 1e-6) and step2 > 1e3 * C
+    assert [(m.noise_multiplier, m.steps) for m in trainer.accountant.history] == [(0.0, 1), (1e4, 1)]
