@@ -75,6 +75,7 @@ class Mechanism:
         self._unit_cache: tuple[Any, np.ndarray] | None = None
         self._step_clip: float | None = None  # C at the step's first chunk (flat clipping; begin_step)
         self._sigma_asked: float | None = args.noise_multiplier  # noise_multiplier as train() began (follow_sigma)
+        self._target_asked: float | None = args.target_epsilon  # target_epsilon as train() began (follow_target)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -158,6 +159,7 @@ class Mechanism:
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
         self.follow_sigma()
+        self.follow_target()
 
     def follow_sigma(self) -> None:
         """``noise_multiplier`` changed in the arguments during ``train()`` (a callback's noise schedule): from this
@@ -171,6 +173,22 @@ class Mechanism:
         logger.info("hf_dp: noise_multiplier changed to %s during train(): steps from here on are noised and "
                     "accounted at σ = %s", asked, asked)
         self.noise_multiplier, self._sigma_asked = float(asked), asked
+
+    def follow_target(self) -> None:
+        """``target_epsilon`` changed in the arguments during ``train()``: the steps this ``train()`` may still take
+        are counted again against the new budget (σ stays the one the run began with), before this step is released;
+        a budget already spent stops the run at once (the budget stop: nothing more released). Before, the change was
+        ignored: the run spent the old budget while the record and the card reported the new target."""
+        target = self.args.target_epsilon
+        if target == self._target_asked:
+            return
+        self._target_asked = target
+        planned = self.accountant.planned_steps
+        remaining = max((planned if planned is not None else self.accountant.steps) - self.accountant.steps, 0)
+        more = steps_within_budget(self.epsilon_after, remaining, target)
+        self.allowed_steps = None if more is None else self.accountant.steps - self.steps_at_run_begin + more
+        logger.info("hf_dp: target_epsilon changed to %s during train(): %s more step(s) allowed", target,
+                    "unlimited" if more is None else more)
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:
@@ -245,7 +263,7 @@ class Mechanism:
         given), checked (σ·C finite; adaptive clipping's σ_new real), the accountant's planned steps and the steps
         the budget allows."""
         args = self.args
-        self._sigma_asked = args.noise_multiplier
+        self._sigma_asked, self._target_asked = args.noise_multiplier, args.target_epsilon
         if self.noise_multiplier is None:
             self.check_budget_left()
             try:

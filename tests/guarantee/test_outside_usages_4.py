@@ -181,3 +181,28 @@ def test_noise_multiplier_changed_by_a_callback_is_the_noise_released_and_record
     step2 = distance(steps[0], steps[1]) * 4
     assert step1 <= 4 * C * (1 + 1e-6) and step2 > 1e3 * C
     assert [(m.noise_multiplier, m.steps) for m in trainer.accountant.history] == [(0.0, 1), (1e4, 1)]
+
+
+def test_target_epsilon_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
+    """A callback lowers the budget after step 1 (target_epsilon 3 → 1.5): the run spent the old budget (20 steps,
+    ε = 2.97) while the record and the card reported target ε = 1.5. The steps are now counted again against the new
+    budget before each release; the run stops when one more step would exceed it."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerBudget(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.target_epsilon = 1.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[LowerBudget()])
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.target_epsilon == 1.5 and record.epsilon() <= 1.5 and 1 < trainer.accountant.steps < 20
+    assert trainer.budget_exhausted
