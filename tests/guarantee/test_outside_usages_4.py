@@ -9,6 +9,13 @@
 * Every batch is the mechanism's Poisson draw (invariant 4): ``train_sampling_strategy`` ('sequential',
   'group_by_length') was silently ignored by the DP loader; refused at construction, as a subclass's sampler is.
 * NEFTune's refusal names its true cause (noise scaled by the padded batch's length) and the fix.
+* The unit the user thinks they have (invariant 13): rows that repeat other rows exactly (oversampling) make one
+  example m rows, protected only as a group of m; it ran silently (1.7 × C for an example held in two rows). Said once
+  and recorded in ``privacy_unit_detail``.
+* The accountant sees exactly the steps that ran, at their mechanism (invariant 6): ``noise_multiplier`` changed by a
+  callback (a noise schedule) was silently ignored until the next ``train()``; it is now the σ released and recorded
+  from that step on. ``target_epsilon`` lowered by a callback was ignored (the old budget spent, the record reporting
+  the new target); the steps allowed are now counted again before the next release.
 
 What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
 """
