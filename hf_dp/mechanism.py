@@ -170,9 +170,16 @@ class Mechanism:
         if asked is None or asked == self._sigma_asked:
             return
         check_noise_std(asked, self.args.per_sample_max_grad_norm)
+        previous, self.noise_multiplier = self.noise_multiplier, float(asked)
+        if self.group_clipper is not None:
+            try:
+                self.quantile_noise()  # adaptive clipping: σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) must stay real
+            except ValueError:
+                self.noise_multiplier = previous
+                raise
         logger.info("hf_dp: noise_multiplier changed to %s during train(): steps from here on are noised and "
                     "accounted at σ = %s", asked, asked)
-        self.noise_multiplier, self._sigma_asked = float(asked), asked
+        self._sigma_asked = asked
 
     def follow_target(self) -> None:
         """``target_epsilon`` changed in the arguments during ``train()``: the steps this ``train()`` may still take
