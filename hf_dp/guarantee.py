@@ -32,7 +32,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
-           "check_optimizer_updates_in_step"]
+           "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -540,12 +540,49 @@ def check_optimizer_holds(optimizer: Any, params: Iterable[tuple[str, nn.Paramet
         )
 
 
+def gradient_hooked_parameters(params: Iterable[tuple[str, nn.Parameter]] | nn.Module) -> list[str]:
+    """Names of the trainable parameters among ``params`` (``(name, parameter)`` pairs, or a model's trainable
+    parameters) that carry a hook on their gradient: ``Tensor.register_hook`` (torch keeps it in the leaf's
+    ``_backward_hooks``) or ``Tensor.register_post_accumulate_grad_hook`` (``_post_accumulate_grad_hooks``)."""
+    if isinstance(params, nn.Module):
+        params = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+    return [name for name, p in params if p.requires_grad and (p._backward_hooks or p._post_accumulate_grad_hooks)]
+
+
+def check_no_gradient_hooks(params: Iterable[tuple[str, nn.Parameter]] | nn.Module, where: str) -> None:
+    """No trainable parameter carries a hook on its gradient (DESIGN invariant 14: the release is what trains).
+
+    A parameter's gradient hook (``p.register_hook(fn)``, ``p.register_post_accumulate_grad_hook(fn)``: a masked or
+    scaled gradient — training only new tokens' embedding rows, a per-layer gradient scale —, a recorded norm, an
+    optimizer step inside the backward) acts on the gradient of the whole batch, never per example, so DP-SGD cannot
+    honour it (Abadi et al. 2016, Alg. 1 clips each example's gradient before the sum). Unchecked, it was silently
+    dropped by the one-pass step (whose backward leaves the parameters' gradients alone), and under the two-pass step
+    (gradient checkpointing) it ran on the clipped sum before the noise: ``g * 100`` moved the update of the
+    neighbouring datasets by 100 × C while the noise was calibrated for C. Refused at train start and before every
+    optimizer step (nothing of that step applied)."""
+    hooked = gradient_hooked_parameters(params)
+    if hooked:
+        raise ValueError(
+            f"hf_dp: these trainable parameters carry a hook on their gradient ({where}): "
+            f"{', '.join(hooked[:6])}" + (f" (+{len(hooked) - 6} more)" if len(hooked) > 6 else "")
+            + " (Tensor.register_hook / register_post_accumulate_grad_hook). Such a hook acts on the gradient of the "
+            "whole batch, but DP-SGD clips each example's gradient and adds noise to their sum: the hook could not "
+            "act per example, so it would be silently skipped, or (with gradient checkpointing) would change the "
+            "clipped sum beyond the sensitivity the noise is calibrated for. Remove the hooks (handle.remove()) "
+            "before train(). To train only part of a parameter (e.g. new tokens' embedding rows), make that part a "
+            "parameter of its own (PEFT's trainable_token_indices) or freeze the rest; scale a layer's updates with "
+            "an optimizer param group's lr; a tracker that watches gradients (wandb.watch, WANDB_WATCH='gradients' "
+            "or 'all') registers such hooks: leave it off for DP runs."
+        )
+
+
 def check_step_gradients(guard: StepGradientGuard, model: nn.Module, engine_params: Mapping[str, nn.Parameter],
                          allowed_version_bumps: int = 0, optimizer: Any = None) -> None:
     """Before the optimizer step: the gradients are this step's DP release and nothing else
     (:class:`StepGradientGuard`), the trainable set did not change during the step's backward pass (a parameter
     made trainable there got a gradient the engine never clipped), and the optimizer holds every parameter released
     (:func:`check_optimizer_holds`)."""
+    check_no_gradient_hooks(engine_params.items(), "before this optimizer step; nothing of it applied")
     released = guard.has_released
     guard.check(model, allowed_version_bumps=allowed_version_bumps, optimizer=optimizer)
     if released and optimizer is not None:
@@ -834,8 +871,9 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
     records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
     DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
-    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss). ``args``: the run's
-    ``DPTrainingArguments``."""
+    data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss), a
+    ``train_sampling_strategy`` other than ``"random"`` (the DP loader never builds the Trainer's sampler). ``args``:
+    the run's ``DPTrainingArguments``."""
     if compute_loss_func is not None:
         raise ValueError(
             "compute_loss_func normalises the loss over the batch, which breaks per-example clipping. Pass "
@@ -859,7 +897,21 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "(gloo) or pass use_cpu=True / `--use_cpu` so transformers sets up distributed training."
         )
     if neftune_noise_alpha is not None:
-        raise ValueError("NEFTune adds data-dependent noise outside the DP mechanism; unsupported with DPTrainer.")
+        raise ValueError(
+            "NEFTune (neftune_noise_alpha) adds noise to the input embeddings scaled by the padded batch's length, a "
+            "statistic of the other sampled examples, outside the DP mechanism; unsupported with DPTrainer. Set "
+            "neftune_noise_alpha=None."
+        )
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in (None, "random"):
+        raise ValueError(
+            f"train_sampling_strategy={strategy!r} asks the Trainer's sampler for the order of the training rows, but "
+            "DPTrainer draws every training batch by Poisson sampling (each row independently with probability q, the "
+            "sampling the accountant assumes: DESIGN invariant 4) and never builds that sampler, so the setting "
+            "would be silently ignored. Leave train_sampling_strategy='random' (the default); to waste less "
+            "padding, lower per_device_train_batch_size (a Poisson batch is split into micro-batches) or truncate "
+            "the rows; a curriculum or length grouping cannot be expressed by Poisson sampling."
+        )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(
             "use_liger_kernel=True patches the model at train() with Liger Kernel's Triton kernels: by default its "

@@ -74,6 +74,8 @@ class Mechanism:
         self.on_budget_stop: Callable[[], None] | None = None  # the trainer's: stop the training loop
         self._unit_cache: tuple[Any, np.ndarray] | None = None
         self._step_clip: float | None = None  # C at the step's first chunk (flat clipping; begin_step)
+        self._sigma_asked: float | None = args.noise_multiplier  # noise_multiplier as train() began (follow_sigma)
+        self._target_asked: float | None = args.target_epsilon  # target_epsilon as train() began (follow_target)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -156,6 +158,52 @@ class Mechanism:
         (``guarantee.check_step_mechanism``; DESIGN invariants 4-6)."""
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
+        self.follow_sigma()
+        self.follow_target()
+
+    def follow_sigma(self) -> None:
+        """``noise_multiplier`` changed in the arguments during ``train()`` (a callback's noise schedule): from this
+        step on, the noise and the accountant's record use the new σ (each step's σ is recorded where it is released,
+        as when ``trainer.noise_multiplier`` is set). Before, the change was silently ignored until the next
+        ``train()``. With ``target_epsilon``, the steps still allowed are counted again at the new σ before this step
+        is released (a smaller σ spends the budget faster)."""
+        asked = self.args.noise_multiplier
+        if asked is None or asked == self._sigma_asked:
+            return
+        check_noise_std(asked, self.args.per_sample_max_grad_norm)
+        previous, self.noise_multiplier = self.noise_multiplier, float(asked)
+        if self.group_clipper is not None:
+            try:
+                self.quantile_noise()  # adaptive clipping: σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) must stay real
+            except ValueError:
+                self.noise_multiplier = previous
+                raise
+        logger.info("hf_dp: noise_multiplier changed to %s during train(): steps from here on are noised and "
+                    "accounted at σ = %s", asked, asked)
+        self._sigma_asked = asked
+        if self.args.target_epsilon is not None:  # a smaller σ spends the budget faster (session 12 review: the run
+            self._recount_allowance()             # went on to ε = 21 against target_epsilon = 3)
+
+    def follow_target(self) -> None:
+        """``target_epsilon`` changed in the arguments during ``train()``: the steps this ``train()`` may still take
+        are counted again against the new budget (σ stays the one the run began with), before this step is released;
+        a budget already spent stops the run at once (the budget stop: nothing more released). Before, the change was
+        ignored: the run spent the old budget while the record and the card reported the new target."""
+        target = self.args.target_epsilon
+        if target == self._target_asked:
+            return
+        self._target_asked = target
+        self._recount_allowance()
+
+    def _recount_allowance(self) -> None:
+        """The steps this ``train()`` may still release, counted again at the current σ against the current
+        ``target_epsilon`` (:func:`steps_within_budget`), after a change of either during ``train()``."""
+        planned = self.accountant.planned_steps
+        remaining = max((planned if planned is not None else self.accountant.steps) - self.accountant.steps, 0)
+        more = steps_within_budget(self.epsilon_after, remaining, self.args.target_epsilon)
+        self.allowed_steps = None if more is None else self.accountant.steps - self.steps_at_run_begin + more
+        logger.info("hf_dp: during train(), σ = %s and target_epsilon = %s: %s more step(s) allowed",
+                    self.noise_multiplier, self.args.target_epsilon, "unlimited" if more is None else more)
 
     # ------------------------------------------------------------------ the noise
     def new_accountant(self) -> PrivacyAccountant:
@@ -230,6 +278,7 @@ class Mechanism:
         given), checked (σ·C finite; adaptive clipping's σ_new real), the accountant's planned steps and the steps
         the budget allows."""
         args = self.args
+        self._sigma_asked, self._target_asked = args.noise_multiplier, args.target_epsilon
         if self.noise_multiplier is None:
             self.check_budget_left()
             try:

@@ -56,6 +56,7 @@ from .guarantee import (
     StepGradientGuard,
     check_batch_rows,
     check_delta,
+    check_no_gradient_hooks,
     check_not_compiled,
     check_optimizer_holds,
     check_optimizer_updates_in_step,
@@ -126,6 +127,7 @@ class _DPCallback(TrainerCallback):
         check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
         if self.trainer._fsdp is None:  # (FSDP2 holds the sharded parameters) a trainable one not held: trains nothing
             check_optimizer_holds(self.trainer.optimizer, self.trainer.model, "at train start")
+            check_no_gradient_hooks(self.trainer.model, "at train start")  # a gradient hook cannot act per example
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):

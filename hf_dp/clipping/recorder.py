@@ -194,9 +194,10 @@ class Recorder(BroadcastPoints):
         if changed:
             self._sums.clear()
             raise UnsupportedLayerError(
-                "These buffers changed during a DP step: " + ", ".join(changed) + ". A buffer updated in training "
-                "(running statistics, counters) is computed from the private data without noise and is saved in "
-                "the checkpoint next to a DP guarantee. Make the module stop updating it in train mode (a "
+                "These buffers changed during a DP step: " + ", ".join(changed) + ". A buffer written inside a "
+                "step may be computed from the private batch without noise (running statistics, counters, caches), "
+                "and hf_dp cannot tell that it is not (a spectral-norm power iteration reads only the weights); it "
+                "is saved in the checkpoint next to a DP guarantee. Make the module stop updating it in train mode (a "
                 "non-persistent buffer written in a step is refused too: it is used by the next step)."
             )
 

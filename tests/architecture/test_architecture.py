@@ -184,6 +184,9 @@ THIRD_PARTY_PRIVATE = {
     "_prepare_inputs": "transformers Trainer's input preparation (device placement, context parallel); the DP step "
                        "calls the trainer's own, so a subclass's override applies",
     "_replace": "namedtuple's public copy-with-changes method (underscored by design)",
+    "_backward_hooks": "torch leaf tensor's Tensor.register_hook hooks: a trainable parameter's gradient hook cannot "
+                       "act per example (refused, guarantee.check_no_gradient_hooks); no public way to list them",
+    "_post_accumulate_grad_hooks": "torch leaf tensor's register_post_accumulate_grad_hook hooks (the same check)",
 }
 #: (module, attribute) reads of another hf_dp module's private names still to be made public, each with its reason
 KNOWN_PRIVATE_READS: dict[tuple[str, str], str] = {}

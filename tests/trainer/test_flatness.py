@@ -47,8 +47,13 @@ def test_within_layer_strict_uses_the_previous_private_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("privacy", ["strict", "paper"])
-def test_strict_never_touches_raw_private_gradients(tmp_path, privacy):
-    """Poison every raw (autograd) parameter gradient: strict runs never compute one; the paper variant does."""
+def test_strict_never_touches_raw_private_gradients(tmp_path, privacy, monkeypatch):
+    """Poison every raw (autograd) parameter gradient: strict runs never compute one; the paper variant does. (A hook
+    on a parameter's gradient is refused at train start, ``guarantee.check_no_gradient_hooks``; the refusal is
+    switched off here so that the hooks can watch every raw gradient, whether by ``.backward()`` or
+    ``torch.autograd.grad``.)"""
+    monkeypatch.setattr("hf_dp.trainer.check_no_gradient_hooks", lambda *a, **k: None)
+    monkeypatch.setattr("hf_dp.guarantee.check_no_gradient_hooks", lambda *a, **k: None)
     torch.manual_seed(1)
     model = tiny_gpt2()
     raw_calls = []

@@ -1,0 +1,239 @@
+"""Ordinary Trainer usages from a fourth outside probe (session 12), each closed by the invariant it violated.
+
+* The release is what trains (DESIGN invariant 14): a hook on a trainable parameter's gradient
+  (``p.register_hook`` — a masked or scaled gradient, a recorded norm —, ``register_post_accumulate_grad_hook``; PEFT's
+  OSF and CPT adapters install such hooks themselves) acts on the batch's gradient and cannot act per example. The
+  one-pass step silently skipped it (OSF trained without its orthogonal projection); the two-pass step (gradient
+  checkpointing) ran it on the clipped sum before the noise: ``g * 100`` moved the neighbouring datasets' update by
+  100 × C. Refused at train start and before every optimizer step.
+* Every batch is the mechanism's Poisson draw (invariant 4): ``train_sampling_strategy`` ('sequential',
+  'group_by_length') was silently ignored by the DP loader; refused at construction, as a subclass's sampler is.
+* NEFTune's refusal names its true cause (noise scaled by the padded batch's length) and the fix.
+* The unit the user thinks they have (invariant 13): rows that repeat other rows exactly (oversampling) make one
+  example m rows, protected only as a group of m; it ran silently (1.7 × C for an example held in two rows). Said once
+  and recorded in ``privacy_unit_detail``.
+* The accountant sees exactly the steps that ran, at their mechanism (invariant 6): ``noise_multiplier`` changed by a
+  callback (a noise schedule) was silently ignored until the next ``train()``; it is now the σ released and recorded
+  from that step on. ``target_epsilon`` lowered by a callback was ignored (the old budget spent, the record reporting
+  the new target); the steps allowed are now counted again before the next release.
+
+What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.neighbours import C, bert, bert_data, distance, neighbour_args, params, summed_updates
+
+from hf_dp import DPTrainer
+
+
+# ---------------------------------------------------------------------- a hook on a parameter's gradient
+def scaled_gradients(model, factor=100.0):
+    """The user's own gradient hook on every trainable parameter (here a scale, as a per-layer gradient multiplier or
+    an embedding-row mask would be)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: g * factor)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["two_pass", "one_pass"])
+def test_gradient_hook_on_a_trainable_parameter_is_refused_at_train_start(tmp_path, checkpointing):
+    """Unchecked, with gradient checkpointing (the two-pass step: a plain backward of Σ c_i L_i) the hook scaled the
+    clipped sum before the noise: ‖Σ_D − Σ_D′‖ = 100 × C at σ = 0, q = 1; without it the hook was silently skipped
+    (the user's gradient transformation never applied). Refused before any step, naming the parameters."""
+    args = neighbour_args(tmp_path, 4, gradient_checkpointing=checkpointing)
+    trainer = DPTrainer(model=scaled_gradients(bert()), args=args, train_dataset=bert_data(4))
+    before = params(trainer.model)
+    with pytest.raises(ValueError, match=r"these trainable parameters carry a hook on their gradient \(at train "
+                                         r"start\): bert\.embeddings\.word_embeddings\.weight.*Remove the hooks"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+    assert all(torch.equal(p, before[k]) for k, p in params(trainer.model).items())
+
+
+def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_step(tmp_path):
+    """A callback that hooks a gradient after step 1 (a post-accumulate hook, as optimizer-in-backward recipes use):
+    refused before step 2's optimizer step, nothing of it applied; step 1 was released as usual."""
+    from transformers import TrainerCallback
+
+    class HookAfterFirstStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            model.classifier.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    args = neighbour_args(tmp_path, 4, max_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookAfterFirstStep()])
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(before this optimizer step; nothing of "
+                                         r"it applied\): classifier\.weight"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_peft_adapter_that_projects_its_gradients_by_hooks_is_refused(tmp_path):
+    """PEFT's OSF keeps its update orthogonal to the pretrained subspace by hooks on U_low / V_low's gradients.
+    Unchecked, the hooks never ran under DP: OSF trained without its projection, silently."""
+    from peft import OSFConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(bert().float(), OSFConfig(target_modules=["query"]))
+    trainer = DPTrainer(model=model, args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at train start\): .*osf_svd_params"):
+        trainer.train()
+    assert trainer.accountant.steps == 0
+
+
+def test_a_hook_removed_before_train_trains_within_the_bound(tmp_path):
+    """The way out the refusal names: the hook removed (handle.remove()) — the run trains, within C."""
+
+    def build(args, data):
+        model = bert()
+        handles = [p.register_hook(lambda g: g * 100.0) for p in model.parameters() if p.requires_grad]
+        for handle in handles:
+            handle.remove()
+        return DPTrainer(model=model, args=args, train_dataset=data)
+
+    sigma_d, sigma_d2 = summed_updates(tmp_path, build=build, gradient_checkpointing=True)
+    assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-6)
+
+
+# ---------------------------------------------------------------------- settings the DP loader cannot honour
+@pytest.mark.parametrize("strategy", ["sequential", "group_by_length"])
+def test_train_sampling_strategy_the_dp_loader_would_ignore_is_refused(tmp_path, strategy):
+    """Unchecked, the run drew uniform Poisson batches and the user believed the rows came in order (a curriculum)
+    or grouped by length."""
+    with pytest.raises(ValueError, match=rf"train_sampling_strategy='{strategy}' .*Poisson sampling.*silently "
+                                         r"ignored.*Leave train_sampling_strategy='random'"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, train_sampling_strategy=strategy),
+                  train_dataset=bert_data(4))
+
+
+def test_neftune_refusal_names_its_cause_and_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"NEFTune \(neftune_noise_alpha\) .*padded batch's length.*Set "
+                                         r"neftune_noise_alpha=None"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4, neftune_noise_alpha=5.0), train_dataset=bert_data(4))
+
+
+# ---------------------------------------------------------------------- rows that repeat other rows
+def test_oversampled_rows_are_said_once_and_recorded_as_the_unit(tmp_path):
+    """A minority example oversampled by concatenation is two rows: each step can sample both copies, so removing
+    that example moved the summed update (σ = 0, q = 1) by 1.7 × C; ε protects a row, the example only as a group of
+    2. It ran silently, the card saying the unit was one row; now warned once at construction and recorded in
+    privacy_unit_detail (dp_state.json, the card)."""
+    import warnings
+
+    from datasets import concatenate_datasets
+    from helpers import cls_dataset
+
+    data = cls_dataset(16, 3)
+    oversampled = concatenate_datasets([data, data.select([3, 5, 5])])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=oversampled)
+    said = [str(w.message) for w in caught if "repeat another row exactly" in str(w.message)]
+    assert len(said) == 1 and "3 row(s)" in said[0] and "row 16 equals row 3; up to 3 copies" in said[0]
+    assert "group of 3" in said[0] and "privacy_unit='user'" in said[0]
+    assert "3 row(s) of the training set repeat another row exactly" in trainer.privacy_record().privacy_unit_detail
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distinct = DPTrainer(model=bert(), args=neighbour_args(tmp_path / "d", 4), train_dataset=data)
+    assert not [w for w in caught if "repeat another row" in str(w.message)]
+    assert distinct.privacy_record().privacy_unit_detail is None
+
+
+def test_repeated_rows_are_found_however_the_set_was_built():
+    """``interleave_datasets(stopping_strategy="all_exhausted")`` repeats the smaller set's rows; a torch
+    ``ConcatDataset``; a random ``set_transform`` (the stored rows are compared, not one random read of each)."""
+    from datasets import concatenate_datasets, interleave_datasets
+    from helpers import cls_dataset
+    from torch.utils.data import ConcatDataset
+
+    from hf_dp.units import repeated_rows
+
+    data = cls_dataset(16, 3)
+    assert repeated_rows(data) is None
+    assert repeated_rows(interleave_datasets([data.select(range(12)), data.select(range(12, 16))],
+                                             stopping_strategy="all_exhausted")) == (8, 3, (1, 9))
+    assert repeated_rows(ConcatDataset([data, data.select([3])])) == (1, 2, (3, 16))
+    noisy = concatenate_datasets([data, data.select([7])]).with_transform(
+        lambda batch: {**batch, "input_ids": [[t + int(torch.randint(0, 5, ())) for t in row]
+                                              for row in batch["input_ids"]]})
+    assert repeated_rows(noisy) == (1, 2, (7, 16))
+
+
+# ---------------------------------------------------------------------- a noise schedule in a callback
+def test_noise_multiplier_changed_by_a_callback_is_the_noise_released_and_recorded(tmp_path):
+    """A callback lowers and raises σ between steps (a noise schedule): it was silently ignored until the next
+    train() (the steps noised at the σ of train start). Each step is now noised at the σ asked when it is released,
+    and the accountant records exactly that: step 1 at σ = 0 (its update is the clipped sum, ‖Σ‖ ≤ C · m), step 2 at
+    σ = 1e4 (its update is noise, far above C)."""
+    from transformers import TrainerCallback
+
+    class RaiseNoise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            args.noise_multiplier = 1e4
+
+    steps = []
+
+    class Params(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            steps.append(params(model))
+
+    args = neighbour_args(tmp_path, 4, max_steps=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[RaiseNoise(), Params()])
+    before = params(trainer.model)
+    trainer.train()
+    step1 = distance(before, steps[0]) * 4  # Σ = (θ₀ − θ₁) · m
+    step2 = distance(steps[0], steps[1]) * 4
+    assert step1 <= 4 * C * (1 + 1e-6) and step2 > 1e3 * C
+    assert [(m.noise_multiplier, m.steps) for m in trainer.accountant.history] == [(0.0, 1), (1e4, 1)]
+
+
+def test_target_epsilon_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
+    """A callback lowers the budget after step 1 (target_epsilon 3 → 1.5): the run spent the old budget (20 steps,
+    ε = 2.97) while the record and the card reported target ε = 1.5. The steps are now counted again against the new
+    budget before each release; the run stops when one more step would exceed it."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerBudget(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.target_epsilon = 1.5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[LowerBudget()])
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.target_epsilon == 1.5 and record.epsilon() <= 1.5 and 1 < trainer.accountant.steps < 20
+    assert trainer.budget_exhausted
+
+
+def test_noise_multiplier_lowered_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
+    """Review of the σ schedule (session 12): with ``target_epsilon`` = 3, a callback lowering σ to 0.55 after step 1
+    was followed for the noise but not for the budget: the run took all 20 steps and spent ε = 21 (at σ = 0.3) while
+    the record said target 3. The steps still allowed are counted again at the new σ; the run stops within 3."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerNoise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.noise_multiplier = 0.55
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerNoise()])
+    trainer.train()
+    assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
+    assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
