@@ -1024,9 +1024,10 @@ def test_collator_randomness_and_row_isolation_as_functions():
         batch["input_ids"] = torch.where(torch.rand(batch["input_ids"].shape) < 0.5, 4, batch["input_ids"])
         return batch
 
-    def os_random(features):  # randomness no seed controls
+    def os_random(features):  # randomness no seed controls (a whole row of draws: two calls never agree by chance)
         batch = plain(features)
-        batch["input_ids"][0, 0] = os.urandom(1)[0] % 50 + 2
+        row = batch["input_ids"][0]
+        row[:] = torch.tensor(list(os.urandom(row.numel())), dtype=row.dtype) % 50 + 2
         return batch
 
     class OwnGenerator:  # per-row masking drawn from the collator's own generator
