@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Rows, Toy, dp_args, lm_dataset, lora_llama, seq2seq_dataset, tiny_llama, tiny_t5, toy_loss
+from helpers import (
+    ReadsChildWeight,
+    Rows,
+    Toy,
+    dp_args,
+    lm_dataset,
+    lora_llama,
+    seq2seq_dataset,
+    tiny_llama,
+    tiny_t5,
+    toy_loss,
+)
 from helpers.neighbours import C, distance, summed_updates
 
 from hf_dp import DPTrainer, UnsupportedLayerError
@@ -47,19 +58,6 @@ def test_a_model_held_in_half_precision_is_compared_with_its_own_loss_at_that_pr
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     DPTrainer(model=model, args=dp_args(tmp_path, 4), train_dataset=seq2seq_dataset(8)).train()
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
-
-
-class ReadsChildWeight(torch.nn.Module):
-    """Uses ``lin.weight`` a second time outside ``lin``'s forward (a use the per-layer hooks do not see); with
-    ``mixes``, also a batch mean (examples mixed)."""
-
-    def __init__(self, mixes: bool = False):
-        super().__init__()
-        self.lin, self.mixes = torch.nn.Linear(3, 3), mixes
-
-    def forward(self, x):
-        out = self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
-        return out + self.lin.weight.sum() * x.mean(0, keepdim=True) if self.mixes else out
 
 
 def test_a_weight_used_outside_its_layer_is_found_in_a_bf16_model(tmp_path, caplog):

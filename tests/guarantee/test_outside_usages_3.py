@@ -142,25 +142,13 @@ def test_autocast_inside_the_users_forward_trains_within_the_bound(tmp_path):
     assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-5)
 
 
-class ReadsChildWeight(torch.nn.Module):
-    """Uses ``lin.weight`` a second time outside ``lin``'s forward (a use the per-layer hooks do not see)."""
-
-    def __init__(self, mixes: bool = False):
-        super().__init__()
-        self.lin, self.mixes = torch.nn.Linear(3, 3), mixes
-
-    def forward(self, x):
-        out = self.lin(x) + torch.nn.functional.linear(x.tanh(), self.lin.weight)
-        return out + self.lin.weight.sum() * x.mean(0, keepdim=True) if self.mixes else out
-
-
 def test_autocast_keeps_finding_a_use_outside_the_owning_forward(tmp_path, caplog):
     """Under the model's half precision the comparisons' relative tolerance is relaxed, but the floor below which a
     gradient counts as rounding noise stays at the parameters' own precision: at 100 bf16 epsilons (0.78 of the
     largest gradient entry) the hooks-vs-autograd check passed a weight used twice, and the run was refused with an
     untrue cause ("an example's loss depends on the other rows of its batch"). The escaped use is found and handled
     by re-running the enclosing module per example; with a batch mean as well, refused naming the escaped use."""
-    from helpers import Rows, Toy, dp_args, toy_loss
+    from helpers import ReadsChildWeight, Rows, Toy, dp_args, toy_loss
 
     from hf_dp import UnsupportedLayerError
 

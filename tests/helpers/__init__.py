@@ -49,6 +49,7 @@ from .models import (  # noqa: E402
     FallbackGate,
     LossOut,
     Out,
+    ReadsChildWeight,
     Seq,
     Toy,
     lora_llama,
@@ -107,6 +108,7 @@ __all__ = [
     "sft_distributed_dataset", "sft_dp_update", "sft_row_grads", "single_example_loss", "sorted_norms", "tiny_bert",
     "tiny_bert_mlm", "tiny_bert_token_classification", "tiny_gpt2", "tiny_llama", "tiny_roberta", "tiny_t5",
     "token_dataset", "turns", "user_args", "user_data", "CheckpointedBlocks", "FallbackGate", "LossOut", "Out", "Toy",
+    "ReadsChildWeight",
     "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients",
     "sampled_users", "automatic_clipped_sum",
 ]

@@ -162,6 +162,19 @@ class Toy(nn.Module):
         return Out(self.head(self.body(x)).mean(1))
 
 
+class ReadsChildWeight(nn.Module):
+    """A ``Toy`` body that uses ``lin.weight`` a second time outside ``lin``'s forward (a use the per-layer hooks do
+    not see); with ``mixes``, also a batch mean (examples mixed)."""
+
+    def __init__(self, mixes: bool = False):
+        super().__init__()
+        self.lin, self.mixes = nn.Linear(3, 3), mixes
+
+    def forward(self, x):
+        out = self.lin(x) + nn.functional.linear(x.tanh(), self.lin.weight)
+        return out + self.lin.weight.sum() * x.mean(0, keepdim=True) if self.mixes else out
+
+
 def toy_loss(outputs, labels):
     """The per-example loss of ``Toy``: cross-entropy, one value per example."""
     return nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
