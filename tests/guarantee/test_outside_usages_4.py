@@ -237,3 +237,56 @@ def test_noise_multiplier_lowered_by_a_callback_under_a_target_stays_within_the_
     trainer.train()
     assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
     assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
+
+
+# ---------------------------------------------------------------------- every other argument of the mechanism
+def test_target_delta_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
+    """Review (session 12): with ``target_epsilon`` = 3 at δ = 1e-3, a callback lowering δ to 1e-5 after step 1 was
+    ignored by the budget: the run took all 20 steps and the record reported ε = 4.6 at δ = 1e-5 against target 3
+    (ε is reported at δ; a smaller δ is a larger ε for the same steps). The steps allowed are counted again."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerDelta(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.target_delta = 1e-5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             target_delta=1e-3, accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerDelta()])
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.delta == 1e-5 and record.epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
+    assert trainer.budget_exhausted
+
+
+@pytest.mark.parametrize("field, before, after", [
+    ("poisson_sampling", False, True),  # shuffled batches recorded as Poisson sampling (its caveat dropped)
+    ("dp_seed", 0, None),  # draws from a fixed seed recorded as a secret one (its note dropped)
+    ("secure_mode", False, True),  # the ordinary generator recorded as secure
+    ("accountant", "rdp", "prv"),  # ε of one accountant recorded under the other's name
+], ids=["poisson_sampling", "dp_seed", "secure_mode", "accountant"])
+def test_argument_the_mechanism_was_set_up_from_changed_by_a_callback_is_refused(tmp_path, field, before, after):
+    """Review (session 12): the accountant, the sampler and its seed, the noise source, the clipping mode, the noise
+    allocation and the privacy unit are set up when train() begins; a callback changing their argument was silently
+    ignored by the steps while the record and the card read the new value (e.g. shuffled batches recorded as Poisson
+    sampling). Refused before anything more is released, naming the field (``Mechanism.check_fixed_arguments``)."""
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class Change(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            setattr(args, field, after)
+
+    args = quick_dp_args(tmp_path, max_steps=3, logging_strategy="no", **{"accountant": "rdp", "dp_seed": 0,
+                                                                       field: before})
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[Change()])
+    with pytest.raises(RuntimeError, match=rf"arguments changed during train\(\): {field} from {before!r} to "
+                                           rf"{after!r}\..*Nothing of this step was released"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
