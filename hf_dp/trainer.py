@@ -127,7 +127,9 @@ class _DPCallback(TrainerCallback):
         check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
         if self.trainer._fsdp is None:  # (FSDP2 holds the sharded parameters) a trainable one not held: trains nothing
             check_optimizer_holds(self.trainer.optimizer, self.trainer.model, "at train start")
-            check_no_gradient_hooks(self.trainer.model, "at train start")  # a gradient hook cannot act per example
+        # a gradient hook cannot act per example (FSDP2 too: it runs the sharded parameters' post-accumulate hooks on
+        # the reduced clipped sum before the noise)
+        check_no_gradient_hooks(self.trainer.model, "at train start")
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -809,6 +811,9 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         elif self._dp_step.at_step_boundary:
             self.mechanism.begin_step(self._dp_sampler)  # FSDP too: C of the step's chunks; q as drawn
+        if self._dp_step.at_step_boundary:  # a hook added since (a callback's on_train_begin / on_step_end) would
+            # see the un-noised clipped sum in this step's backward (two-pass; FSDP2's post-accumulate hooks)
+            check_no_gradient_hooks(model, "at this step's start; nothing of it computed")
         try:
             return self._dp_step.run_chunk(model, None if is_empty(inputs) else inputs)
         except Exception as err:
@@ -877,8 +882,9 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
 
     def _check_step_gradients(self) -> None:
         """Before the optimizer step: the gradients are this step's DP release and nothing else."""
-        if self._fsdp is not None:
-            return  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it against the hooks
+        if self._fsdp is not None:  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it
+            check_no_gradient_hooks(self.model, "before this optimizer step; nothing of it applied")  # (the hooks)
+            return
         # With max_grad_norm > 0 the Trainer rescales every gradient in place once before this point (clip_grad_norm_:
         # post-processing of the released gradient). Its norm-only pass is off (_get_grad_norm), so otherwise none.
         check_step_gradients(self._grad_guard, self.model, self.clipping_engine.params,

@@ -56,7 +56,9 @@ def test_gradient_hook_on_a_trainable_parameter_is_refused_at_train_start(tmp_pa
 
 def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_step(tmp_path):
     """A callback that hooks a gradient after step 1 (a post-accumulate hook, as optimizer-in-backward recipes use):
-    refused before step 2's optimizer step, nothing of it applied; step 1 was released as usual."""
+    refused at step 2's start (review, session 12: it was refused before step 2's optimizer step, after step 2's
+    backward had run the hook; with the two-pass step it saw the un-noised clipped sum), nothing of it computed;
+    step 1 was released as usual."""
     from transformers import TrainerCallback
 
     class HookAfterFirstStep(TrainerCallback):
@@ -65,10 +67,52 @@ def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_ste
 
     args = neighbour_args(tmp_path, 4, max_steps=2)
     trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookAfterFirstStep()])
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at this step's start; nothing of it "
+                                         r"computed\): classifier\.weight"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_gradient_hook_added_by_a_callback_added_after_construction_never_sees_the_unnoised_sum(tmp_path):
+    """Review (session 12): a callback added with ``trainer.add_callback`` after construction runs its
+    ``on_train_begin`` after DPTrainer's train-start check (a tracker's ``wandb.watch`` is set up there). Its hook
+    passed the train-start check, and with the two-pass step (gradient checkpointing) step 1's backward ran it on the
+    clipped sum before the noise (here it kept that un-noised gradient; a tracker would log it), before the refusal
+    at the optimizer step. Refused at the step's start: the hook never runs."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class WatchGradients(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.classifier.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+
+    args = neighbour_args(tmp_path, 4, gradient_checkpointing=True)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+    trainer.add_callback(WatchGradients())
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at this step's start; nothing of it "
+                                         r"computed\): classifier\.weight"):
+        trainer.train()
+    assert seen == [] and trainer.accountant.steps == 0
+
+
+def test_gradient_hook_added_inside_a_step_is_refused_before_the_optimizer_step(tmp_path):
+    """A hook added between a step's accumulation chunks (after the step-start check): refused before the optimizer
+    step, nothing of it applied."""
+    from transformers import TrainerCallback
+
+    class HookBetweenChunks(TrainerCallback):
+        def on_substep_end(self, args, state, control, model=None, **kwargs):
+            if not model.classifier.weight._post_accumulate_grad_hooks:
+                model.classifier.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    args = neighbour_args(tmp_path, 4, ga=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookBetweenChunks()])
+    before = params(trainer.model)
     with pytest.raises(ValueError, match=r"carry a hook on their gradient \(before this optimizer step; nothing of "
                                          r"it applied\): classifier\.weight"):
         trainer.train()
-    assert trainer.state.global_step == 1
+    assert all(torch.equal(p, before[k]) for k, p in params(trainer.model).items())
 
 
 def test_peft_adapter_that_projects_its_gradients_by_hooks_is_refused(tmp_path):
