@@ -912,8 +912,9 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "DPTrainer draws every training batch by Poisson sampling (each row independently with probability q, the "
             "sampling the accountant assumes: DESIGN invariant 4) and never builds that sampler, so the setting "
             "would be silently ignored. Leave train_sampling_strategy='random' (the default); to waste less "
-            "padding, lower per_device_train_batch_size (a Poisson batch is split into micro-batches) or truncate "
-            "the rows; a curriculum or length grouping cannot be expressed by Poisson sampling."
+            "padding, use smaller micro-batches (lower per_device_train_batch_size and raise "
+            "gradient_accumulation_steps by the same factor: q = B/N unchanged) or truncate the rows; a curriculum "
+            "or length grouping cannot be expressed by Poisson sampling."
         )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(
