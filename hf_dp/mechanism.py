@@ -100,6 +100,7 @@ class Mechanism:
         self._target_asked: float | None = args.target_epsilon  # target_epsilon as train() began (follow_target)
         self._delta_asked: float | None = args.target_delta  # target_delta as train() began (follow_target)
         self._fixed: dict[str, Any] | None = None  # FIXED_DURING_RUN as train() began (check_fixed_arguments)
+        self._sigma_counted: float | None = None  # the σ the steps allowed were last counted at (follow_set_sigma)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -186,6 +187,7 @@ class Mechanism:
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
         self.follow_sigma()
         self.follow_target()
+        self.follow_set_sigma()
 
     def fixed_arguments(self) -> dict[str, Any]:
         """The values of :data:`FIXED_DURING_RUN` (and, with group-wise clipping, :data:`FIXED_UNDER_GROUP_CLIPPING`)
@@ -255,6 +257,27 @@ class Mechanism:
         self._target_asked, self._delta_asked = target, delta
         self._recount_allowance()
 
+    def follow_set_sigma(self) -> None:
+        """σ set on the trainer during ``train()`` (``trainer.noise_multiplier = ...``: the mechanism's attribute, not
+        the arguments): each step already records the σ it is noised with; this checks the new σ as at train start
+        (σ·C finite; adaptive clipping's split real) and, with ``target_epsilon``, counts the steps still allowed
+        again at it before this step is released. Before (session 12 review), σ lowered this way to 0.3 under
+        ``target_epsilon`` = 3 ran to ε = 29 (the allowance stayed the one counted at train start)."""
+        sigma = self.noise_multiplier
+        if self._sigma_counted is None or sigma == self._sigma_counted:
+            return
+        if sigma is None:
+            raise ValueError(
+                "hf_dp: trainer.noise_multiplier was set to None during train(): the step cannot be noised. Set a "
+                "number (σ), or end this train() and call train() again with target_epsilon to calibrate σ."
+            )
+        check_noise_std(sigma, self.args.per_sample_max_grad_norm)
+        if self.group_clipper is not None:
+            self.quantile_noise()  # adaptive clipping: σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) must stay real
+        if self.args.target_epsilon is not None:
+            self._recount_allowance()
+        self._sigma_counted = sigma
+
     def _recount_allowance(self) -> None:
         """The steps this ``train()`` may still release, counted again at the current σ against the current
         ``target_epsilon`` (:func:`steps_within_budget`), after a change of either during ``train()``."""
@@ -262,6 +285,7 @@ class Mechanism:
         remaining = max((planned if planned is not None else self.accountant.steps) - self.accountant.steps, 0)
         more = steps_within_budget(self.epsilon_after, remaining, self.args.target_epsilon)
         self.allowed_steps = None if more is None else self.accountant.steps - self.steps_at_run_begin + more
+        self._sigma_counted = self.noise_multiplier
         logger.info("hf_dp: during train(), σ = %s and target_epsilon = %s: %s more step(s) allowed",
                     self.noise_multiplier, self.args.target_epsilon, "unlimited" if more is None else more)
 
@@ -363,6 +387,7 @@ class Mechanism:
         # (auto_find_batch_size after running out of memory), with the steps released before already counted.
         self.steps_at_run_begin = self.accountant.steps
         self._fixed = self.fixed_arguments()  # what the mechanism is set up from (check_fixed_arguments)
+        self._sigma_counted = self.noise_multiplier  # the σ the allowance is counted at (follow_set_sigma)
 
     def resume_from(self, record: Any) -> None:
         """Resuming from a checkpoint's :class:`~hf_dp.record.PrivacyRecord`: its accountant (ε continues from its

@@ -334,3 +334,27 @@ def test_argument_the_mechanism_was_set_up_from_changed_by_a_callback_is_refused
                                            rf"{after!r}\..*Nothing of this step was released"):
         trainer.train()
     assert trainer.accountant.steps == 1
+
+
+def test_noise_multiplier_set_on_the_trainer_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
+    """Review (session 12): ``trainer.noise_multiplier`` (settable: the mechanism's σ) lowered to 0.55 by a callback
+    under ``target_epsilon`` = 3 was noised and recorded, but the steps allowed stayed those counted at train start:
+    with 0.3 the run took all 20 steps to ε = 29. The steps still allowed are counted again at the new σ."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerNoise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                trainer.noise_multiplier = 0.55
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerNoise()])
+    trainer.train()
+    assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
+    assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
