@@ -168,6 +168,8 @@ class _DPGradientCheck(TrainerCallback):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer._fsdp is not None:  # (without FSDP: in check_step_gradients) FSDP2 runs post-accumulate hooks
+            check_no_gradient_hooks(self.trainer.model, "before this optimizer step; nothing of it applied")
         self.trainer._check_step_gradients()
         guard = self.trainer._state_guard
         if not guard.hooked:  # else the optimizer's own pre-step hook checks, after every callback
@@ -811,9 +813,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                 self._state_guard.begin_step()  # nothing changed since the last optimizer step
         elif self._dp_step.at_step_boundary:
             self.mechanism.begin_step(self._dp_sampler)  # FSDP too: C of the step's chunks; q as drawn
-        if self._dp_step.at_step_boundary:  # a hook added since (a callback's on_train_begin / on_step_end) would
-            # see the un-noised clipped sum in this step's backward (two-pass; FSDP2's post-accumulate hooks)
-            check_no_gradient_hooks(model, "at this step's start; nothing of it computed")
         try:
             return self._dp_step.run_chunk(model, None if is_empty(inputs) else inputs)
         except Exception as err:
@@ -882,9 +881,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
 
     def _check_step_gradients(self) -> None:
         """Before the optimizer step: the gradients are this step's DP release and nothing else."""
-        if self._fsdp is not None:  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it
-            check_no_gradient_hooks(self.model, "before this optimizer step; nothing of it applied")  # (the hooks)
-            return
+        if self._fsdp is not None:
+            return  # FSDP2: pass 2 is a plain backward of Σ c_i L_i; clipping/fsdp.py checks it against the hooks
         # With max_grad_norm > 0 the Trainer rescales every gradient in place once before this point (clip_grad_norm_:
         # post-processing of the released gradient). Its norm-only pass is off (_get_grad_norm), so otherwise none.
         check_step_gradients(self._grad_guard, self.model, self.clipping_engine.params,
