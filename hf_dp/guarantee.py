@@ -558,8 +558,10 @@ def check_no_gradient_hooks(params: Iterable[tuple[str, nn.Parameter]] | nn.Modu
     honour it (Abadi et al. 2016, Alg. 1 clips each example's gradient before the sum). Unchecked, it was silently
     dropped by the one-pass step (whose backward leaves the parameters' gradients alone), and under the two-pass step
     (gradient checkpointing) it ran on the clipped sum before the noise: ``g * 100`` moved the update of the
-    neighbouring datasets by 100 × C while the noise was calibrated for C. Refused at train start and before every
-    optimizer step (nothing of that step applied)."""
+    neighbouring datasets by 100 × C while the noise was calibrated for C; under FSDP2 (which runs the sharded
+    parameters' post-accumulate hooks after the reduce-scatter) a hook saw the un-noised clipped sum. Refused at train
+    start, at every step's start (a hook added since, e.g. by a callback added after construction, never runs) and
+    before every optimizer step (nothing of that step applied)."""
     hooked = gradient_hooked_parameters(params)
     if hooked:
         raise ValueError(
@@ -567,8 +569,9 @@ def check_no_gradient_hooks(params: Iterable[tuple[str, nn.Parameter]] | nn.Modu
             f"{', '.join(hooked[:6])}" + (f" (+{len(hooked) - 6} more)" if len(hooked) > 6 else "")
             + " (Tensor.register_hook / register_post_accumulate_grad_hook). Such a hook acts on the gradient of the "
             "whole batch, but DP-SGD clips each example's gradient and adds noise to their sum: the hook could not "
-            "act per example, so it would be silently skipped, or (with gradient checkpointing) would change the "
-            "clipped sum beyond the sensitivity the noise is calibrated for. Remove the hooks (handle.remove()) "
+            "act per example, so it would be silently skipped, or (with gradient checkpointing, or under FSDP) would "
+            "see the clipped sum before the noise and could change it beyond the sensitivity the noise is calibrated "
+            "for. Remove the hooks (handle.remove()) "
             "before train(). To train only part of a parameter (e.g. new tokens' embedding rows), make that part a "
             "parameter of its own (PEFT's trainable_token_indices) or freeze the rest; scale a layer's updates with "
             "an optimizer param group's lr; a tracker that watches gradients (wandb.watch, WANDB_WATCH='gradients' "
@@ -909,8 +912,9 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "DPTrainer draws every training batch by Poisson sampling (each row independently with probability q, the "
             "sampling the accountant assumes: DESIGN invariant 4) and never builds that sampler, so the setting "
             "would be silently ignored. Leave train_sampling_strategy='random' (the default); to waste less "
-            "padding, lower per_device_train_batch_size (a Poisson batch is split into micro-batches) or truncate "
-            "the rows; a curriculum or length grouping cannot be expressed by Poisson sampling."
+            "padding, use smaller micro-batches (lower per_device_train_batch_size and raise "
+            "gradient_accumulation_steps by the same factor: q = B/N unchanged) or truncate the rows; a curriculum "
+            "or length grouping cannot be expressed by Poisson sampling."
         )
     if getattr(args, "use_liger_kernel", False):
         raise ValueError(

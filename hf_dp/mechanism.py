@@ -21,7 +21,14 @@ from typing import Any
 import numpy as np
 
 from .accounting import MechanismRecord, PrivacyAccountant, split_noise_for_quantiles
-from .guarantee import budget_allows, check_budget_left, check_noise_std, check_step_mechanism, steps_within_budget
+from .guarantee import (
+    budget_allows,
+    check_budget_left,
+    check_delta,
+    check_noise_std,
+    check_step_mechanism,
+    steps_within_budget,
+)
 from .noise import NoiseGenerator, group_noise_stds
 from .plan import (
     calibrate_noise,
@@ -36,9 +43,24 @@ from .plan import (
 from .record import plain
 from .sampling import PoissonBatchSampler, PoissonUserSampler, ShuffledBatchSampler
 
-__all__ = ["Mechanism"]
+__all__ = ["FIXED_DURING_RUN", "FIXED_UNDER_GROUP_CLIPPING", "Mechanism"]
 
 logger = logging.getLogger(__name__)
+
+#: ``DPTrainingArguments`` fields the mechanism is set up from when ``train()`` begins and does not follow during it:
+#: the accountant (built with the trainer), the sampler and its seed (built with the train loader), the noise source,
+#: the clipping mode and its groups / quantiles, the noise allocation, the privacy unit. The record and the card read
+#: them from the arguments, so a change during ``train()`` would describe a mechanism that did not run
+#: (:meth:`Mechanism.check_fixed_arguments`). ``noise_multiplier``, ``target_epsilon`` and ``target_delta`` are
+#: followed (:meth:`Mechanism.follow_sigma`, :meth:`Mechanism.follow_target`); q's inputs and C inside a step are
+#: checked by ``guarantee.check_step_mechanism``.
+FIXED_DURING_RUN = ("accountant", "accountant_eps_error", "poisson_sampling", "dp_seed", "secure_mode", "clipping",
+                    "clipping_groups", "group_max_grad_norms", "noise_allocation", "target_quantile", "quantile_lr",
+                    "adaptive_rescale_to_global", "privacy_unit", "user_id_column", "max_examples_per_user",
+                    "user_contribution")
+#: with group-wise clipping, the thresholds and the clipping function are the group clipper's, built at set-up (flat
+#: clipping reads C and the clipping function at every chunk: a change between steps is followed)
+FIXED_UNDER_GROUP_CLIPPING = ("per_sample_max_grad_norm", "clipping_function", "automatic_clipping_gamma")
 
 
 class Mechanism:
@@ -76,6 +98,9 @@ class Mechanism:
         self._step_clip: float | None = None  # C at the step's first chunk (flat clipping; begin_step)
         self._sigma_asked: float | None = args.noise_multiplier  # noise_multiplier as train() began (follow_sigma)
         self._target_asked: float | None = args.target_epsilon  # target_epsilon as train() began (follow_target)
+        self._delta_asked: float | None = args.target_delta  # target_delta as train() began (follow_target)
+        self._fixed: dict[str, Any] | None = None  # FIXED_DURING_RUN as train() began (check_fixed_arguments)
+        self._sigma_counted: float | None = None  # the σ the steps allowed were last counted at (follow_set_sigma)
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -155,11 +180,44 @@ class Mechanism:
         """At a step's start and release: the q the accountant records (from the arguments and the training set,
         read live) is the rate ``sampler`` drew the step with, in as many chunks as the Trainer runs per step
         (``gradient_accumulation_steps``), and C has not changed since the step's first chunk
-        (``guarantee.check_step_mechanism``; DESIGN invariants 4-6)."""
+        (``guarantee.check_step_mechanism``; DESIGN invariants 4-6), and no argument the run's mechanism was set up
+        from has changed (:meth:`check_fixed_arguments`)."""
+        self.check_fixed_arguments()
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
         self.follow_sigma()
         self.follow_target()
+        self.follow_set_sigma()
+
+    def fixed_arguments(self) -> dict[str, Any]:
+        """The values of :data:`FIXED_DURING_RUN` (and, with group-wise clipping, :data:`FIXED_UNDER_GROUP_CLIPPING`)
+        in the arguments now."""
+        names = FIXED_DURING_RUN + (FIXED_UNDER_GROUP_CLIPPING if self.group_clipper is not None else ())
+        return {name: getattr(self.args, name, None) for name in names}
+
+    def check_fixed_arguments(self) -> None:
+        """At a step's start and before its release: the arguments the run's mechanism was set up from when
+        ``train()`` began (:data:`FIXED_DURING_RUN`) are unchanged (DESIGN invariant 6: a released step is the
+        mechanism recorded). A callback that changed one (``accountant``, ``poisson_sampling``, ``dp_seed``,
+        ``secure_mode``, ``clipping``, ...) was silently ignored by the steps while the record and the card reported
+        the new value (session 12 review: ``poisson_sampling`` False → True had shuffled batches recorded as Poisson
+        sampling, ``dp_seed`` → None had a fixed seed recorded as secret, ``secure_mode`` → True had the ordinary
+        generator recorded as secure). Refused before anything more is released."""
+        if self._fixed is None:
+            return
+        now = self.fixed_arguments()
+        changed = [(name, old, now[name]) for name, old in self._fixed.items() if now.get(name) != old]
+        if changed:
+            what = "; ".join(f"{name} from {old!r} to {new!r}" for name, old, new in changed)
+            raise RuntimeError(
+                f"hf_dp: the arguments changed during train(): {what}. The run's mechanism (accountant, sampler and "
+                "its seed, noise source, clipping, noise allocation, privacy unit) was set up from them when train() "
+                "began and does not follow them, but the privacy record and the model card read them, so they would "
+                "describe steps that did not run. Nothing of this step was released. Set these arguments before "
+                "train() (only noise_multiplier, target_epsilon and target_delta are followed during train(); "
+                "per_sample_max_grad_norm, clipping_function and automatic_clipping_gamma too with flat clipping, "
+                "between steps)."
+            )
 
     def follow_sigma(self) -> None:
         """``noise_multiplier`` changed in the arguments during ``train()`` (a callback's noise schedule): from this
@@ -185,15 +243,40 @@ class Mechanism:
             self._recount_allowance()             # went on to ε = 21 against target_epsilon = 3)
 
     def follow_target(self) -> None:
-        """``target_epsilon`` changed in the arguments during ``train()``: the steps this ``train()`` may still take
-        are counted again against the new budget (σ stays the one the run began with), before this step is released;
-        a budget already spent stops the run at once (the budget stop: nothing more released). Before, the change was
-        ignored: the run spent the old budget while the record and the card reported the new target."""
-        target = self.args.target_epsilon
-        if target == self._target_asked:
+        """``target_epsilon`` or ``target_delta`` changed in the arguments during ``train()``: the steps this
+        ``train()`` may still take are counted again against the new budget (σ stays the one the run began with),
+        before this step is released; a budget already spent stops the run at once (the budget stop: nothing more
+        released). Before, the change was ignored: the run spent the old budget while the record and the card
+        reported the new target (or ε at the new, smaller δ above the target). A new δ must stay below 1/N
+        (``guarantee.check_delta``)."""
+        target, delta = self.args.target_epsilon, self.args.target_delta
+        if target == self._target_asked and delta == self._delta_asked:
             return
-        self._target_asked = target
+        if delta != self._delta_asked:  # ε is reported at δ: a smaller δ is a larger ε for the same steps (session
+            check_delta(self.delta, self.num_units)  # 12 review: δ 1e-3 → 1e-8 ran to ε = 6.8 against target 3)
+        self._target_asked, self._delta_asked = target, delta
         self._recount_allowance()
+
+    def follow_set_sigma(self) -> None:
+        """σ set on the trainer during ``train()`` (``trainer.noise_multiplier = ...``: the mechanism's attribute, not
+        the arguments): each step already records the σ it is noised with; this checks the new σ as at train start
+        (σ·C finite; adaptive clipping's split real) and, with ``target_epsilon``, counts the steps still allowed
+        again at it before this step is released. Before (session 12 review), σ lowered this way to 0.3 under
+        ``target_epsilon`` = 3 ran to ε = 29 (the allowance stayed the one counted at train start)."""
+        sigma = self.noise_multiplier
+        if self._sigma_counted is None or sigma == self._sigma_counted:
+            return
+        if sigma is None:
+            raise ValueError(
+                "hf_dp: trainer.noise_multiplier was set to None during train(): the step cannot be noised. Set a "
+                "number (σ), or end this train() and call train() again with target_epsilon to calibrate σ."
+            )
+        check_noise_std(sigma, self.args.per_sample_max_grad_norm)
+        if self.group_clipper is not None:
+            self.quantile_noise()  # adaptive clipping: σ_new = (σ⁻² − K/(2σ_b)²)^(-1/2) must stay real
+        if self.args.target_epsilon is not None:
+            self._recount_allowance()
+        self._sigma_counted = sigma
 
     def _recount_allowance(self) -> None:
         """The steps this ``train()`` may still release, counted again at the current σ against the current
@@ -202,6 +285,7 @@ class Mechanism:
         remaining = max((planned if planned is not None else self.accountant.steps) - self.accountant.steps, 0)
         more = steps_within_budget(self.epsilon_after, remaining, self.args.target_epsilon)
         self.allowed_steps = None if more is None else self.accountant.steps - self.steps_at_run_begin + more
+        self._sigma_counted = self.noise_multiplier
         logger.info("hf_dp: during train(), σ = %s and target_epsilon = %s: %s more step(s) allowed",
                     self.noise_multiplier, self.args.target_epsilon, "unlimited" if more is None else more)
 
@@ -279,6 +363,7 @@ class Mechanism:
         the budget allows."""
         args = self.args
         self._sigma_asked, self._target_asked = args.noise_multiplier, args.target_epsilon
+        self._delta_asked, self._fixed = args.target_delta, None
         if self.noise_multiplier is None:
             self.check_budget_left()
             try:
@@ -301,6 +386,8 @@ class Mechanism:
         # The allowance counts from here: the Trainer may begin its training loop again within one train()
         # (auto_find_batch_size after running out of memory), with the steps released before already counted.
         self.steps_at_run_begin = self.accountant.steps
+        self._fixed = self.fixed_arguments()  # what the mechanism is set up from (check_fixed_arguments)
+        self._sigma_counted = self.noise_multiplier  # the σ the allowance is counted at (follow_set_sigma)
 
     def resume_from(self, record: Any) -> None:
         """Resuming from a checkpoint's :class:`~hf_dp.record.PrivacyRecord`: its accountant (ε continues from its

@@ -127,7 +127,9 @@ class _DPCallback(TrainerCallback):
         check_optimizer_updates_in_step(self.trainer.optimizer)  # LOMO, *_layerwise: would train nothing
         if self.trainer._fsdp is None:  # (FSDP2 holds the sharded parameters) a trainable one not held: trains nothing
             check_optimizer_holds(self.trainer.optimizer, self.trainer.model, "at train start")
-            check_no_gradient_hooks(self.trainer.model, "at train start")  # a gradient hook cannot act per example
+        # a gradient hook cannot act per example (FSDP2 too: it runs the sharded parameters' post-accumulate hooks on
+        # the reduced clipped sum before the noise)
+        check_no_gradient_hooks(self.trainer.model, "at train start")
         self.trainer._start_state_guard()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -166,6 +168,8 @@ class _DPGradientCheck(TrainerCallback):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer._fsdp is not None:  # (without FSDP: in check_step_gradients) FSDP2 runs post-accumulate hooks
+            check_no_gradient_hooks(self.trainer.model, "before this optimizer step; nothing of it applied")
         self.trainer._check_step_gradients()
         guard = self.trainer._state_guard
         if not guard.hooked:  # else the optimizer's own pre-step hook checks, after every callback

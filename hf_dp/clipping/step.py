@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..accounting import PrivacyAccountant
-from ..guarantee import StepGradientGuard
+from ..guarantee import StepGradientGuard, check_no_gradient_hooks
 from ..noise import NoiseGenerator
 from .engine import ClippingEngine
 from .modes import GroupClipper
@@ -269,6 +269,9 @@ class DPStep(abc.ABC):
         exception escaping it (``KeyboardInterrupt``, running out of memory, a refusal) discards the step first."""
         if self._chunk_in_step == 0 and self.has_partial_step():
             self.discard_step("the state of an earlier step was still held when a step began")
+        if self._chunk_in_step == 0:  # a gradient hook added since train start (a callback's on_train_begin /
+            # on_step_end) would see this step's clipped sum before the noise (two-pass; FSDP2's post-accumulate hooks)
+            check_no_gradient_hooks(model, "at this step's start; nothing of it computed")
         try:
             return self.training_step(model, inputs)
         except BaseException as err:

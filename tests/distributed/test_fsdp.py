@@ -145,6 +145,19 @@ def test_fsdp2_q_or_c_changed_inside_a_step_is_refused_before_its_release(fsdp_r
         assert ok == {"outcome": "trained", "history": [[0.5, 2]]}, ok
 
 
+def test_fsdp2_gradient_hook_is_refused_before_it_sees_the_unnoised_sum(fsdp_run):
+    """Review (session 12): the gradient-hook refusal was skipped under FSDP2, which runs the sharded parameters'
+    post-accumulate hooks after the reduce-scatter, on the clipped sum before the noise (a hook saw a gradient of norm
+    1e-4 where the released one had 0.35; an optimizer-in-backward would apply it un-noised). Refused at the step's
+    start on every rank: the hook never runs, nothing is released."""
+    _, _, infos = fsdp_run
+    for info in infos:
+        hook = info["gradient_hook"]
+        assert hook["outcome"].startswith("ValueError: hf_dp: these trainable parameters carry a hook on their "
+                                          "gradient (at this step's start"), hook["outcome"][:300]
+        assert hook["hook_ran"] == 0 and hook["steps"] == 0, hook
+
+
 def test_fsdp2_noise_added_once_per_coordinate(fsdp_run):
     _, params, infos = fsdp_run
     noisy = [p["noisy"][0] for p in params]

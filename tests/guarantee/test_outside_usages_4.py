@@ -56,7 +56,9 @@ def test_gradient_hook_on_a_trainable_parameter_is_refused_at_train_start(tmp_pa
 
 def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_step(tmp_path):
     """A callback that hooks a gradient after step 1 (a post-accumulate hook, as optimizer-in-backward recipes use):
-    refused before step 2's optimizer step, nothing of it applied; step 1 was released as usual."""
+    refused at step 2's start (review, session 12: it was refused before step 2's optimizer step, after step 2's
+    backward had run the hook; with the two-pass step it saw the un-noised clipped sum), nothing of it computed;
+    step 1 was released as usual."""
     from transformers import TrainerCallback
 
     class HookAfterFirstStep(TrainerCallback):
@@ -65,10 +67,52 @@ def test_gradient_hook_added_during_training_is_refused_before_the_optimizer_ste
 
     args = neighbour_args(tmp_path, 4, max_steps=2)
     trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookAfterFirstStep()])
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at this step's start; nothing of it "
+                                         r"computed\): classifier\.weight"):
+        trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_gradient_hook_added_by_a_callback_added_after_construction_never_sees_the_unnoised_sum(tmp_path):
+    """Review (session 12): a callback added with ``trainer.add_callback`` after construction runs its
+    ``on_train_begin`` after DPTrainer's train-start check (a tracker's ``wandb.watch`` is set up there). Its hook
+    passed the train-start check, and with the two-pass step (gradient checkpointing) step 1's backward ran it on the
+    clipped sum before the noise (here it kept that un-noised gradient; a tracker would log it), before the refusal
+    at the optimizer step. Refused at the step's start: the hook never runs."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class WatchGradients(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.classifier.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+
+    args = neighbour_args(tmp_path, 4, gradient_checkpointing=True)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+    trainer.add_callback(WatchGradients())
+    with pytest.raises(ValueError, match=r"carry a hook on their gradient \(at this step's start; nothing of it "
+                                         r"computed\): classifier\.weight"):
+        trainer.train()
+    assert seen == [] and trainer.accountant.steps == 0
+
+
+def test_gradient_hook_added_inside_a_step_is_refused_before_the_optimizer_step(tmp_path):
+    """A hook added between a step's accumulation chunks (after the step-start check): refused before the optimizer
+    step, nothing of it applied."""
+    from transformers import TrainerCallback
+
+    class HookBetweenChunks(TrainerCallback):
+        def on_substep_end(self, args, state, control, model=None, **kwargs):
+            if not model.classifier.weight._post_accumulate_grad_hooks:
+                model.classifier.weight.register_post_accumulate_grad_hook(lambda p: None)
+
+    args = neighbour_args(tmp_path, 4, ga=2)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=bert_data(4), callbacks=[HookBetweenChunks()])
+    before = params(trainer.model)
     with pytest.raises(ValueError, match=r"carry a hook on their gradient \(before this optimizer step; nothing of "
                                          r"it applied\): classifier\.weight"):
         trainer.train()
-    assert trainer.state.global_step == 1
+    assert all(torch.equal(p, before[k]) for k, p in params(trainer.model).items())
 
 
 def test_peft_adapter_that_projects_its_gradients_by_hooks_is_refused(tmp_path):
@@ -228,6 +272,83 @@ def test_noise_multiplier_lowered_by_a_callback_under_a_target_stays_within_the_
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
                 args.noise_multiplier = 0.55
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerNoise()])
+    trainer.train()
+    assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
+    assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
+
+
+# ---------------------------------------------------------------------- every other argument of the mechanism
+def test_target_delta_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
+    """Review (session 12): with ``target_epsilon`` = 3 at δ = 1e-3, a callback lowering δ to 1e-5 after step 1 was
+    ignored by the budget: the run took all 20 steps and the record reported ε = 4.6 at δ = 1e-5 against target 3
+    (ε is reported at δ; a smaller δ is a larger ε for the same steps). The steps allowed are counted again."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerDelta(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                args.target_delta = 1e-5
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
+                             target_delta=1e-3, accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerDelta()])
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.delta == 1e-5 and record.epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
+    assert trainer.budget_exhausted
+
+
+@pytest.mark.parametrize("field, before, after", [
+    ("poisson_sampling", False, True),  # shuffled batches recorded as Poisson sampling (its caveat dropped)
+    ("dp_seed", 0, None),  # draws from a fixed seed recorded as a secret one (its note dropped)
+    ("secure_mode", False, True),  # the ordinary generator recorded as secure
+    ("accountant", "rdp", "prv"),  # ε of one accountant recorded under the other's name
+], ids=["poisson_sampling", "dp_seed", "secure_mode", "accountant"])
+def test_argument_the_mechanism_was_set_up_from_changed_by_a_callback_is_refused(tmp_path, field, before, after):
+    """Review (session 12): the accountant, the sampler and its seed, the noise source, the clipping mode, the noise
+    allocation and the privacy unit are set up when train() begins; a callback changing their argument was silently
+    ignored by the steps while the record and the card read the new value (e.g. shuffled batches recorded as Poisson
+    sampling). Refused before anything more is released, naming the field (``Mechanism.check_fixed_arguments``)."""
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class Change(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            setattr(args, field, after)
+
+    args = quick_dp_args(tmp_path, max_steps=3, logging_strategy="no", **{"accountant": "rdp", "dp_seed": 0,
+                                                                       field: before})
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[Change()])
+    with pytest.raises(RuntimeError, match=rf"arguments changed during train\(\): {field} from {before!r} to "
+                                           rf"{after!r}\..*Nothing of this step was released"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
+
+
+def test_noise_multiplier_set_on_the_trainer_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
+    """Review (session 12): ``trainer.noise_multiplier`` (settable: the mechanism's σ) lowered to 0.55 by a callback
+    under ``target_epsilon`` = 3 was noised and recorded, but the steps allowed stayed those counted at train start:
+    with 0.3 the run took all 20 steps to ε = 29. The steps still allowed are counted again at the new σ."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+    from transformers import TrainerCallback
+
+    class LowerNoise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                trainer.noise_multiplier = 0.55
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -8,7 +8,9 @@ Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_w
 2. ``noisy``: σ = SIGMA, 1 step, same seed (same Poisson batches);
 3. ``nan``: σ = 0, 1 step, q = 1, one example's loss is NaN (factor 0; pass 2 must not see it);
 4. ``escape``: ``dp_self_check=False`` and a model whose forward uses ``ln_f.weight`` outside ``ln_f``'s forward
-   (pass 2 is a plain backward, so that use would leak into the update): must be refused before the first update.
+   (pass 2 is a plain backward, so that use would leak into the update): must be refused before the first update;
+5. ``mid_step``: q or C changed by a callback inside a step; ``gradient_hook``: a post-accumulate hook on the sharded
+   parameters (FSDP2 runs it on the clipped sum before the noise): refused before it runs.
 
 Every rank writes the full (gathered) parameters after each step, what it saw, and the run's facts.
 """
@@ -166,6 +168,29 @@ def run_mid_step(out_dir: str) -> dict:
     return results
 
 
+def run_gradient_hook(out_dir: str) -> dict:
+    """A post-accumulate hook on every sharded parameter, registered by a callback added after construction (its
+    ``on_train_begin`` runs after DPTrainer's): FSDP2 runs such hooks after the reduce-scatter, on the clipped sum
+    before the noise. The outcome and how many times the hook ran."""
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(lambda t: seen.append(1))
+
+    torch.manual_seed(0)
+    trainer = ShimDPTrainer(model=tiny_gpt2().double(), args=make_args(out_dir, SIGMA, 1, False),
+                            train_dataset=lm_dataset(N, seed=3))
+    trainer.add_callback(Watch())
+    try:
+        trainer.train()
+        outcome = "trained"
+    except ValueError as err:
+        outcome = f"ValueError: {err}"
+    return {"outcome": outcome, "hook_ran": len(seen), "steps": trainer.accountant.steps}
+
+
 def main(out: str) -> None:
     # 0. FSDP asked for, no shim: accelerate drops the plugin on CPU (DDP) and DPTrainer says so.
     with warnings.catch_warnings(record=True) as caught:
@@ -181,6 +206,7 @@ def main(out: str) -> None:
     nan = run(os.path.join(out, "nan"), 0.0, 1, save=False, nan=True)
     escape = run_escape(os.path.join(out, "escape"))
     mid_step = run_mid_step(os.path.join(out, "mid_step"))
+    gradient_hook = run_gradient_hook(os.path.join(out, "gradient_hook"))
     tr = clean["trainer"]
     rank = tr.args.process_index
     torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"]},
@@ -195,7 +221,7 @@ def main(out: str) -> None:
             "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
             "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
             "nan_stats": nan["trainer"]._fsdp.stats, "nan_nonfinite": nan["trainer"].nonfinite_examples,
-            "escape": escape, "mid_step": mid_step,
+            "escape": escape, "mid_step": mid_step, "gradient_hook": gradient_hook,
         }, f)
 
 
