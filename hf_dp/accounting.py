@@ -405,6 +405,11 @@ class PrivacyAccountant:
         ``"pld (prv-accountant failed numerically)"``, ``"rdp"`` or ``"rdp (prv-accountant and pld failed
         numerically)"`` (None before the first query)."""
 
+    def use(self, accountant: str, eps_error: float) -> None:
+        """Compute ε of the whole history with ``accountant`` at ``eps_error`` from now on (the arguments of a later
+        ``train()`` name another one: the record then names the accountant that computes its ε)."""
+        self.accountant, self.eps_error = _check_accountant(accountant), _check_eps_error(eps_error)
+
     def __repr__(self) -> str:
         return (f"PrivacyAccountant(accountant={self.accountant!r}, eps_error={self.eps_error}, "
                 f"delta_error={self.delta_error}, steps={self.steps}, records={len(self.history)})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,8 @@ class Mechanism:
         self._delta_asked: float | None = args.target_delta  # target_delta as train() began (follow_target)
         self._fixed: dict[str, Any] | None = None  # FIXED_DURING_RUN as train() began (check_fixed_arguments)
         self._sigma_counted: float | None = None  # the σ the steps allowed were last counted at (follow_set_sigma)
+        #: whether any run of this model used a fixed dp_seed, the ordinary generator, shuffled batches (record_fields)
+        self.ever: dict[str, bool] = {"fixed_seed": False, "not_secure": False, "shuffled": False}
 
     # ------------------------------------------------------------------ N, B, q, δ
     @property
@@ -388,12 +391,19 @@ class Mechanism:
         self.steps_at_run_begin = self.accountant.steps
         self._fixed = self.fixed_arguments()  # what the mechanism is set up from (check_fixed_arguments)
         self._sigma_counted = self.noise_multiplier  # the σ the allowance is counted at (follow_set_sigma)
+        self.accountant.use(args.accountant, args.accountant_eps_error)  # changed since the last train(): followed
+        self.ever["fixed_seed"] |= args.dp_seed is not None
+        self.ever["not_secure"] |= not args.secure_mode
+        self.ever["shuffled"] |= not args.poisson_sampling
 
     def resume_from(self, record: Any) -> None:
         """Resuming from a checkpoint's :class:`~hf_dp.record.PrivacyRecord`: its accountant (ε continues from its
         mechanisms), its σ unless ``noise_multiplier`` is given, its clipping thresholds; a changed q or C is said
         (the accountant composes both mechanisms)."""
         self.accountant = record.accountant
+        self.ever["fixed_seed"] |= record.dp_seed == "fixed"
+        self.ever["not_secure"] |= not record.secure_mode
+        self.ever["shuffled"] |= not record.poisson_sampling
         if self.group_clipper is not None and record.group_clipping:
             self.group_clipper.load_state_dict(record.group_clipping)  # thresholds continue where they were
         if self.args.noise_multiplier is None:
@@ -439,11 +449,23 @@ class Mechanism:
         return {k: round(v, 6) for k, v in out.items()}
 
     # ------------------------------------------------------------------ the record
+    def recorded_args(self) -> SimpleNamespace:
+        """The arguments as the record and the guarantee notes describe the model's runs: during and after a run the
+        values the mechanism was set up from (:data:`FIXED_DURING_RUN`, whatever the arguments say since), and
+        across runs the weakest of them (a fixed ``dp_seed``, the ordinary generator or shuffled batches in any run
+        of this model, resumed ones included, stay said)."""
+        args = SimpleNamespace(**{**vars(self.args), **(self._fixed or {})})
+        if self.ever["fixed_seed"] and args.dp_seed is None:
+            args.dp_seed = "an earlier run's"
+        args.secure_mode = bool(args.secure_mode) and not self.ever["not_secure"]
+        args.poisson_sampling = bool(args.poisson_sampling) and not self.ever["shuffled"]
+        return args
+
     def record_fields(self, sigma: float | None) -> dict[str, Any]:
         """The mechanism's part of the run's :class:`~hf_dp.record.PrivacyRecord` (σ given: the run's, or a planned
         one): δ, σ, q, N, B, C, the target, the clipping and its thresholds, the noise allocation, the unit, the
         sampling, the accountant's name and the noise source."""
-        args = self.args
+        args = self.recorded_args()
         gc = self.group_clipper
         thresholds = adaptive = group_state = None
         if gc is not None:
@@ -470,7 +492,7 @@ class Mechanism:
             target_epsilon=plain(args.target_epsilon),
             clipping=str(plain(args.clipping)),
             poisson_sampling=bool(args.poisson_sampling),
-            accountant_name=str(args.accountant),
+            accountant_name=str(self.accountant.accountant),
             noise_allocation=str(plain(self.noise_allocation or "global")),
             group_thresholds=thresholds,
             adaptive_clipping=adaptive,

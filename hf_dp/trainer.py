@@ -921,7 +921,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         (flatness regularisers, audits, ...). An empty list means the guarantee is strict.
         """
         early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in self.callback_handler.callbacks)
-        notes = setting_notes(self.args, self.noise_multiplier, early_stopping,  # guarantee.py
+        notes = setting_notes(self.mechanism.recorded_args(), self.noise_multiplier, early_stopping,  # guarantee.py
                               bool(self._hyperparameter_trials or getattr(self, "hp_search_backend", None) is not None))
         notes.extend(self._history.notes(str(self.args.privacy_unit or "example"),
                                          self.args.user_id_column if self.user_level else None))

@@ -334,6 +334,35 @@ def test_argument_the_mechanism_was_set_up_from_changed_by_a_callback_is_refused
                                            rf"{after!r}\..*Nothing of this step was released"):
         trainer.train()
     assert trainer.accountant.steps == 1
+    # the record describes the step that ran, not the changed argument (it read the arguments live)
+    record = trainer.privacy_record()
+    described = {"poisson_sampling": record.poisson_sampling, "dp_seed": record.dp_seed,
+                 "secure_mode": record.secure_mode, "accountant": record.accountant_name}
+    assert described[field] == {"poisson_sampling": False, "dp_seed": "fixed", "secure_mode": False,
+                                "accountant": "rdp"}[field]
+
+
+def test_arguments_changed_between_runs_are_described_for_the_whole_history(tmp_path):
+    """Between two ``train()`` calls on one trainer: a fixed ``dp_seed`` in the first run and none in the second was
+    recorded as a secret seed (the first run's noise is predictable: the note must stay); ``accountant`` changed from
+    rdp to prv was recorded as prv while ε kept coming from rdp. The record and the notes describe every run: the
+    fixed seed stays said; the named accountant is the one that computes ε of the whole history."""
+    import warnings
+
+    from helpers import cls_dataset, quick_dp_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = quick_dp_args(tmp_path, max_steps=1, logging_strategy="no", accountant="rdp", dp_seed=0)
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3))
+    trainer.train()
+    args.dp_seed, args.accountant, args.max_steps = None, "prv", 2
+    trainer.train()
+    record = trainer.privacy_record()
+    assert record.dp_seed == "fixed" and "fixed dp_seed" in trainer.dp_guarantee
+    assert record.accountant_name == trainer.accountant.accountant == "prv" and trainer.accountant.steps == 3
+    trainer.accountant.get_epsilon(record.delta)
+    assert trainer.accountant.accountant_used.startswith(("prv", "pld"))
 
 
 def test_noise_multiplier_set_on_the_trainer_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
