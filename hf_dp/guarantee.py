@@ -513,6 +513,11 @@ class StepGradientGuard:
             )
 
 
+def named(names: list[str], shown: int = 6) -> str:
+    """The first ``shown`` of ``names`` for a message, and how many more."""
+    return ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")
+
+
 def check_optimizer_holds(optimizer: Any, params: Iterable[tuple[str, nn.Parameter]] | nn.Module, where: str) -> None:
     """Every parameter the DP step releases a gradient for is applied by ``optimizer.step()`` (DESIGN invariant 14).
     One the optimizer does not hold (an optimizer built before ``peft_config`` added the adapter, an adapter switched
@@ -528,7 +533,7 @@ def check_optimizer_holds(optimizer: Any, params: Iterable[tuple[str, nn.Paramet
     if missing:
         raise ValueError(
             f"hf_dp: the optimizer does not hold these trainable parameters ({where}): "
-            f"{', '.join(missing[:6])}" + (f" (+{len(missing) - 6} more)" if len(missing) > 6 else "")
+            f"{named(missing)}"
             + ". The DP step releases a gradient for every trainable parameter and "
             "only optimizer.step() applies it, so they would never train, while their gradients take part in every "
             "example's clipping and ε is reported for the run. Freeze them, or build the optimizer over the model "
@@ -566,7 +571,7 @@ def check_no_gradient_hooks(params: Iterable[tuple[str, nn.Parameter]] | nn.Modu
     if hooked:
         raise ValueError(
             f"hf_dp: these trainable parameters carry a hook on their gradient ({where}): "
-            f"{', '.join(hooked[:6])}" + (f" (+{len(hooked) - 6} more)" if len(hooked) > 6 else "")
+            f"{named(hooked)}"
             + " (Tensor.register_hook / register_post_accumulate_grad_hook). Such a hook acts on the gradient of the "
             "whole batch, but DP-SGD clips each example's gradient and adds noise to their sum: the hook could not "
             "act per example, so it would be silently skipped, or (with gradient checkpointing, or under FSDP) would "

@@ -234,81 +234,7 @@ def test_noise_multiplier_changed_by_a_callback_is_the_noise_released_and_record
     assert [(m.noise_multiplier, m.steps) for m in trainer.accountant.history] == [(0.0, 1), (1e4, 1)]
 
 
-def test_target_epsilon_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
-    """A callback lowers the budget after step 1 (target_epsilon 3 → 1.5): the run spent the old budget (20 steps,
-    ε = 2.97) while the record and the card reported target ε = 1.5. The steps are now counted again against the new
-    budget before each release; the run stops when one more step would exceed it."""
-    import warnings
-
-    from helpers import cls_dataset, quick_dp_args
-    from transformers import TrainerCallback
-
-    class LowerBudget(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                args.target_epsilon = 1.5
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
-                             accountant="rdp")
-    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[LowerBudget()])
-    trainer.train()
-    record = trainer.privacy_record()
-    assert record.target_epsilon == 1.5 and record.epsilon() <= 1.5 and 1 < trainer.accountant.steps < 20
-    assert trainer.budget_exhausted
-
-
-def test_noise_multiplier_lowered_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
-    """Review of the σ schedule (session 12): with ``target_epsilon`` = 3, a callback lowering σ to 0.55 after step 1
-    was followed for the noise but not for the budget: the run took all 20 steps and spent ε = 21 (at σ = 0.3) while
-    the record said target 3. The steps still allowed are counted again at the new σ; the run stops within 3."""
-    import warnings
-
-    from helpers import cls_dataset, quick_dp_args
-    from transformers import TrainerCallback
-
-    class LowerNoise(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                args.noise_multiplier = 0.55
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
-                             accountant="rdp")
-    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerNoise()])
-    trainer.train()
-    assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
-    assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
-
-
 # ---------------------------------------------------------------------- every other argument of the mechanism
-def test_target_delta_lowered_by_a_callback_is_the_budget_the_run_stops_at(tmp_path):
-    """Review (session 12): with ``target_epsilon`` = 3 at δ = 1e-3, a callback lowering δ to 1e-5 after step 1 was
-    ignored by the budget: the run took all 20 steps and the record reported ε = 4.6 at δ = 1e-5 against target 3
-    (ε is reported at δ; a smaller δ is a larger ε for the same steps). The steps allowed are counted again."""
-    import warnings
-
-    from helpers import cls_dataset, quick_dp_args
-    from transformers import TrainerCallback
-
-    class LowerDelta(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                args.target_delta = 1e-5
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
-                             target_delta=1e-3, accountant="rdp")
-    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerDelta()])
-    trainer.train()
-    record = trainer.privacy_record()
-    assert record.delta == 1e-5 and record.epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
-    assert trainer.budget_exhausted
-
-
 @pytest.mark.parametrize("field, before, after", [
     ("poisson_sampling", False, True),  # shuffled batches recorded as Poisson sampling (its caveat dropped)
     ("dp_seed", 0, None),  # draws from a fixed seed recorded as a secret one (its note dropped)
@@ -365,25 +291,56 @@ def test_arguments_changed_between_runs_are_described_for_the_whole_history(tmp_
     assert trainer.accountant.accountant_used.startswith(("prv", "pld"))
 
 
-def test_noise_multiplier_set_on_the_trainer_by_a_callback_under_a_target_stays_within_the_target(tmp_path):
-    """Review (session 12): ``trainer.noise_multiplier`` (settable: the mechanism's σ) lowered to 0.55 by a callback
-    under ``target_epsilon`` = 3 was noised and recorded, but the steps allowed stayed those counted at train start:
-    with 0.3 the run took all 20 steps to ε = 29. The steps still allowed are counted again at the new σ."""
+def lower_target(args, trainer):
+    args.target_epsilon = 1.5
+
+
+def lower_delta(args, trainer):
+    args.target_delta = 1e-5
+
+
+def lower_sigma(args, trainer):
+    args.noise_multiplier = 0.55
+
+
+def set_lower_sigma(args, trainer):
+    trainer.noise_multiplier = 0.55
+
+
+@pytest.mark.parametrize("change, target, delta, sigmas", [
+    # target_epsilon 3 → 1.5: the run spent the old budget (20 steps, ε = 2.97) while the record said target 1.5
+    (lower_target, 1.5, None, None),
+    # δ 1e-3 → 1e-5 (ε is reported at δ): all 20 steps, ε = 4.6 at δ = 1e-5 against target 3 (review)
+    (lower_delta, 3.0, 1e-5, None),
+    # args.noise_multiplier → 0.55 under the target: noised at it, but the allowance stayed (ε = 21 at 0.3; lead)
+    (lower_sigma, 3.0, None, [0.55]),
+    # trainer.noise_multiplier (the mechanism's σ, settable) → 0.55: the same (ε = 29 at 0.3; review)
+    (set_lower_sigma, 3.0, None, [0.55]),
+], ids=["target_epsilon", "target_delta", "args_noise_multiplier", "trainer_noise_multiplier"])
+def test_budget_changed_by_a_callback_during_train_is_the_budget_the_run_stops_at(tmp_path, change, target, delta,
+                                                                                  sigmas):
+    """Session 12 (redteam4, its review): a callback changing the budget (``target_epsilon``, ``target_delta``) or
+    the noise (σ, in the arguments or on the trainer) after step 1 of a run with ``target_epsilon`` = 3: the steps
+    still allowed were those counted at train start, so the run went on to ε above the target the record reported.
+    They are now counted again at the new values before each release; the run stops within the target."""
     import warnings
 
     from helpers import cls_dataset, quick_dp_args
     from transformers import TrainerCallback
 
-    class LowerNoise(TrainerCallback):
+    class Change(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                trainer.noise_multiplier = 0.55
+                change(args, trainer)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         args = quick_dp_args(tmp_path, max_steps=20, logging_strategy="no", noise_multiplier=None, target_epsilon=3.0,
-                             accountant="rdp")
-    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[LowerNoise()])
+                             target_delta=None if delta is None else 1e-3, accountant="rdp")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(40, 3), callbacks=[Change()])
     trainer.train()
-    assert trainer.privacy_record().epsilon() <= 3.0 and 1 < trainer.accountant.steps < 20
-    assert [m.noise_multiplier for m in trainer.accountant.history][1:] == [0.55]
+    record = trainer.privacy_record()
+    assert record.target_epsilon == target and record.delta == (delta or record.delta) and record.epsilon() <= target
+    assert 1 < trainer.accountant.steps < 20 and trainer.budget_exhausted
+    if sigmas is not None:
+        assert [m.noise_multiplier for m in trainer.accountant.history][1:] == sigmas
