@@ -374,11 +374,13 @@ def add_tokens(cache: dict[str, Any]) -> dict[str, Any]:
     return cache
 
 
-def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], list[int]]], tokenizer: Any
-                      ) -> dict[str, list[torch.Tensor]]:
+def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], list[int]]], tokenizer: Any,
+                      seq_len: int | None = None) -> dict[str, list[torch.Tensor]]:
     """Per split, each review's token ids (truncated to the cache's length), in the cache's row order; refused unless
-    every review's label and token count equal the cache's (then they are the reviews whose states it holds)."""
-    seq_len = cache["settings"][2]
+    every review's label and token count equal the cache's (then they are the reviews whose states it holds).
+    ``seq_len``: the truncation length when the cache's ``settings`` are not fine-food's ``[n_train, n_test, seq_len]``
+    (``utility_unseen.py``'s Austen cache, session 12)."""
+    seq_len = cache["settings"][2] if seq_len is None else seq_len
     tokens = {}
     for split, (text, labels) in texts.items():
         ids = tokenizer(text, truncation=True, max_length=seq_len)["input_ids"]
@@ -402,8 +404,8 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
     if method == "full":  # the main example's model, pretrained, end to end from tokens (session 11)
         ex = _example()
         model = ex.BertMeanPoolingForSequenceClassification.from_pretrained(
-            ex.default_model_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            classifier_dropout=None)
+            ex.default_model_path(), num_labels=config.num_labels, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, classifier_dropout=None)  # num_labels: the cache's (Austen: 6)
         return model
     model = TopLayersForSequenceClassification(config)
     model.layer.load_state_dict(cache["top_state"])

@@ -22,6 +22,9 @@ so a key means the same settings on both tasks. Results go to their own JSON (on
     python benchmarks/utility_unseen.py --seeds 43,44      # the same runs, other seeds
     python benchmarks/utility_unseen.py --runs 'top2|8.0|clip|adam|head_lr=0.1|lr=0.001|batch=512|max_steps=32'
     python benchmarks/utility_unseen.py --table-only       # the table from the JSON
+
+Method ``full`` (session 12: the whole model end to end from the passages' token ids, :func:`add_tokens`) runs by its
+``utility.py`` keys too, e.g. ``--runs 'full|8.0|clip|adam|head_lr=0.1|lr=0.001|batch=512|max_steps=32'``.
 """
 
 from __future__ import annotations
@@ -150,10 +153,33 @@ def build_cache(path: Path, n_train: int = N_TRAIN, n_test: int = N_TEST) -> dic
     return out
 
 
+# --------------------------------------------------------------------------- method full (whole model; session 12)
+def add_tokens(cache: dict[str, Any], splits: dict[str, Any] | None = None, tokenizer: Any = None) -> dict[str, Any]:
+    """``utility.add_tokens`` for the Austen cache (method ``full``: the whole model end to end from tokens):
+    ``cache["tokens"][split]``, the token ids of :func:`austen_splits`' passages (the same split, order, labels and
+    64-token truncation as the cached states), kept in memory only; ``utility.tokens_like_cache`` refuses them unless
+    every passage's label and token count equal the cache's. ``splits`` / ``tokenizer``: given in tests."""
+    if "tokens" in cache:
+        return cache
+    settings = cache["settings"]  # ["austen", CHUNK_CHARS, SPLIT_SEED, n_train, n_test, SEQ_LEN]
+    if splits is None:
+        splits, _ = austen_splits(settings[3], settings[4])
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        ex = _load("hf_dp_example_text_cls", ROOT / "examples" / "dp_text_classification.py")
+        tokenizer = AutoTokenizer.from_pretrained(ex.default_model_path())
+    texts = {split: (part["text"], part["label"]) for split, part in splits.items()}
+    cache["tokens"] = utility.tokens_like_cache(cache, texts, tokenizer, seq_len=settings[5])
+    return cache
+
+
 def run_clip_only(cache: dict[str, Any], run: dict[str, Any], seed: int) -> dict[str, Any]:
     """A diagnostic, not a private run: the DP run of ``run`` (same Poisson batches, clipping, optimizer and learning
     rates as ``utility.run_one``'s) with σ = 0 — whatever it loses to non-private is the clipping's (and the Poisson
     batches'), the rest of the DP run's loss is the noise's."""
+    if run["method"] == "full":  # session 12: not built for the whole model (tokens, freeze)
+        raise ValueError(f"clip-only diagnostic: not for the whole model (method full), {utility.key(run)!r}")
     if math.isinf(run["epsilon"]) or run["method"].startswith("probe_") or run["optim"] != "adam":
         raise ValueError(f"clip-only diagnostic: a DP (clip | automatic, adam) run, not {utility.key(run)!r}")
     method = run["method"]
@@ -256,6 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if (utility.key(run), seed) in done:
                     continue
                 tmp = Path("/tmp/hf_dp_utility_austen") / utility.key(run).replace("|", "_")
+                if run["method"] == "full":  # session 12: the whole model trains from the passages' token ids
+                    add_tokens(cache)
                 rec = (run_clip_only(cache, run, seed) if args.clip_only
                        else utility.run_one(cache, run, tmp, seed, 1.0))
                 rec["task"] = "austen"

