@@ -168,12 +168,20 @@ def _save(out: Path, saved: dict[str, Any], records: list[dict[str, Any]]) -> No
 
 
 def run_keys(out: Path, saved: dict[str, Any], records: list[dict[str, Any]], cache: dict[str, Any],
-             keys: list[str], seeds: list[int], extra: dict[str, Any], tmp: str) -> None:
-    """``utility.run_one`` for each (seed, key) not yet in ``records``, each record (with ``extra``) saved at once."""
+             keys: list[str], seeds: list[int], extra: dict[str, Any], tmp: str,
+             reuse: list[dict[str, Any]] | None = None) -> None:
+    """``utility.run_one`` for each (seed, key) not yet in ``records``, each record (with ``extra``) saved at once.
+    ``reuse``: earlier records of the same task (``--reuse``); a (key, seed) found there is copied, marked
+    ``reused_from``, instead of run again (same key, cache and seed: the same run)."""
     done = {(utility.key(r), r["seed"]) for r in records}
+    earlier = {(utility.key(r), r["seed"]): r for r in reuse or []}
     for seed in seeds:
         for k in keys:
             if (k, seed) in done:
+                continue
+            if (k, seed) in earlier:
+                records.append({**earlier[k, seed], **extra, "reused_from": saved.get("reused_from")})
+                _save(out, saved, records)
                 continue
             run = utility.parse_key(k)
             rec = utility.run_one(cache, run, Path(tmp) / k.replace("|", "_"), seed, 1.0)
@@ -240,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--austen-cache", default=os.path.expanduser("~/.cache/hf_dp/utility_austen_cache.pt"))
     p.add_argument("--baseline", default="benchmarks/utility_austen.json",
                    help="Session 11's Austen runs (the fine-food recipe), shown beside the choices' in the table.")
+    p.add_argument("--reuse", default=None,
+                   help="--stage austen: an earlier Austen JSON (e.g. benchmarks/utility_austen.json) whose records "
+                        "of a chosen key and seed are copied (marked reused_from) instead of run again.")
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -270,9 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         labels = np.asarray(cache["test"]["labels"])
         austen.update(majority=float(np.bincount(labels).max() / len(labels)), books=cache["books"],
                       task="Austen test split (utility_unseen.py), settings chosen on the fortunes proxy's validation")
+        reuse = json.loads(Path(args.reuse).read_text())["runs"] if args.reuse else None
+        if args.reuse:
+            austen["reused_from"] = args.reuse
         run_keys(austen_out, austen, austen_records, cache, chosen, [int(s) for s in args.seeds.split(",")],
                  {"task": "austen", "chosen_on": f"fortunes proxy validation, seed {CHOICE_SEED}"},
-                 "/tmp/hf_dp_utility_austen_proxy")
+                 "/tmp/hf_dp_utility_austen_proxy", reuse)
     print(f"proxy (fortunes) validation majority class: {100 * proxy.get('majority', float('nan')):.1f} %")
     print("\n".join(proxy_table(proxy_records)))
     print("\nchoices:\n" + "\n".join(choices(proxy_records)))

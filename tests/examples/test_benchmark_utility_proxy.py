@@ -55,3 +55,14 @@ def test_choice_is_best_accuracy_ties_to_the_earlier_and_refuses_a_partial_list(
         bench.choose(records[:6], "lora", 8.0)
     with pytest.raises(ValueError, match="no proxy run"):  # non-private is its own choice: DP records do not count
         bench.choose(records, "lora", math.inf)
+
+
+def test_reuse_copies_the_same_key_and_seed_instead_of_running(bench, tmp_path):
+    key = bench.candidates("lora", 8.0)[0]
+    earlier = [{**bench.utility.parse_key(key), "seed": 42, "accuracy": 0.735, "task": "austen"}]
+    records: list = []
+    saved = {"reused_from": "benchmarks/utility_austen.json"}
+    bench.run_keys(tmp_path / "out.json", saved, records, None, [key], [42], {"chosen_on": "proxy"}, str(tmp_path),
+                   earlier)  # cache None: a run would fail, so nothing ran
+    assert records == [{**earlier[0], "chosen_on": "proxy", "reused_from": "benchmarks/utility_austen.json"}]
+    assert (tmp_path / "out.json").is_file()
