@@ -269,7 +269,8 @@ class Fallback:
         if bad:
             sequence_first = [f"{self.name}.{n}" if n else self.name for n, m in self.module.named_modules()
                               if getattr(m, "batch_first", None) is False]
-            if sequence_first:  # its examples are on axis 1, which the re-run (examples on axis 0) does not read
+            if sequence_first and all(len(shape) > 1 and shape[1] == batch_size for shape in bad):
+                # its examples are on axis 1, which the re-run (examples on axis 0) does not read
                 raise self._enclosable(UnsupportedLayerError(
                     f"{self.name} ({cls}) {self._whose()}, and it is built with batch_first=False "
                     f"({', '.join(sequence_first)}): its inputs and output are sequence-first, (length, batch, "
