@@ -207,3 +207,18 @@ def test_sequence_first_attention_trains_exactly(tmp_path):
 
     torch.manual_seed(0)
     check_exact(Attend(batch_first=False), cls_dataset(4, 3), tmp_path, per_example_loss=cross_entropy)
+
+
+# ---------------------------------------------------------------------- several GPUs in one process
+def test_several_gpus_in_one_process_are_refused_at_construction(tmp_path, monkeypatch):
+    """A machine with several GPUs and a plain ``python train.py``: the Trainer wraps the model in
+    ``torch.nn.DataParallel`` at ``train()`` (``args.n_gpu > 1``), whose replicas run the layers in threads; nothing
+    refused it. Refused at construction with the ways out (one process per GPU, or one GPU visible). The machine is
+    simulated: ``n_gpu`` is what the Trainer reads."""
+    from hf_dp import DPTrainingArguments
+
+    args = neighbour_args(tmp_path, 4)
+    monkeypatch.setattr(DPTrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"2 GPUs are visible to one process.*torch\.nn\.DataParallel.*Launch one "
+                                         r"process per GPU.*CUDA_VISIBLE_DEVICES=0"):
+        DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
