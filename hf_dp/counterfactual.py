@@ -103,7 +103,9 @@ WAYS_OUT = (
     "that depends on the longest sequence of the batch (use a fixed scaling: rope_type 'linear', 'yarn' or "
     "'llama3'); a data collator that mixes rows, copies data between them, or whose padding changes an example's "
     "loss (make it treat every row on its own); a model or per_example_loss that normalises over the padded length "
-    "or pools across the batch. (A collator that reorders the rows of a batch also fails this check.)"
+    "or pools across the batch, or a per_example_loss that reads other rows' outputs (in-batch negatives) or divides "
+    "by a count over the batch (compute each example's loss from its own row). (A collator that reorders the rows "
+    "of a batch also fails this check.)"
 )
 
 

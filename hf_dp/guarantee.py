@@ -878,6 +878,7 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
                          neftune_noise_alpha: Any) -> None:
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
     records: a batch-normalised ``compute_loss_func``, an iterable training set (N unknown, no Poisson sampling),
+    several GPUs in one process (``torch.nn.DataParallel``),
     DeepSpeed sharding, processes launched but run independently (each spends the budget again), NEFTune's
     data-dependent noise, Liger Kernel's fused linear-cross-entropy (no logits, one batch loss), a
     ``train_sampling_strategy`` other than ``"random"`` (the DP loader never builds the Trainer's sampler). ``args``:
@@ -889,6 +890,17 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
         )
     if isinstance(train_dataset, torch.utils.data.IterableDataset):
         raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+    n_gpu = getattr(args, "n_gpu", 1)
+    if isinstance(n_gpu, int) and n_gpu > 1:
+        raise ValueError(
+            f"{n_gpu} GPUs are visible to one process, so the Trainer would wrap the model in torch.nn.DataParallel, "
+            "which splits each micro-batch over replicas of the model run in parallel threads. hf_dp's per-example "
+            "hooks and first-step checks are built for one forward of the model per micro-batch, on one process per "
+            "device (DDP, FSDP2), and DataParallel is not supported (transformers refuses its own module hooks under "
+            "it for the same reason: the replicas are new modules). Launch one process per GPU (`accelerate launch "
+            "--multi_gpu` or `torchrun`: DDP, one noise draw per step) or make one GPU visible "
+            "(CUDA_VISIBLE_DEVICES=0)."
+        )
     if deepspeed:
         raise ValueError(
             "DPTrainer does not support DeepSpeed sharding: the per-example hooks need whole parameters on each "

@@ -42,6 +42,7 @@ __all__ = [
     "check_models_own_loss",
     "labels_to_compare",
     "default_per_example_loss",
+    "check_rows_are_examples",
     "decoder_input_ids_from_labels",
     "decoder_attention_mask_from_labels",
     "is_seq2seq_lm",
@@ -392,6 +393,23 @@ def labels_to_compare(task: str, inputs: dict, labels: torch.Tensor) -> torch.Te
         else ids.clone()
 
 
+def check_rows_are_examples(model: nn.Module) -> None:
+    """Refuse a head that folds a dimension of each example into the batch dimension inside its forward: every layer
+    then sees ``batch x num_choices`` rows for ``batch`` examples, so no layer's per-row gradient is an example's
+    (DESIGN invariant 1), whatever the loss: ``*ForMultipleChoice`` (``input_ids`` of shape (batch, choices, length)
+    viewed as (batch·choices, length)). Called for every model, with or without ``per_example_loss``: with a loss of
+    the user's own it failed at the first step with a bare shape mismatch of torch's."""
+    base = _base_model(model)
+    cls = type(base).__name__
+    if cls in _names("MULTIPLE_CHOICE") or cls.endswith("ForMultipleChoice"):
+        raise ValueError(
+            f"{cls} folds the choices into the batch dimension (batch x num_choices rows reach every layer), so "
+            "the layers' per-row gradients are not per example and hf_dp cannot clip them per example; a custom "
+            "per_example_loss does not change this. Put all choices of an example in one sequence instead (a causal "
+            "LM scoring the answer, or a *ForSequenceClassification head over the concatenated choices)."
+        )
+
+
 def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
     """Choose the per-example loss for a model by its head, as transformers' auto classes know it: the model's own
     loss on a batch of one (what the plain ``Trainer`` trains for that example).
@@ -466,13 +484,7 @@ def default_per_example_loss(model: nn.Module) -> tuple[PerExampleLoss, str]:
             return cross_entropy_classification_loss, f"{kind.lower()}_classification"
     if cls in _names("SEQUENCE_CLASSIFICATION") or cls.endswith("ForSequenceClassification"):
         return sequence_classification_loss(config=config), "sequence_classification"
-    if cls in _names("MULTIPLE_CHOICE") or cls.endswith("ForMultipleChoice"):
-        raise ValueError(
-            f"{cls} folds the choices into the batch dimension (batch x num_choices rows reach every layer), so "
-            "the layers' per-row gradients are not per example and hf_dp cannot clip them per example; a custom "
-            "per_example_loss does not change this. Put all choices of an example in one sequence instead (a causal "
-            "LM scoring the answer, or a *ForSequenceClassification head over the concatenated choices)."
-        )
+    check_rows_are_examples(model)
     if cls in _names("QUESTION_ANSWERING") or cls.endswith("ForQuestionAnswering"):
         raise ValueError(
             f"{cls} takes its targets as two columns (start_positions, end_positions), and DPTrainer needs one "

@@ -25,7 +25,8 @@ from torch import nn
 from .clipping.rules import UnsupportedLayerError
 
 __all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "check_adapter_objective",
-           "adapter_summary", "adapter_advice", "explain_adapter_refusal"]
+           "adapter_summary", "adapter_advice", "explain_adapter_refusal", "data_initialised_adapters",
+           "data_initialisation_note", "data_initialisation_warning"]
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -104,6 +105,60 @@ def check_adapter_objective(model: nn.Module) -> None:
                 "forward, where it cannot be clipped per example). Set `AdaLoraConfig(..., orth_reg_weight=0.0)`: "
                 "AdaLoRA's adapters are then trained exactly, per example."
             )
+
+
+#: LoRA initialisations (``init_lora_weights``) that PEFT computes from data the user runs through the model, not
+#: from the weights alone: EVA (Paischer et al. 2024, explained-variance adaptation: the SVD of each layer's inputs),
+#: CorDA (Yang et al. 2024: the covariance of each layer's inputs) and LoRA-GA (Wang et al. 2024: the gradients of the
+#: loss). What they read, by the PEFT call that feeds them the data.
+DATA_INITIALISATIONS = {
+    "eva": "the SVD of the layers' inputs on the batches given to initialize_lora_eva_weights",
+    "corda": "the covariance of the layers' inputs on the data run by preprocess_corda",
+    "lora_ga": "the gradients of the loss on the batches given to preprocess_loraga",
+}
+
+
+def data_initialised_adapters(model: nn.Module) -> list[str]:
+    """The adapters of ``model`` whose initial weights PEFT computed from data (:data:`DATA_INITIALISATIONS`), each
+    ``"'name' (init_lora_weights='eva': what it read)"``; empty for other models and initialisations (the default,
+    Gaussian, PiSSA, OLoRA, LoftQ, ... read the weights only).
+
+    Such weights are released with the model (the adapter starts from them, and the update adds to them), but they
+    were computed from that data without noise, outside the DP mechanism: if the data was the private training data,
+    the released model depends on it beyond ε (DESIGN invariant 13: a model carries what was done to it)."""
+    if not is_peft_model(model):
+        return []
+    out = []
+    for name, config in getattr(model, "peft_config", {}).items():
+        init = getattr(config, "init_lora_weights", None)
+        if not isinstance(init, str):
+            continue
+        key = "corda" if init.lower().startswith("corda") else init.lower()
+        if key in DATA_INITIALISATIONS:
+            out.append(f"{name!r} (init_lora_weights={init!r}: {DATA_INITIALISATIONS[key]})")
+    return out
+
+
+def data_initialisation_note(model: nn.Module) -> str | None:
+    """The ``dp_guarantee`` note for adapters initialised from data (:func:`data_initialised_adapters`), or None.
+    One note, without ``"; "`` (the card lists notes split there)."""
+    found = data_initialised_adapters(model)
+    if not found:
+        return None
+    return ("adapter weights initialised from data before DP training, without noise (" + ", ".join(found) + "): "
+            "not covered if that data is private")
+
+
+def data_initialisation_warning(model: nn.Module) -> str | None:
+    """What the trainer says once, at construction, of adapters initialised from data; None if there are none."""
+    found = data_initialised_adapters(model)
+    if not found:
+        return None
+    return ("hf_dp: the adapter " + ", ".join(found) + " was initialised from data before DP training. Those initial "
+            "weights were computed without noise and are released with the model, so the DP guarantee does not "
+            "cover them unless that data is public: dp_guarantee (dp_state.json, the model card) says \"not "
+            "strict\". Run the initialisation on public data only, or use a data-free one (init_lora_weights=True, "
+            "'gaussian', 'pissa', 'olora').")
 
 
 def adapter_summary(model: nn.Module) -> dict[str, Any]:

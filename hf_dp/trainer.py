@@ -79,6 +79,7 @@ from .losses import (
     PerExampleLoss,
     check_loss_per_example,
     check_models_own_loss,
+    check_rows_are_examples,
     default_per_example_loss,
     is_seq2seq_lm,
     labels_to_compare,
@@ -86,7 +87,14 @@ from .losses import (
 )
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
-from .peft_support import adapter_advice, apply_peft_config, check_adapter_objective, per_example_prompts
+from .peft_support import (
+    adapter_advice,
+    apply_peft_config,
+    check_adapter_objective,
+    data_initialisation_note,
+    data_initialisation_warning,
+    per_example_prompts,
+)
 from .plan import NOISE_TO_SIGNAL_WARNING  # noqa: F401 - imported from here by callers
 from .record import PrivacyRecord, describe_optimizer, describe_trained_parameters, model_base_model, plain
 from .release import (
@@ -205,6 +213,12 @@ class _DPHistoryCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer._record_model_history(tag=True)
+
+    def dp_guarantee_notes(self) -> list[str]:
+        """What was done to the model before this run that the guarantee does not cover: adapter weights that PEFT
+        initialised from data (EVA, CorDA, LoRA-GA; ``peft_support.data_initialisation_note``)."""
+        note = data_initialisation_note(self.trainer._unwrapped_model())
+        return [] if note is None else [note]
 
 
 class _StepHooks:
@@ -422,9 +436,10 @@ class _HistoryAndUnitWiring:
         msg = earlier_runs_message(self._history, str(self.args.privacy_unit or "example"),
                                    self.args.user_id_column if self.user_level else None,
                                    budgeted=self.args.target_epsilon is not None)
-        if msg is not None:
-            logger.warning(msg)
-            warnings.warn(msg, UserWarning, stacklevel=4)
+        for said in (msg, data_initialisation_warning(unwrapped)):  # adapters initialised from data: peft_support
+            if said is not None:
+                logger.warning(said)
+                warnings.warn(said, UserWarning, stacklevel=4)
 
     def _record_model_history(self, tag: bool) -> None:
         """This run's entry brought up to date from the accountant; with ``tag``, the model's configs and parameters
@@ -540,6 +555,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         book-keeping step (``clipping/local.py``). Called at construction and whenever the model or its trainable
         set changes (``model_init``, a parameter unfrozen before ``train()``)."""
         check_not_compiled(self.model)  # (model_init may return one)
+        check_rows_are_examples(self.model)  # a head that folds each example into several rows, whatever the loss
         if self._dp_step is not None:  # a rebuild in train(); a frozen model may still be read (accountant, plan)
             check_something_trainable(self.model)
         per_example_prompts(self.model)
@@ -571,8 +587,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         self._fsdp = self._dp_step if fsdp else None
 
     def _step_pieces(self) -> StepPieces:
-        """What the DP step gets from the trainer (``clipping/step.py``): the engine, the group clipper, the
-        arguments, the run's mechanism (read live) and the trainer's hooks (:class:`_StepHooks`)."""
+        """What the DP step gets (``clipping/step.py``): engine, group clipper, arguments, mechanism, hooks."""
         return StepPieces(engine=self.clipping_engine, group_clipper=self.group_clipper, args=self.args,
                           grad_guard=self._grad_guard, mechanism=self.mechanism, hooks=_StepHooks(self),
                           realised_loss=self._realised_loss)

@@ -464,10 +464,13 @@ class FirstStepChecks:
                 problem = norm_alone_problem(i, float(batched[i]), alone, batch_size, self._rtol(rtol), mode)
                 if problem is not None:
                     raise UnsupportedLayerError(
-                        f"{problem}: the model mixes examples (batch statistics, "
-                        "attention or pooling across the batch, or an input shared by the batch), so per-example "
-                        "clipping would not bound an example's contribution. Find the layer that computes across "
-                        "the batch and freeze it or replace it by a per-example one."
+                        f"{problem}: the model or the per-example loss mixes examples (batch statistics, "
+                        "attention or pooling across the batch, or an input shared by the batch; a per_example_loss "
+                        "that reads other examples' outputs, such as in-batch negatives, or that divides by a count "
+                        "over the batch, such as its number of tokens), so per-example clipping would not bound an "
+                        "example's contribution. Find the layer that computes across the batch and freeze it or "
+                        "replace it by a per-example one; make per_example_loss compute each example's loss from its "
+                        "own row of the outputs only."
                     )
         finally:
             self._restore_state(saved)

@@ -267,6 +267,19 @@ class Fallback:
             bad = [tuple(t.shape) for t, ax in zip(outs, axes) if ax is None]
             self.out_axes = axes
         if bad:
+            sequence_first = [f"{self.name}.{n}" if n else self.name for n, m in self.module.named_modules()
+                              if getattr(m, "batch_first", None) is False]
+            if sequence_first and all(len(shape) > 1 and shape[1] == batch_size for shape in bad):
+                # its examples are on axis 1, which the re-run (examples on axis 0) does not read
+                raise self._enclosable(UnsupportedLayerError(
+                    f"{self.name} ({cls}) {self._whose()}, and it is built with batch_first=False "
+                    f"({', '.join(sequence_first)}): its inputs and output are sequence-first, (length, batch, "
+                    f"features) (output shapes {bad} for a micro-batch of {batch_size}), while hf_dp re-runs a module "
+                    "per example along the first axis, so its per-example gradients cannot be computed. Build it "
+                    "with batch_first=True (nn.MultiheadAttention, nn.TransformerEncoderLayer / DecoderLayer, "
+                    "nn.Transformer) and drop the transposes around it, freeze these parameters "
+                    "(requires_grad_(False)), or train the model through a PEFT adapter (LoRA)."
+                ))
             raise self._enclosable(UnsupportedLayerError(
                 f"{self.name} ({cls}) {self._whose()}, and its output has no per-example axis (output shapes "
                 f"{bad} for a micro-batch of {batch_size}), "

@@ -483,8 +483,10 @@ class FSDPFlatClipping(DPStep):
         if _all_max(problem is not None, args.device):
             raise UnsupportedLayerError(
                 (problem or "On another rank, an example's gradient norm differs between its micro-batch and alone")
-                + ": the model mixes examples (an input broadcast over the batch, batch statistics, or a layer whose "
-                "input has no batch axis), so per-example clipping would not bound an example's contribution."
+                + ": the model or the per-example loss mixes examples (an input broadcast over the batch, batch "
+                "statistics, or a layer whose input has no batch axis; a per_example_loss that reads other examples' "
+                "outputs or divides by a count over the batch), so per-example clipping would not bound an example's "
+                "contribution."
             )
 
     @torch.no_grad()
