@@ -128,7 +128,7 @@ def tiny_kwargs(cfg) -> dict:
         if isinstance(value, bool) or value is None and key not in SCALAR:
             continue
         if key in SCALAR and (value is None or isinstance(value, int)):
-            if value is None and key not in ("head_dim",):
+            if value is None and key not in ("head_dim", "num_key_value_heads"):  # None: "as many as the heads"
                 continue
             out[key] = SCALAR[key]
         elif "vocab_size" in key and isinstance(value, int) and value > SMALL_TOKEN:
@@ -146,6 +146,8 @@ def tiny_kwargs(cfg) -> dict:
             new = _shrink_list(key, value)
             if new is not value:
                 out[key] = new
+    if "vocab_size" in d and d["vocab_size"] is None:  # ESM: no default vocabulary
+        out["vocab_size"] = SMALL_TOKEN
     # audio front ends
     if "num_mel_bins" in d:
         out["num_mel_bins"] = 16
@@ -179,6 +181,11 @@ def tiny_kwargs(cfg) -> dict:
     return out
 
 
+TASK_OVERRIDES: dict[tuple[str, str], dict] = {
+    ("reformer", "causal_lm"): dict(is_decoder=True),  # ReformerModelWithLMHead asserts it; the masked LM the converse
+}
+
+
 def build(model_type: str, task: str):
     import torch
     from transformers import CONFIG_MAPPING
@@ -191,6 +198,9 @@ def build(model_type: str, task: str):
 
     model_cls = getattr(transformers, cls_name)
     cfg_cls = CONFIG_MAPPING[model_type]
+    own = getattr(model_cls, "config_class", None)  # Llama 4 / Emu3 causal LMs take the text sub-config
+    if isinstance(own, type) and issubclass(own, transformers.PreTrainedConfig) and own is not cfg_cls:
+        cfg_cls = own
     cfg = cfg_cls()
     kw = tiny_kwargs(cfg)
     if task == "seq2seq" or getattr(cfg, "is_encoder_decoder", False):
@@ -198,11 +208,12 @@ def build(model_type: str, task: str):
         for key, value in (("decoder_start_token_id", 0), ("pad_token_id", 0), ("eos_token_id", 1)):
             if getattr(cfg, key, None) is None:
                 kw[key] = value
-    if task in ("seq_cls", "token_cls") and getattr(cfg, "pad_token_id", None) is None:
+    if task in ("seq_cls", "token_cls", "masked_lm") and getattr(cfg, "pad_token_id", None) is None:
         kw["pad_token_id"] = 0  # decoders' sequence classification finds the last token by the pad id
         if isinstance(kw.get("text_config"), dict):
             kw["text_config"]["pad_token_id"] = 0
     kw.update(OVERRIDES.get(model_type, {}))
+    kw.update(TASK_OVERRIDES.get((model_type, task), {}))
     try:
         cfg = cfg_cls(**kw, experts_implementation="eager")
     except TypeError:
@@ -210,6 +221,9 @@ def build(model_type: str, task: str):
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     model = model_cls(cfg)
+    languages = getattr(cfg, "languages", None)
+    if hasattr(model, "set_default_language") and languages:  # X-MOD: one adapter per language
+        model.set_default_language(languages[0])
     return model, cls_name
 
 
@@ -222,6 +236,11 @@ OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own
     "mamba2": MAMBA2,
     "bamba": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
                   mamba_chunk_size=8),
+    "dbrx": dict(attn_config=dict(kv_n_heads=1, attn_pdrop=0.0, rope_theta=10000.0, clip_qkv=8.0)),  # DbrxAttention reads it
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),  # shared block: 2 users
+    "reformer": dict(axial_pos_embds_dim=[8, 8], axial_pos_shape=[2, 3], attn_layers=["local", "lsh"],
+                     local_attn_chunk_length=2, lsh_attn_chunk_length=2, num_buckets=2, num_hashes=1,
+                     hidden_size=16, feed_forward_size=24, max_position_embeddings=6),
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
                              mamba_chunk_size=8),
 }
@@ -346,6 +365,8 @@ def run_one(model_type: str, task: str) -> dict:
                 rec["status"] = label
                 break
             except AssertionError as e:
+                if "/helpers/" not in traceback.extract_tb(e.__traceback__)[-1].filename:
+                    raise  # the model's own assert (Reformer's backward in eval mode), not the comparison
                 rec["status"] = "wrong"
                 msg = str(e)
                 rec["message"] = " ".join(msg.split())[:600]
