@@ -155,8 +155,8 @@ ENCODERS = {
     "reformer": lambda: tf.ReformerForSequenceClassification(tf.ReformerConfig(
         vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8, feed_forward_size=24,
         attn_layers=["local", "lsh"], axial_pos_embds_dim=[8, 8], axial_pos_shape=[2, 3], max_position_embeddings=6,
-        local_attn_chunk_length=2, lsh_attn_chunk_length=2, num_buckets=2, num_hashes=1, hash_seed=0, pad_token_id=0, num_labels=3,
-        hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, classifier_dropout=0.0)),
+        local_attn_chunk_length=2, lsh_attn_chunk_length=2, num_buckets=2, num_hashes=1, hash_seed=0, pad_token_id=0,
+        num_labels=3, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, classifier_dropout=0.0)),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
