@@ -142,6 +142,9 @@ def tiny_kwargs(cfg) -> dict:
         elif isinstance(value, float) and ("dropout" in key or "pdrop" in key or "drop_path" in key
                                            or "layerdrop" in key or "jitter" in key):  # random in train mode
             out[key] = 0.0
+        elif isinstance(value, list) and value and all(isinstance(v, float) for v in value) and (
+                "drop" in key or "pdrop" in key):  # CvT: one drop-path rate per stage
+            out[key] = [0.0] * len(value)
         elif isinstance(value, list):
             new = _shrink_list(key, value)
             if new is not value:
@@ -245,6 +248,12 @@ OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own
     "gemma3n_text": dict(num_kv_shared_layers=0),  # the default (15) shares more layers than the 2 kept
     "longformer": dict(attention_window=4), "led": dict(attention_window=4),  # windows of 512 on 6 tokens: NaN rows
     "layoutlmv3": dict(coordinate_size=2, shape_size=4, visual_embed=False),  # 4 * 2 + 2 * 4 = hidden 16; text only
+    "bit": dict(num_groups=4),  # GroupNorm(32) on 16 channels
+    "cvt": dict(depth=[1, 2, 3]),  # CvtStage indexes its drop-path rates by the stage: depth[i] > i
+    "lilt": dict(hidden_size=24),  # the layout branch: hidden / 6 per box coordinate and hidden / 4 wide
+    "hgnet_v2": dict(stem_channels=[3, 8, 16], stage_in_channels=[16, 16, 16, 16], stage_mid_channels=[8, 8, 8, 8],
+                     stage_out_channels=[16, 16, 16, 16], stage_numb_of_layers=[2, 2, 2, 2]),
+    "musicgen": dict(num_codebooks=1), "musicgen_melody": dict(num_codebooks=1),  # input_ids (B * codebooks, T)
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=8, mamba_expand=2, mamba_n_groups=1, mamba_d_state=8,
                              mamba_chunk_size=8),
 }
@@ -295,6 +304,8 @@ def make_data(model, task: str):
         vision = getattr(cfg, "vision_config", None) or cfg  # CLIP / SigLIP classifiers: the vision sub-config
         size = getattr(vision, "image_size", 64)  # CNNs without one: big enough to keep 2x2 maps at the end
         size = size if isinstance(size, (list, tuple)) else (size, size)
+        if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            size = tuple(max(s, 64) for s in size)  # a batch-of-one BatchNorm needs maps larger than 1x1 at the end
         ch = getattr(vision, "num_channels", 3)
         x = torch.randn(N, ch, *size, generator=g, dtype=torch.float64)
         return [{"pixel_values": x[i], "labels": y[i]} for i in range(N)]
