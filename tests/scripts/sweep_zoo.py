@@ -25,6 +25,7 @@ is restarted after the model it was running.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -248,6 +249,8 @@ OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own
     "gemma3n_text": dict(num_kv_shared_layers=0),  # the default (15) shares more layers than the 2 kept
     "longformer": dict(attention_window=4), "led": dict(attention_window=4),  # windows of 512 on 6 tokens: NaN rows
     "layoutlmv3": dict(coordinate_size=2, shape_size=4, visual_embed=False),  # 4 * 2 + 2 * 4 = hidden 16; text only
+    "mobilevitv2": dict(patch_size=2),  # 2x2 maps at the last stage
+    "efficientnet": dict(width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320),  # 320 = 1280 * 0.25
     "bit": dict(num_groups=4),  # GroupNorm(32) on 16 channels
     "cvt": dict(depth=[1, 2, 3]),  # CvtStage indexes its drop-path rates by the stage: depth[i] > i
     "lilt": dict(hidden_size=24),  # the layout branch: hidden / 6 per box coordinate and hidden / 4 wide
@@ -277,7 +280,16 @@ def make_data(model, task: str):
 
     cfg = model.config
     if task == "causal_lm":
-        return lm_dataset(N, seq_len=SEQ)
+        data = lm_dataset(N, seq_len=SEQ)
+        if getattr(cfg, "num_codebooks", None) == 1:  # MusicGen: labels (T, codebooks)
+            data = data.map(lambda row: {"labels": [[t] for t in row["labels"]]})
+        vision = getattr(cfg, "vision_config", None)
+        if vision is not None and "pixel_values" in inspect.signature(model.forward).parameters:  # GIT: captions
+            g = torch.Generator().manual_seed(0)
+            size = vision.image_size
+            x = torch.randn(N, vision.num_channels, size, size, generator=g, dtype=torch.float64)
+            data = [{**{k: torch.tensor(v) for k, v in data[i].items()}, "pixel_values": x[i]} for i in range(N)]
+        return data
     if task == "seq2seq":
         return seq2seq_dataset(N)
     if task == "speech_seq2seq":  # audio inputs as for audio classification, token labels as for seq2seq
