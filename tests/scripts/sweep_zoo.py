@@ -187,6 +187,7 @@ def tiny_kwargs(cfg) -> dict:
 
 TASK_OVERRIDES: dict[tuple[str, str], dict] = {
     ("reformer", "causal_lm"): dict(is_decoder=True),  # ReformerModelWithLMHead asserts it; the masked LM the converse
+    ("perceiver", "masked_lm"): dict(max_position_embeddings=SEQ),  # its decoder queries every position
 }
 
 
@@ -251,6 +252,7 @@ OVERRIDES: dict[str, dict] = {  # where the generic shrink breaks a config's own
     "layoutlmv3": dict(coordinate_size=2, shape_size=4, visual_embed=False),  # 4 * 2 + 2 * 4 = hidden 16; text only
     "mobilevitv2": dict(patch_size=2),  # 2x2 maps at the last stage
     "efficientnet": dict(width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320),  # 320 = 1280 * 0.25
+    "moonshine_streaming": dict(num_key_value_heads=2),  # its decoder reads it; the config class has no default
     "bit": dict(num_groups=4),  # GroupNorm(32) on 16 channels
     "cvt": dict(depth=[1, 2, 3]),  # CvtStage indexes its drop-path rates by the stage: depth[i] > i
     "lilt": dict(hidden_size=24),  # the layout branch: hidden / 6 per box coordinate and hidden / 4 wide
@@ -323,6 +325,8 @@ def make_data(model, task: str):
         return [{"pixel_values": x[i], "labels": y[i]} for i in range(N)]
     if task == "audio_cls":
         name = model.main_input_name
+        if name == "inputs" and hasattr(model, "encoder"):  # SpeechEncoderDecoderModel: its encoder's input
+            name, cfg = model.encoder.main_input_name, model.encoder.config
         if hasattr(cfg, "max_length") and hasattr(cfg, "num_mel_bins"):  # AST: (frames, mel) as input_values
             x = torch.randn(N, cfg.max_length, cfg.num_mel_bins, generator=g, dtype=torch.float64)
         elif name == "input_features" and hasattr(cfg, "feature_projection_input_dim"):  # W2V-BERT, Seamless
