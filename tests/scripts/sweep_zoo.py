@@ -314,6 +314,8 @@ def make_data(model, task: str):
         return token_dataset(N, num_labels=VOCAB, seq_len=SEQ)
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (N,), generator=g)
+    if task == "image_cls" and model.main_input_name == "input_ids":  # ImageGPT: pixels as colour-cluster tokens
+        return cls_dataset(N, num_labels=3, seq_len=SEQ)
     if task == "image_cls":
         vision = getattr(cfg, "vision_config", None) or cfg  # CLIP / SigLIP classifiers: the vision sub-config
         size = getattr(vision, "image_size", 64)  # CNNs without one: big enough to keep 2x2 maps at the end
