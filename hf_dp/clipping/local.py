@@ -13,6 +13,7 @@ once and divided by the expected batch size (``noise.py``; the noise is all-redu
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,10 +22,12 @@ from torch import nn
 from ..noise import privatize
 from ..peft_support import adapter_advice
 from .checks import check_rtol
-from .engine import ClippingEngine, train_without_dropout
+from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .modes import flat_clip_factors
 from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
 from .two_pass import RandomState, clipped_backward, flat_clipping_passes
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LocalDPStep", "first_step_check", "unit_layout"]
 
@@ -201,6 +204,29 @@ def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: n
                 engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
         if args.dp_self_check and b >= 2:
             net.eval()
-            engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
+            _eval_mode_check(engine, run_losses, b, rtol)
     finally:
         net.train(was_training)
+
+
+def _eval_mode_check(engine: ClippingEngine, run_losses: Any, b: int, rtol: float) -> None:
+    """The eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms alone).
+
+    Some models cannot run a backward pass in eval mode at all: Reformer's reversible layers (Kitaev et al. 2020,
+    §3) recompute activations in a custom backward that asserts ``self.training``. Training never runs in eval mode
+    (DPTrainer trains in train mode, whose check has just run and passed), so when the model's own forward or backward
+    raises here, this half is skipped with a warning naming the error instead of crashing the run. A mismatch
+    (UnsupportedLayerError) is still raised."""
+    try:
+        engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
+    except UnsupportedLayerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own error in a mode training never uses
+        engine.clear()
+        for p in engine.params.values():
+            p.grad = None
+        logger.warning(
+            "hf_dp: the eval-mode part of dp_self_check was skipped: the model's forward/backward raised in eval mode "
+            "(%s: %s). Training runs in train mode, where the same check (two examples' gradient norms in the "
+            "micro-batch equal their norms alone, dropout off) ran and passed; the coverage checks ran as usual.",
+            type(e).__name__, " ".join(str(e).split())[:300])

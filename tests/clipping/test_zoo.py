@@ -149,6 +149,14 @@ ENCODERS = {
     # disentangled_att_bias (a mixing point, as v2's disentangled_attention_bias); q_bias / v_bias by the fallback.
     "deberta": enc(tf.DebertaConfig, tf.DebertaForSequenceClassification, relative_attention=True,
                    max_relative_positions=4, pos_att_type=["p2c", "c2p"], pooler_dropout=0.0, initializer_range=0.5),
+    # Reversible layers (Kitaev et al. 2020, §3): the backward recomputes each layer's activations in a custom
+    # autograd.Function that asserts `self.training`, so the eval-mode half of dp_self_check is skipped (a warning);
+    # the hooks fire inside that recomputation. Local + LSH attention, axial position embeddings (the fallback).
+    "reformer": lambda: tf.ReformerForSequenceClassification(tf.ReformerConfig(
+        vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8, feed_forward_size=24,
+        attn_layers=["local", "lsh"], axial_pos_embds_dim=[8, 8], axial_pos_shape=[2, 3], max_position_embeddings=6,
+        local_attn_chunk_length=2, lsh_attn_chunk_length=2, num_buckets=2, num_hashes=1, hash_seed=0, pad_token_id=0,
+        num_labels=3, hidden_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0, classifier_dropout=0.0)),
     "squeezebert": lambda: tf.SqueezeBertForSequenceClassification(tf.SqueezeBertConfig(  # Conv1d, grouped
         vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=24, max_position_embeddings=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
