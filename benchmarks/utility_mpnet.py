@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -156,9 +155,9 @@ def top_model(cache: dict[str, Any], num_labels: int | None = None) -> MPNetTopL
 
 
 def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
-    """``utility.make_model`` for an MPNet cache (called through ``cache["make_model"]``): ``head`` the classifier on the
-    cached pooled features (``utility.FeatureClassifierForSequenceClassification``, as MiniLM's runs), ``lora`` the top
-    layers with :func:`lora_config`. Other methods are refused (not built for MPNet)."""
+    """``utility.make_model`` for an MPNet cache (called through ``cache["make_model"]``): ``head`` the classifier on
+    the cached pooled features (``utility.FeatureClassifierForSequenceClassification``, as MiniLM's runs), ``lora`` the
+    top layers with :func:`lora_config`. Other methods are refused (not built for MPNet)."""
     if method not in METHODS:
         raise ValueError(f"utility_mpnet.py builds methods {', '.join(METHODS)} only, not {method!r}")
     config = MPNetConfig.from_dict(cache["config"])
@@ -266,7 +265,8 @@ def build_cache(path: Path, n_train: int = unseen.N_TRAIN, n_test: int = unseen.
 def parse_key(text: str) -> dict[str, Any]:
     run = utility.parse_key(text)
     if run["method"] not in METHODS:
-        raise ValueError(f"utility_mpnet.py runs methods {', '.join(METHODS)} only, not {run['method']!r} (in {text!r})")
+        raise ValueError(f"utility_mpnet.py runs methods {', '.join(METHODS)} only, not {run['method']!r} "
+                         f"(in {text!r})")
     return run
 
 
@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 if (utility.key(r), r["seed"]) not in seen and r.get("diagnostic") is None:
                     seen.add((utility.key(r), r["seed"]))
                     minilm.append(r)
-    print(f"majority class: {100 * saved.get('majority', float('nan')):.1f} %; cache CPU s: {saved.get('cache_cpu_s')}; "
+    print(f"majority class: {100 * saved.get('majority', float('nan')):.1f} %; "
+          f"cache CPU s: {saved.get('cache_cpu_s')}; "
           f"top-2 check max |diff|: {saved.get('check_max_abs_diff')}")
     print("\n".join(gap_rows(records, minilm)))
     print()

@@ -1,8 +1,8 @@
 """benchmarks/utility_mpnet.py (issue 25, session 13: all-mpnet-base-v2 on Austen): the parts that can be wrong without
 a run, on a tiny random-init MPNet (no download) — the top 2 layers on cached states (with MPNet's relative position
 bias recomputed for the collated batch) are the full model's pooled output, and the cache's check refuses a top model
-that is not; LoRA sits on MPNet's ``q`` / ``v`` through ``utility.make_model``'s hook; each DP run is paired with its own
-non-private counterpart. hf_dp's DP step on MPNet is exact against a per-example loop in tests/clipping/test_zoo.py
+that is not; LoRA sits on MPNet's ``q`` / ``v`` through ``utility.make_model``'s hook; each DP run is paired with its
+own non-private counterpart. hf_dp's DP step on MPNet is exact against a per-example loop in tests/clipping/test_zoo.py
 (its ``mpnet`` entry, flat and per-layer), not repeated here."""
 
 from __future__ import annotations
