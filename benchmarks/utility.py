@@ -395,6 +395,8 @@ def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], l
 
 # --------------------------------------------------------------------------------------------------------- runs
 def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
+    if cache.get("make_model") is not None:  # session 13: another encoder's cache builds its own (utility_mpnet.py)
+        return cache["make_model"](cache, method, seed)
     config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
     config.num_labels = cache.get("num_labels", 2)  # utility_unseen.py's cache: 6 (fine-food: 2)
     config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
