@@ -31,7 +31,6 @@ and seed; a finished (key, seed) is skipped when run again).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
@@ -40,28 +39,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+# HF_HUB_OFFLINE / TOKENIZERS_PARALLELISM: set by utility.py, loaded below before anything imports transformers
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
+    sys.path.insert(0, str(HERE))
+from siblings import load as _load  # noqa: E402
 
-
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-utility = _load("hf_dp_benchmark_utility", HERE / "utility.py")
-unseen = _load("hf_dp_benchmark_utility_unseen", HERE / "utility_unseen.py")
 proxy = _load("hf_dp_benchmark_utility_proxy", HERE / "utility_proxy.py")
+utility, unseen = proxy.utility, proxy.unseen  # the modules utility_proxy.py loaded
 
 LEVELS = (1, 2, 4)  # compute multiples of the session-12 choices; a tie goes to the smaller
 DP_BASE = proxy.LORA_CANDIDATES[6]  # L7: head_lr=0.05|lr=0.01|batch=256|max_steps=64, DP's proxy choice at ε = 8, 3

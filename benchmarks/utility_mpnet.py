@@ -29,7 +29,6 @@ to ``utility.py``). Only methods ``head`` and ``lora`` are built for MPNet. Resu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -38,33 +37,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
+    sys.path.insert(0, str(HERE))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from siblings import load as _load  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import BertConfig, MPNetConfig, MPNetPreTrainedModel  # noqa: E402
 from transformers.masking_utils import create_bidirectional_mask  # noqa: E402
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder, MPNetLayer  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-
-
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-utility = _load("hf_dp_benchmark_utility", HERE / "utility.py")
 unseen = _load("hf_dp_benchmark_utility_unseen", HERE / "utility_unseen.py")
+utility = unseen.utility  # the one utility.py module utility_unseen.py loaded
 
 MODEL_NAME = "all-mpnet-base-v2"
 MODEL_DIR = Path(os.environ.get("HF_DP_MODELS", os.path.expanduser("~/.cache/hf_dp/models"))) / MODEL_NAME

@@ -32,7 +32,6 @@ again).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
@@ -42,28 +41,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+# HF_HUB_OFFLINE / TOKENIZERS_PARALLELISM: set by utility.py, loaded below before anything imports transformers
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
+    sys.path.insert(0, str(HERE))
+from siblings import load as _load  # noqa: E402
 
-
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-utility = _load("hf_dp_benchmark_utility", HERE / "utility.py")
 unseen = _load("hf_dp_benchmark_utility_unseen", HERE / "utility_unseen.py")
+utility = unseen.utility  # the one utility.py module utility_unseen.py loaded
 
 FORTUNE_FILES = ("people", "definitions", "cookie", "computers", "songs-poems", "politics")  # the 6 largest files
 N_TRAIN, N_VAL, SEQ_LEN, SPLIT_SEED = 4000, 2000, 64, 0

@@ -30,7 +30,6 @@ Method ``full`` (session 12: the whole model end to end from the passages' token
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import math
@@ -54,15 +53,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def _load(name: str, path: Path) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
+if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
+    sys.path.insert(0, str(HERE))
+from siblings import load as _load  # noqa: E402
 
 utility = _load("hf_dp_benchmark_utility", HERE / "utility.py")
 
