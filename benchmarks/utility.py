@@ -621,6 +621,13 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=collate)
     if run.get("head_lr") is not None:
         kwargs["optimizers"] = (head_optimizer(model, lr, run["head_lr"]), None)
+    if run["optim"] == "sgd":  # session 13: SGD with momentum 0.9, no per-coordinate normalisation (DP-SGD proper)
+        if run.get("head_lr") is not None:
+            raise ValueError("optim sgd with head_lr: one learning rate for every trainable parameter")
+        kwargs["optimizers"] = (torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                                momentum=0.9), None)
+    elif run["optim"] not in ("adam", "adam_bc"):
+        raise ValueError(f"unknown optim {run['optim']!r}: adam, adam_bc or sgd")
     last_iterate = last_iterate_callbacks(run)  # sched / ema (session 11); [] for every earlier key
     if last_iterate:
         kwargs["callbacks"] = last_iterate
@@ -662,6 +669,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
                       accountant_used=spent.get("accountant_used"),
                       dp_adam_bc_epsilon=args.dp_adam_bc_epsilon if run["optim"] == "adam_bc" else None)
     result["optimizer_group_lrs"] = [g["lr"] for g in trainer.optimizer.param_groups]
+    result["optimizer"] = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__
     result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["wall_s"] = time.perf_counter() - start
     result["cpu_s"] = time.process_time() - cpu0

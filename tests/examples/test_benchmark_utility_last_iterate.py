@@ -1,7 +1,8 @@
 """benchmarks/utility.py's last-iterate settings (issue 25, session 11): ``sched`` and ``ema`` join the run keys
 without changing any earlier key, and a DP run with ``ema`` ends with its trainable weights set to the normalised
 exponential moving average of the iterates — checked against the average written out from the recorded iterates,
-with DPTrainer's released-state guard active (the swap is declared post-processing)."""
+with DPTrainer's released-state guard active (the swap is declared post-processing). And the optimizer of a key
+(session 13): ``sgd`` trains with SGD (momentum 0.9), an unknown name is refused (it trained AdamW silently)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,20 @@ def test_dp_run_ends_at_the_normalised_average_of_its_iterates(bench, tmp_path):
     assert len(w) == 3 and not torch.equal(w[1], w[2])
     expected = (0.25 * w[0] + 0.5 * w[1] + w[2]) / 1.75  # Σ d^(T−t) w_t / Σ d^(T−t), d = 0.5, T = 3
     torch.testing.assert_close(model.classifier.weight.detach().double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_sgd_key_trains_with_sgd_and_an_unknown_optimizer_is_refused(bench, tmp_path):
+    config = BertConfig(hidden_size=4, num_labels=2, num_hidden_layers=1, num_attention_heads=1,
+                        intermediate_size=4, vocab_size=8)
+    g = torch.Generator().manual_seed(0)
+    part = {"features": list(torch.randn(128, 4, generator=g)), "labels": [i % 2 for i in range(128)]}
+    cache = {"config": config.to_dict(), "train": part, "test": part}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for key, optimizer in (("head|8.0|clip|sgd|lr=0.3|batch=64|max_steps=2", "SGD"),
+                               ("head|inf|-|sgd|lr=0.3|batch=64|max_steps=2", "SGD"),
+                               ("head|8.0|clip|adam|lr=0.3|batch=64|max_steps=2", "AdamW")):
+            record = bench.run_one(cache, bench.parse_key(key), tmp_path / optimizer, 0, 1.0)
+            assert record["optimizer"] == optimizer and set(record["optimizer_group_lrs"]) == {0.3}
+        with pytest.raises(ValueError, match="unknown optim 'adamw'"):
+            bench.run_one(cache, bench.parse_key("head|8.0|clip|adamw|lr=0.3"), tmp_path / "x", 0, 1.0)
