@@ -222,9 +222,7 @@ def _eval_mode_check(engine: ClippingEngine, run_losses: Any, b: int, rtol: floa
     except UnsupportedLayerError:
         raise
     except Exception as e:  # noqa: BLE001 - the model's own error in a mode training never uses
-        engine.clear()
-        for p in engine.params.values():
-            p.grad = None
+        # (check_single_examples's own `finally` has already restored the engine and cleared the gradients)
         logger.warning(
             "hf_dp: the eval-mode part of dp_self_check was skipped: the model's forward/backward raised in eval mode "
             "(%s: %s). Training runs in train mode, where the same check (two examples' gradient norms in the "
