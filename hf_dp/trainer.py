@@ -438,7 +438,6 @@ class _HistoryAndUnitWiring:
                                    budgeted=self.args.target_epsilon is not None)
         for said in (msg, data_initialisation_warning(unwrapped)):  # adapters initialised from data: peft_support
             if said is not None:
-                logger.warning(said)
                 warnings.warn(said, UserWarning, stacklevel=4)
 
     def _record_model_history(self, tag: bool) -> None:
@@ -466,7 +465,6 @@ class _HistoryAndUnitWiring:
         msg = self._unit_detail.check(self.train_dataset, self.processing_class,
                                       getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
         if msg is not None:
-            logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=4)
 
     def _privacy_unit_detail(self) -> str | None:
@@ -514,7 +512,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
             check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
             msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
-            logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
         self._custom_loss = per_example_loss is not None
         self.per_example_loss = per_example_loss
@@ -1003,7 +1000,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                                                 else None)
         self.log(block)
         if advice is not None:
-            logger.warning(advice)
             warnings.warn(advice, UserWarning, stacklevel=2)
 
     def privacy_record(self, accountant: PrivacyAccountant | None = None,
@@ -1130,7 +1126,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                        "steps: privacy accounting continues, ε composes over all runs"
                        + (" and σ is calibrated to the budget that is left." if self.args.target_epsilon is not None
                           else "."))
-                logger.warning(msg)
                 warnings.warn(msg, UserWarning, stacklevel=2)
             self.noise_multiplier = self.args.noise_multiplier  # None with target_epsilon: calibrated at train start
         self.mechanism.steps_at_run_begin = self.accountant.steps
