@@ -1,0 +1,137 @@
+"""``label_smoothing_factor`` (the official example scripts' ``--label_smoothing_factor 0.1``): DPTrainer trains
+what the plain ``Trainer`` trains with it, per example.
+
+The oracle is the plain ``transformers.Trainer``'s own ``compute_loss`` with the same ``label_smoothing_factor`` on
+a batch of one (``helpers.trainer_loss``: its ``LabelSmoother``, shifted for causal LMs), float64, σ = 0, clipped and
+summed by ``helpers.oracle``. The smoother sums ``-log p`` over the vocabulary in float32 (transformers'
+``LabelSmoother``), hence rtol 1e-6 instead of 1e-7.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import (
+    VOCAB,
+    assert_refused_before_any_release,
+    check_exact,
+    cls_dataset,
+    dp_args,
+    lm_dataset,
+    seq2seq_dataset,
+    t5_frozen_bias,
+    tiny_bert,
+    tiny_bert_mlm,
+    tiny_bert_token_classification,
+    tiny_gpt2,
+    token_dataset,
+    trainer_loss,
+)
+from helpers.neighbours import assert_neighbours_within_c
+
+from hf_dp import DPTrainer, DPTrainingArguments
+from hf_dp.losses import LabelSmoothedLoss, causal_lm_loss
+
+EPS = 0.1
+RTOL_SMOOTHED = 1e-6  # the Trainer's LabelSmoother sums over the vocabulary in float32
+
+
+def _seq2seq_with_decoder_inputs(n: int) -> Dataset:
+    """Rows as DataCollatorForSeq2Seq gives them: ``decoder_input_ids`` built from the labels by the model's own
+    ``prepare_decoder_input_ids_from_labels`` (the Trainer pops ``labels`` before the forward when it smooths)."""
+    model = t5_frozen_bias()
+    data = seq2seq_dataset(n)
+    return data.add_column("decoder_input_ids", model.prepare_decoder_input_ids_from_labels(
+        labels=torch.tensor(data["labels"])).tolist())
+
+
+HEADS = {
+    "causal_lm": (tiny_gpt2, lambda: lm_dataset(4, seq_len=6)),
+    "sequence_classification": (tiny_bert, lambda: cls_dataset(4, 3)),
+    "token_classification": (tiny_bert_token_classification, lambda: token_dataset(4, 4)),
+    "masked_lm": (tiny_bert_mlm, lambda: token_dataset(4, VOCAB)),
+    "seq2seq_lm": (t5_frozen_bias, lambda: _seq2seq_with_decoder_inputs(4)),
+}
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_label_smoothing_is_the_trainers_own_loss_per_example(tmp_path, head):
+    build, data = HEADS[head]
+    torch.manual_seed(0)
+    model = build().double()
+    trainer = check_exact(model, data(), tmp_path, rtol=RTOL_SMOOTHED, label_smoothing_factor=EPS,
+                          oracle_loss=trainer_loss(model, tmp_path / "plain", label_smoothing_factor=EPS))
+    assert isinstance(trainer.per_example_loss, LabelSmoothedLoss) and trainer.task == head
+
+
+def test_smoothing_changes_the_update(tmp_path):
+    """Not vacuous: the smoothed step differs from the unsmoothed one (same model, same data)."""
+    updates = []
+    for eps in (0.0, EPS):
+        torch.manual_seed(0)
+        model = tiny_gpt2().double()
+        before = [p.detach().clone() for p in model.parameters()]
+        DPTrainer(model=model, args=dp_args(tmp_path / str(eps), 4, label_smoothing_factor=eps),
+                  train_dataset=lm_dataset(4, seq_len=6)).train()
+        updates.append(torch.cat([(b - p.detach()).flatten() for b, p in zip(before, model.parameters())]))
+    assert not torch.allclose(updates[0], updates[1], rtol=1e-4, atol=0)
+
+
+def test_neighbours_within_c_with_label_smoothing(tmp_path):
+    """Adding or removing one example moves the summed clipped update by at most C, smoothing on."""
+    assert_neighbours_within_c(tmp_path, label_smoothing_factor=EPS)
+
+
+def test_multi_label_head_trains_unsmoothed_as_the_trainer_does(tmp_path):
+    """transformers' Trainer turns smoothing off (with a warning) for a multi-label ``problem_type`` set before it
+    is built; DPTrainer then trains the model's own (unsmoothed) loss too."""
+    torch.manual_seed(0)
+    model = tiny_bert()
+    model.config.problem_type = "multi_label_classification"
+    with pytest.warns(UserWarning, match="multi-label"):
+        trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, label_smoothing_factor=EPS),
+                            train_dataset=cls_dataset(4, 3))
+    assert not isinstance(trainer.per_example_loss, LabelSmoothedLoss)
+
+
+def _regression_data(n: int) -> Dataset:
+    data = cls_dataset(n, 2)
+    return data.map(lambda r: {"labels": float(r["labels"]) - 0.5})
+
+
+def test_regression_head_with_smoothing_is_refused_before_any_release(tmp_path):
+    """The Trainer's LabelSmoother gathers log p of an integer label: a regression head cannot be smoothed (the plain
+    Trainer fails at its first loss). Refused at the first step, nothing released."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=tiny_bert(num_labels=1), args=dp_args(tmp_path, 2, label_smoothing_factor=EPS),
+                        train_dataset=_regression_data(4))
+    assert_refused_before_any_release(trainer, "regression head: transformers' LabelSmoother smooths over integer")
+
+
+def test_users_own_loss_wins_and_is_warned_about(tmp_path):
+    """As the plain Trainer's compute_loss_func wins over its label smoother: the user's per_example_loss is trained
+    as written, and the user is told once."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="is not applied to your per_example_loss") as record:
+        trainer = DPTrainer(model=tiny_gpt2(), args=dp_args(tmp_path, 2, label_smoothing_factor=EPS),
+                            train_dataset=lm_dataset(4), per_example_loss=causal_lm_loss)
+    assert trainer.per_example_loss is causal_lm_loss
+    assert sum("per_example_loss" in str(w.message) for w in record) == 1
+
+
+def test_chunked_lm_head_with_smoothing_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunked LM head computes only each token's cross-entropy"):
+        DPTrainingArguments(output_dir=str(tmp_path), noise_multiplier=1.0, label_smoothing_factor=EPS,
+                            lm_loss_chunk_size=4, use_cpu=True)
+
+
+def test_first_step_check_compares_with_the_trainers_label_smoother(tmp_path):
+    """The first-step check compares the smoothed loss with transformers' own LabelSmoother on one example: a
+    smoothed loss that drifts from it (here: the wrong alignment of a causal LM's labels) is refused."""
+    torch.manual_seed(0)
+    trainer = DPTrainer(model=tiny_gpt2(), args=dp_args(tmp_path, 2, label_smoothing_factor=EPS, dp_seed=1),
+                        train_dataset=lm_dataset(4))
+    wrong = trainer.per_example_loss
+    wrong.targets = lambda labels, **kw: labels  # unshifted, where the Trainer shifts
+    assert_refused_before_any_release(trainer, "differs from transformers' LabelSmoother")
