@@ -135,3 +135,57 @@ def test_first_step_check_compares_with_the_trainers_label_smoother(tmp_path):
     wrong = trainer.per_example_loss
     wrong.targets = lambda labels, **kw: labels  # unshifted, where the Trainer shifts
     assert_refused_before_any_release(trainer, "differs from transformers' LabelSmoother")
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_dp_sft_smooths_as_trl_per_packed_example(tmp_path, packing):
+    """trl's SFTTrainer (loss_type "nll") smooths with the Trainer's LabelSmoother, shifted. DPSFTTrainer trains that
+    loss per example, packed or not: against trl's own ``compute_loss`` on each row alone (float64, σ = 0, q = 1)."""
+    pytest.importorskip("trl")
+    import copy
+    import warnings
+
+    from helpers import chat_tokenizer, make_sft_trainer, one_step_against_oracle, sft_args, sft_dataset, tiny_llama
+    from trl import SFTConfig, SFTTrainer
+
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    plain = copy.deepcopy(model)
+    trainer = make_sft_trainer(model, sft_dataset("prompt_completion"),
+                               sft_args(tmp_path, packing=packing, label_smoothing_factor=EPS))
+    assert isinstance(trainer.per_example_loss, LabelSmoothedLoss) and trainer.padding_free is packing
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = SFTTrainer(model=plain, processing_class=chat_tokenizer(), train_dataset=sft_dataset("prompt_completion"),
+                            args=SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none",
+                                           bf16=False, max_length=64, label_smoothing_factor=EPS))
+    grads = []
+    params = {n: p for n, p in plain.named_parameters() if p.requires_grad}
+    for row in oracle.train_dataset:
+        plain.zero_grad(set_to_none=True)
+        oracle.compute_loss(plain, oracle.data_collator([row])).backward()
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+    update, expected = one_step_against_oracle(trainer, grads, expected_batch=4)
+    for n in expected:
+        torch.testing.assert_close(update[n], expected[n], rtol=1e-5, atol=1e-8, msg=n)
+
+
+def test_dpo_ignores_label_smoothing_factor_as_trl_does(tmp_path):
+    """trl's DPO loss never reads ``label_smoothing_factor`` (its own smoothing is ``label_smoothing``), so a DP-DPO
+    run with it set trains exactly trl's DPO loss per row (here against a trl DPOTrainer with it set too)."""
+    pytest.importorskip("trl")
+    import copy
+
+    from helpers import assert_updates_close, one_step_against_oracle, tiny_llama
+    from helpers.preference import dpo_args, dpo_row_grads, dpo_trl_oracle, make_dpo_trainer, pairs
+
+    torch.manual_seed(0)
+    model = tiny_llama().double()
+    args = dpo_args(tmp_path, label_smoothing_factor=EPS)
+    oracle = dpo_trl_oracle(copy.deepcopy(model), pairs(), args, tmp_path, ref_model=copy.deepcopy(model))
+    oracle.args.label_smoothing_factor = EPS
+    grads = dpo_row_grads(oracle, list(range(4)))
+    trainer = make_dpo_trainer(model, pairs(), args)
+    assert trainer.per_example_loss == trainer.pair_losses
+    update, expected = one_step_against_oracle(trainer, grads, expected_batch=4)
+    assert_updates_close(update, expected)
