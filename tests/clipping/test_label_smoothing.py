@@ -156,7 +156,8 @@ def test_dp_sft_smooths_as_trl_per_packed_example(tmp_path, packing):
     assert isinstance(trainer.per_example_loss, LabelSmoothedLoss) and trainer.padding_free is packing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        oracle = SFTTrainer(model=plain, processing_class=chat_tokenizer(), train_dataset=sft_dataset("prompt_completion"),
+        oracle = SFTTrainer(model=plain, processing_class=chat_tokenizer(),
+                            train_dataset=sft_dataset("prompt_completion"),
                             args=SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none",
                                            bf16=False, max_length=64, label_smoothing_factor=EPS))
     grads = []
