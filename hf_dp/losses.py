@@ -43,7 +43,7 @@ __all__ = [
     "label_smoothed_default",
     "smoothed_token_cross_entropy",
     "trainer_shifts_smoothed_labels",
-    "warn_smoothing_not_applied",
+    "user_loss_given",
     "check_models_own_loss",
     "labels_to_compare",
     "default_per_example_loss",
@@ -669,9 +669,10 @@ def label_smoothed_default(model: nn.Module, loss: PerExampleLoss, task: str, ep
                              targets=targets, reduce=reduce, refusal=refusal)
 
 
-def warn_smoothing_not_applied(epsilon: float, per_example_loss: Any) -> None:
-    """With a ``per_example_loss`` of the user's own, ``label_smoothing_factor`` does not change what is trained
-    (as the plain Trainer's ``compute_loss_func`` wins over its label smoother): said once, at construction."""
+def user_loss_given(per_example_loss: Any, epsilon: float) -> bool:
+    """Whether a ``per_example_loss`` of the user's own is given. With one, ``label_smoothing_factor`` (``epsilon``)
+    does not change what is trained (as the plain Trainer's ``compute_loss_func`` wins over its label smoother):
+    said once, at construction."""
     if epsilon and per_example_loss is not None:
         import warnings
 
@@ -680,3 +681,4 @@ def warn_smoothing_not_applied(epsilon: float, per_example_loss: Any) -> None:
             "it (as the plain Trainer trains a compute_loss_func without smoothing); evaluation losses are the "
             "Trainer's, smoothed. To train hf_dp's default loss with label smoothing, leave per_example_loss unset.",
             UserWarning, stacklevel=3)
+    return per_example_loss is not None

@@ -85,7 +85,7 @@ from .losses import (
     label_smoothed_default,
     labels_to_compare,
     seq2seq_model_inputs,
-    warn_smoothing_not_applied,
+    user_loss_given,
 )
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
@@ -520,8 +520,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
             msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
             logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
-        self._custom_loss = per_example_loss is not None
-        warn_smoothing_not_applied(self.args.label_smoothing_factor, per_example_loss)  # the user's loss wins
+        self._custom_loss = user_loss_given(per_example_loss, self.args.label_smoothing_factor)  # (it wins: warned)
         self.per_example_loss = per_example_loss
         self.task = "custom"
         # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
