@@ -15,6 +15,7 @@ They run on the engine's public methods only (``record``, the norms and sums, ``
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,8 +28,10 @@ from .coverage import with_enclosable
 from .fallback import is_drop_rate
 from .rules import UnsupportedLayerError
 
-__all__ = ["FirstStepChecks", "check_rtol", "computes_in_half", "holds_half_precision", "norm_alone_problem",
-           "rounding_floor", "stand_ins", "train_without_dropout"]
+__all__ = ["FirstStepChecks", "check_rtol", "computes_in_half", "eval_mode_check", "holds_half_precision",
+           "norm_alone_problem", "rounding_floor", "stand_ins", "train_without_dropout"]
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -126,6 +129,33 @@ def norm_alone_problem(i: int, batched: float, alone: float, batch_size: int, rt
         return (f"Example {i}'s gradient norm is {batched:.6g} in its micro-batch of {batch_size} but {alone:.6g} "
                 f"alone{mode}")
     return None
+
+
+def eval_mode_check(check: Callable[[], Any], clean_up: Callable[[], None] | None = None) -> bool:
+    """Run ``check``, the eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms
+    alone), for the local step (``local.py``) and FSDP2's (``fsdp.py``): ``True`` if it ran.
+
+    Some models cannot run a backward pass in eval mode at all: Reformer's reversible layers (Kitaev et al. 2020,
+    §3) recompute activations in a custom backward that asserts ``self.training``. Training never runs in eval mode
+    (DPTrainer trains in train mode, whose check has just run and passed), so when the model's own forward or backward
+    raises here, this half is skipped with a warning naming the error instead of crashing the run (after
+    ``clean_up``, which drops what the interrupted check recorded); returns ``False``. A mismatch
+    (``UnsupportedLayerError``) is still raised. Under FSDP every rank must raise alike (the model's own assertion
+    on its mode does): a rank that ran on would wait in a collective."""
+    try:
+        check()
+    except UnsupportedLayerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own error in a mode training never uses
+        if clean_up is not None:
+            clean_up()
+        logger.warning(
+            "hf_dp: the eval-mode part of dp_self_check was skipped: the model's forward/backward raised in eval mode "
+            "(%s: %s). Training runs in train mode, where the same check (two examples' gradient norms in the "
+            "micro-batch equal their norms alone, dropout off) ran and passed; the coverage checks ran as usual.",
+            type(e).__name__, " ".join(str(e).split())[:300])
+        return False
+    return True
 
 
 class JudgedCalls(dict):
