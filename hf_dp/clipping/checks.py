@@ -25,7 +25,7 @@ from torch import nn
 
 from .checkpointing import clipped_in_backward
 from .coverage import with_enclosable
-from .fallback import is_drop_rate
+from .fallback import is_drop_rate, later_batch_axis
 from .rules import UnsupportedLayerError
 
 __all__ = ["FirstStepChecks", "check_rtol", "computes_in_half", "eval_mode_check", "holds_half_precision",
@@ -61,39 +61,6 @@ def train_without_dropout(model: nn.Module) -> Iterator[None]:
         for m, k, v in saved:
             setattr(m, k, v)
         model.train(was_training)
-
-
-def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
-    """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major), ``"size"`` (a number: ``b`` for ``b`` examples and 1 for
-    one, the micro-batch size) or ``None`` (shared by the batch)."""
-    if isinstance(big, int) or isinstance(one, int):
-        return "size" if isinstance(big, int) and isinstance(one, int) and b > 1 and big == b and one == 1 else None
-    if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
-        return None
-    if one.shape[0] == 1:
-        return "batch"
-    head = big[:one.shape[0]]
-    same = torch.allclose(head.double(), one.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
-        else torch.equal(head, one)
-    return "flat" if same else None
-
-
-def _later_batch_axis(big: torch.Tensor, one: torch.Tensor, b: int) -> int | None:
-    """The axis ``j > 0`` that holds the examples (size ``b`` for ``b`` examples, 1 for the first alone, the first
-    example's slice unchanged), when the first axis does not scale (sequence-first layouts); else ``None``."""
-    if big.dim() != one.dim() or big.dim() < 2 or big.shape[0] != one.shape[0] or b == 1:
-        return None
-    last = big.dim() - 1 if big.is_floating_point() else big.dim()  # a float input's last axis is its features
-    axes = [j for j in range(1, last) if big.shape[j] == b and one.shape[j] == 1
-            and all(big.shape[k] == one.shape[k] for k in range(big.dim()) if k != j)]
-    if len(axes) != 1:
-        return None
-    head, first = big.select(axes[0], 0), one.select(axes[0], 0)
-    same = torch.allclose(head.double(), first.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
-        else torch.equal(head, first)
-    return axes[0] if same else None
-
 
 
 def _rows(x: torch.Tensor) -> int | None:
@@ -351,14 +318,13 @@ class FirstStepChecks:
                         "projections) or train with LoRA.")
                 return
             if key[0] in plan.fallbacks:
-                fb = plan.fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
-                mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
-                    _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                # each fallback proves its inputs' batch axes (fallback.py; recurrent.py its own, sequence-first too)
+                mapped[key] = plan.fallbacks[key[0]].probe_layout(two, one, big)
                 return
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             n_before = len(problems)
-            axis = _later_batch_axis(two, one, big)
+            axis = later_batch_axis(two, one, big)
             if axis:
                 layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
                 return
