@@ -190,3 +190,19 @@ def test_dpo_ignores_label_smoothing_factor_as_trl_does(tmp_path):
     assert trainer.per_example_loss == trainer.pair_losses
     update, expected = one_step_against_oracle(trainer, grads, expected_batch=4)
     assert_updates_close(update, expected)
+
+
+def test_unshifted_causal_head_the_trainer_would_shift_is_refused_before_any_release(tmp_path):
+    """BartForCausalLM's own loss reads labels unshifted (the user shifts them), but the Trainer's LabelSmoother
+    shifts every class listed as a causal LM: the plain Trainer would train another alignment of the labels than the
+    model's own loss. Refused at the first step, with that cause; nothing released."""
+    from transformers import BartConfig, BartForCausalLM
+
+    torch.manual_seed(0)
+    model = BartForCausalLM(BartConfig(vocab_size=VOCAB, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+                                       decoder_ffn_dim=24, max_position_embeddings=32, dropout=0.0))
+    trainer = DPTrainer(model=model, args=dp_args(tmp_path, 2, label_smoothing_factor=EPS),
+                        train_dataset=lm_dataset(4))
+    assert trainer.task == "causal_lm_unshifted"
+    assert_refused_before_any_release(trainer, "BartForCausalLM's own loss reads its labels unshifted, but "
+                                               "transformers' Trainer smooths them shifted")
