@@ -18,6 +18,7 @@ from helpers import (
     check_exact,
     cls_dataset,
     dp_args,
+    image_cls,
     lm_dataset,
     seq2seq_dataset,
     t5_frozen_bias,
@@ -46,7 +47,17 @@ def _seq2seq_with_decoder_inputs(n: int) -> Dataset:
         labels=torch.tensor(data["labels"])).tolist())
 
 
+def _tiny_vit():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                                               num_labels=3, hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0))
+
+
 HEADS = {
+    "image_classification": (_tiny_vit, lambda: image_cls(4)),
     "causal_lm": (tiny_gpt2, lambda: lm_dataset(4, seq_len=6)),
     "sequence_classification": (tiny_bert, lambda: cls_dataset(4, 3)),
     "token_classification": (tiny_bert_token_classification, lambda: token_dataset(4, 4)),
