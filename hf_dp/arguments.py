@@ -411,8 +411,11 @@ class DPTrainingArguments(TrainingArguments):
             )
         if not (math.isfinite(self.accountant_eps_error) and self.accountant_eps_error > 0):
             raise ValueError(f"accountant_eps_error must be a finite number > 0, got {self.accountant_eps_error}.")
-        if self.label_smoothing_factor:
-            raise ValueError("label_smoothing_factor is not supported by hf_dp's per-example losses; set it to 0.")
+        if self.label_smoothing_factor and self.lm_loss_chunk_size:
+            raise ValueError(
+                f"label_smoothing_factor={self.label_smoothing_factor} with lm_loss_chunk_size: the chunked LM head "
+                "computes only each token's cross-entropy with its target, not the mean of -log p over the "
+                "vocabulary that label smoothing adds. Set lm_loss_chunk_size=None (or label_smoothing_factor=0).")
         if not self.poisson_sampling:
             warnings.warn(
                 "poisson_sampling=False: fixed-size shuffled batches do not match the Poisson-subsampling analysis; "

@@ -82,8 +82,10 @@ from .losses import (
     check_rows_are_examples,
     default_per_example_loss,
     is_seq2seq_lm,
+    label_smoothed_default,
     labels_to_compare,
     seq2seq_model_inputs,
+    user_loss_given,
 )
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
@@ -332,8 +334,10 @@ class _ExamplesAloneWiring:
 
     def _default_loss(self, model: torch.nn.Module) -> tuple[PerExampleLoss, str]:
         """The per-example loss hf_dp trains for ``model`` without ``per_example_loss=`` (``default_per_example_loss``;
-        ``DPSFTTrainer``: per packed example)."""
-        return default_per_example_loss(model)
+        ``DPSFTTrainer``: per packed example), with the Trainer's ``label_smoothing_factor`` as its label smoother
+        applies it (``losses.label_smoothed_default``)."""
+        loss, task = default_per_example_loss(model)
+        return label_smoothed_default(model, loss, task, getattr(self.label_smoother, "epsilon", 0.0)), task
 
     def _check_loss_is_the_models_own(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """Before the first update, on the micro-batch's first row: hf_dp's default per-example loss equals the loss
@@ -513,7 +517,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         elif fsdp_requested(self.args):
             msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
             warnings.warn(msg, UserWarning, stacklevel=2)
-        self._custom_loss = per_example_loss is not None
+        self._custom_loss = user_loss_given(per_example_loss, self.args.label_smoothing_factor)  # (it wins: warned)
         self.per_example_loss = per_example_loss
         self.task = "custom"
         # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
