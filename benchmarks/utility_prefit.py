@@ -267,12 +267,23 @@ def austen_table(records: list[dict[str, Any]], original: list[dict[str, Any]]) 
 
 
 def head_table(records: list[dict[str, Any]], original: list[dict[str, Any]]) -> list[str]:
+    """The head (after the results): per key, on the stage-0 features and on the original ones (``original``: session
+    12's records, the seeds run here only), mean ± sd; per seed; and the gaps non-private − DP of each."""
     new, old = _by_key(records), _by_key(original)
-    rows = ["| head (seed 42) | run key | stage-0 features | original features (session 12) |", "|---|---|---:|---:|"]
+    seeds = set().union(*[set(v) for v in new.values()]) if new else set()
+    old = {k: {s: a for s, a in v.items() if s in seeds} for k, v in old.items()}
+    rows = ["| head | run key | stage-0 features (mean ± sd; per seed) | original features (session 12) |",
+            "|---|---|---|---|"]
     for k in HEAD_KEYS:
-        cell = {lbl: by.get(k, {}).get(42) for lbl, by in (("new", new), ("old", old))}
-        rows.append(f"| {k.split('|')[1]} | `{k}` | " + " | ".join("–" if v is None else f"{v:.2f}"
-                                                                 for v in cell.values()) + " |")
+        cells = [_stats(by[k]) if by.get(k) else "–" for by in (new, old)]
+        rows.append(f"| {k.split('|')[1]} | `{k}` | " + " | ".join(cells) + " |")
+    for eps, dp_key in ((8.0, HEAD_KEYS[0]), (3.0, HEAD_KEYS[1])):
+        cells = []
+        for by in (new, old):
+            dp, base = by.get(dp_key, {}), by.get(HEAD_KEYS[2], {})
+            common = sorted(set(dp) & set(base))
+            cells.append(f"{np.mean([base[s] - dp[s] for s in common]):.1f}" if common else "–")
+        rows.append(f"| gap ε = {eps:g} | | {cells[0]} | {cells[1]} |")
     return rows
 
 
