@@ -110,3 +110,9 @@ def test_austen_table_gaps_against_the_original(bench):
     assert "**2.0** (met; 2.0)" in rows[2] and "**6.0** (**not met**; 6.0)" in rows[4]
     assert "**5.0** (**not met**; 5.0)" in rows[3]  # the original on the same seed (42) only
     assert rows[5].endswith("| not run | within 5 |") and math.isfinite(bench.unseen.TARGET[3.0])
+
+    h8, h3, hnp = bench.HEAD_KEYS
+    heads = bench.head_table([rec(h8, 42, 0.70), rec(hnp, 42, 0.71)],
+                             [rec(h8, s, 0.69) for s in (42, 43)] + [rec(hnp, 42, 0.70)])
+    assert "| 70.0 (70.00) | 69.0 (69.00) |" in heads[2]  # the original on the seeds run here only
+    assert heads[5] == "| gap ε = 8 | | 1.0 | 1.0 |" and heads[6] == "| gap ε = 3 | | – | – |"
