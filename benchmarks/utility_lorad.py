@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="Session 12's Austen runs of the proxy's choices: a chosen (key, seed) there is copied.")
     p.add_argument("--proxy-cache", default=os.path.expanduser("~/.cache/hf_dp/utility_fortunes_cache.pt"))
     p.add_argument("--austen-cache", default=os.path.expanduser("~/.cache/hf_dp/utility_austen_cache.pt"))
+    p.add_argument("--also", default="",
+                   help="--stage clip_only: more DP keys (comma-separated) run with σ = 0 after the chosen one, "
+                        "marked 'not chosen, after the results'.")
     p.add_argument("--table-only", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -270,16 +273,17 @@ def main(argv: list[str] | None = None) -> None:
                            {"task": "austen", "chosen_on": f"fortunes proxy validation, seed {CHOICE_SEED}",
                             "candidate": label_of(k), **extra}, "/tmp/hf_dp_utility_lorad_austen", reuse)
     elif args.stage == "clip_only":
-        k = choose(precords, 8.0)
+        todo = [(choose(precords, 8.0), {"chosen_for_epsilon": 8.0})]  # the pre-registered diagnostic
+        todo += [(k, {"note": "not chosen, after the results"}) for k in args.also.split(",") if k]
         cache = unseen.build_cache(Path(args.austen_cache))
         done = {(utility.key(r), r["seed"]) for r in asaved.get("clip_only", [])}
-        for seed in seeds:
+        for seed, (k, extra) in ((s, t) for t in todo for s in seeds):
             if (k, seed) in done:
                 continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 rec = unseen.run_clip_only(cache, utility.parse_key(k), seed)
-            asaved.setdefault("clip_only", []).append({**rec, "candidate": label_of(k)})
+            asaved.setdefault("clip_only", []).append({**rec, "candidate": label_of(k), **extra})
             print(json.dumps(rec, default=str), flush=True)
             proxy._save(austen_out, asaved, arecords)
     print("proxy (fortunes) validation, seed 42:")
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(austen_table(arecords, precords)))
     for r in asaved.get("clip_only", []):
         print(f"\nσ = 0 diagnostic (not private), Austen seed {r['seed']}: {r['candidate']} `{utility.key(r)}`: "
-              f"{100 * r['accuracy']:.2f} % ({r['cpu_s']:.0f} CPU s)")
+              f"{100 * r['accuracy']:.2f} % ({r['cpu_s']:.0f} CPU s){' — ' + r['note'] if r.get('note') else ''}")
 
 
 if __name__ == "__main__":
