@@ -35,6 +35,7 @@ latter's ``"clip_only"``).
     python benchmarks/utility_lorad.py --stage proxy --epsilons inf        # 3 new non-private runs (r = 8 copied)
     python benchmarks/utility_lorad.py --stage austen --epsilons 8 --seeds 42   # the ε = 8 choice + the reference
     python benchmarks/utility_lorad.py --stage clip_only --seeds 42       # σ = 0 of the ε = 8 choice (diagnostic)
+    python benchmarks/utility_lorad.py --stage clip_only --seeds 42 --also 'KEY,KEY'   # more σ = 0 runs, not chosen
     python benchmarks/utility_lorad.py --table-only
 """
 
