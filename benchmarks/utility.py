@@ -47,7 +47,7 @@ optim`` as ``|name=value``: ``head_lr`` (the classifier in its own AdamW param g
 the classifier at C, the rest at C_body, noise std ∝ each group's threshold), ``split=val`` and ``n`` (train on the
 first n training reviews only, e.g. ``|n=1000``; the evaluation set and the other settings unchanged, δ = 1/n^1.1;
 RESULTS.md "Seeds, full fine-tuning and N (session 10)"), ``sched=linear`` (the learning rate decays linearly to 0
-over the run; absent: constant) and ``ema`` (e.g. ``|ema=0.9``: the evaluated weights are an exponential moving
+over the run; absent: constant), ``ema`` (e.g. ``|ema=0.9``: the evaluated weights are an exponential moving
 average of the iterates, :class:`WeightEMA`; RESULTS.md "The last iterate's noise (session 11)"), ``rank`` (LoRA's
 rank r, α = 2r; absent: 8) and ``mode`` (``adaptive_per_layer``: DPTrainingArguments ``clipping``; absent: flat;
 RESULTS.md "LoRA's rank and clipping, chosen on the proxy (session 14)"). ``--val`` trains on
