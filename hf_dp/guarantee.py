@@ -32,7 +32,8 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
-           "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks"]
+           "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks",
+           "check_loss_scaling_off"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -874,6 +875,27 @@ def check_optimizer_updates_in_step(optimizer: Any) -> None:
 
 
 # ---------------------------------------------------------------------- what DPTrainer refuses at construction
+def check_loss_scaling_off(args: Any) -> None:
+    """Refuse fp16 mixed precision however it is asked for (DESIGN invariant 14: the release is what trains).
+
+    ``fp16=True`` is refused by ``DPTrainingArguments``; but ``TrainingArguments`` also reads
+    ``ACCELERATE_MIXED_PRECISION`` from the environment (``accelerate launch --mixed_precision fp16``, or
+    ``mixed_precision: fp16`` in the accelerate config file), sets ``args.mixed_precision = "fp16"`` with ``fp16``
+    False, and the Trainer builds its ``Accelerator`` from that field: on a GPU accelerate then makes a ``GradScaler``
+    whose ``step`` multiplies every ``.grad`` by 1/scale (65,536 at first) before the optimizer applies it, so the
+    noised gradient the DP release wrote is not what trains (SGD moves 65,536 times less while ε is spent)."""
+    if str(getattr(args, "mixed_precision", "no")) != "fp16":
+        return
+    raise ValueError(
+        "Mixed precision is fp16 although fp16 is not set: it comes from the environment (ACCELERATE_MIXED_PRECISION="
+        f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'fp16')}, set by `accelerate launch --mixed_precision fp16` "
+        "or by `mixed_precision: fp16` in the accelerate config). accelerate's GradScaler would divide the gradient "
+        "in `.grad` by its loss scale (65,536 at first) before the optimizer step, and DPTrainer writes the already "
+        "noised and normalised gradient there, so the model would barely train while ε is spent. Launch with "
+        "`--mixed_precision bf16` (or `no`), or set bf16=True in the arguments."
+    )
+
+
 def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
                          neftune_noise_alpha: Any) -> None:
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
@@ -889,7 +911,13 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
         )
     if isinstance(train_dataset, torch.utils.data.IterableDataset):
-        raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+        raise ValueError(
+            f"train_dataset is an iterable dataset ({type(train_dataset).__name__}: a streamed `datasets` set, "
+            "`to_iterable_dataset()`, or a torch IterableDataset), which has no length and no random access, but DP "
+            "training draws each step's batch by Poisson sampling over N indexed rows (q = B/N, the rate the "
+            "accountant records). Pass a map-style dataset: load without streaming=True (or "
+            "`Dataset.from_generator(...)` / `Dataset.from_list(list(stream))` for a stream that fits on disk).")
+    check_loss_scaling_off(args)
     n_gpu = getattr(args, "n_gpu", 1)
     if isinstance(n_gpu, int) and n_gpu > 1:
         raise ValueError(

@@ -1,0 +1,57 @@
+"""Ordinary usages from a sixth outside probe (session 14), each closed by the invariant it violated.
+
+* The release is what trains (DESIGN invariant 14): ``accelerate launch --mixed_precision fp16`` (or
+  ``mixed_precision: fp16`` in the accelerate config) reaches the Trainer as the environment variable
+  ``ACCELERATE_MIXED_PRECISION``, which ``TrainingArguments`` reads into ``args.mixed_precision`` with ``fp16`` left
+  False; ``fp16=True``'s refusal never saw it, and on a GPU accelerate's ``GradScaler`` divides the noised gradient
+  by its loss scale before the optimizer applies it. Refused at construction. The card named the precision from
+  ``bf16`` / ``fp16`` only: under ``--mixed_precision bf16`` it said "no"; it now says what the Accelerator ran with.
+* A refusal states its true cause and what to do: an iterable (streamed) training set was refused with "needs a
+  map-style train_dataset of known size N"; it now names the iterable set and the way to a map-style one.
+
+What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import cls_dataset
+from helpers.neighbours import C, bert, bert_data, distance, neighbour_args, summed_updates
+
+from hf_dp import DPTrainer
+
+
+# ---------------------------------------------------------------------- configuration from the environment
+def test_fp16_from_accelerate_launch_is_refused_at_construction(tmp_path, monkeypatch):
+    """``accelerate launch --mixed_precision fp16 train.py`` with ``DPTrainingArguments`` declaring neither fp16 nor
+    bf16: ``args.mixed_precision`` is "fp16" (read from ``ACCELERATE_MIXED_PRECISION``) and on a GPU the Trainer's
+    Accelerator holds a GradScaler that multiplies ``.grad`` by 1/65,536 before ``optimizer.step()``. Nothing refused
+    it (on this CPU accelerate makes no scaler; the setting is what a GPU run of the same script does)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    args = neighbour_args(tmp_path, 4)
+    assert args.mixed_precision == "fp16" and not args.fp16
+    with pytest.raises(ValueError, match=r"Mixed precision is fp16 although fp16 is not set: it comes from the "
+                                         r"environment \(ACCELERATE_MIXED_PRECISION=fp16.*GradScaler.*Launch with "
+                                         r"`--mixed_precision bf16`"):
+        DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+
+
+def test_bf16_from_accelerate_launch_stays_within_the_bound_and_the_card_says_bf16(tmp_path, monkeypatch):
+    """``--mixed_precision bf16`` (no loss scaling) trains: removing one example moves the summed update by at most C;
+    the card's hyperparameters say bf16 (they said "no", read from ``args.bf16`` alone)."""
+    from hf_dp.release import card_hyperparameters
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    sigma_d, sigma_d2 = summed_updates(tmp_path)
+    assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-6)
+    hyper = dict(card_hyperparameters(neighbour_args(tmp_path, 4), None, 4, 1))
+    assert hyper["mixed_precision"] == "bf16"
+
+
+# ---------------------------------------------------------------------- data
+def test_a_streamed_training_set_is_refused_naming_the_way_to_a_map_style_one(tmp_path):
+    """``load_dataset(..., streaming=True)`` / ``to_iterable_dataset()``: no length, so no Poisson sampling at rate
+    q = B/N. Refused at construction with that cause and the way out (it said only "needs a map-style dataset")."""
+    with pytest.raises(ValueError, match=r"train_dataset is an iterable dataset \(IterableDataset.*no length.*Poisson "
+                                         r"sampling.*load without streaming=True"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=cls_dataset(4, 3).to_iterable_dataset())
