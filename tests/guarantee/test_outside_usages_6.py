@@ -55,3 +55,22 @@ def test_a_streamed_training_set_is_refused_naming_the_way_to_a_map_style_one(tm
     with pytest.raises(ValueError, match=r"train_dataset is an iterable dataset \(IterableDataset.*no length.*Poisson "
                                          r"sampling.*load without streaming=True"):
         DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=cls_dataset(4, 3).to_iterable_dataset())
+
+
+# ---------------------------------------------------------------------- arguments from a YAML file
+def test_privacy_numbers_from_a_yaml_config_are_numbers(tmp_path):
+    """``HfArgumentParser(DPTrainingArguments).parse_yaml_file``: YAML 1.1 reads ``1e-5`` (no decimal point) as the
+    string "1e-5", and the parser passes it on as text. ``target_delta: 1e-5`` (the usual way to write δ) failed with
+    Python's bare "'<' not supported between instances of 'int' and 'str'". The privacy numbers are now converted as
+    the command line converts them; text that is no number is refused naming the field."""
+    from transformers import HfArgumentParser
+
+    from hf_dp import DPTrainingArguments
+
+    config = tmp_path / "dp.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: none\nnoise_multiplier: 1.0\n"
+                      "target_delta: 1e-5\nper_sample_max_grad_norm: 1e-2\ngroup_max_grad_norms: [1e-2, 1.0]\n")
+    (args,) = HfArgumentParser(DPTrainingArguments).parse_yaml_file(str(config))
+    assert (args.target_delta, args.per_sample_max_grad_norm, args.group_max_grad_norms) == (1e-5, 1e-2, [1e-2, 1.0])
+    with pytest.raises(ValueError, match=r"target_delta='1e-5x' is not a number; give it as a number"):
+        DPTrainingArguments(output_dir=str(tmp_path), use_cpu=True, noise_multiplier=1.0, target_delta="1e-5x")
