@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 
 from .clipping.modes import ADAPTIVE_AUTOMATIC_REFUSAL, CLIPPING_FUNCTIONS
 from .clipping.two_pass import FLAT_CLIPPING_PASSES
-from .guarantee import check_noise_std
+from .guarantee import check_mixed_precision, check_noise_std
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +322,7 @@ class DPTrainingArguments(TrainingArguments):
         numbers_from_text(self)  # a YAML config's `1e-5` is a string
         self._check_finite()
         super().__post_init__()
+        check_mixed_precision(self)  # from ACCELERATE_MIXED_PRECISION, read by TrainingArguments
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(
                 "Give exactly one of `target_epsilon` (σ is calibrated to it) and `noise_multiplier` (ε is reported); "

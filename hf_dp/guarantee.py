@@ -33,7 +33,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
            "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks",
-           "check_loss_scaling_off"]
+           "check_mixed_precision"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -875,25 +875,35 @@ def check_optimizer_updates_in_step(optimizer: Any) -> None:
 
 
 # ---------------------------------------------------------------------- what DPTrainer refuses at construction
-def check_loss_scaling_off(args: Any) -> None:
-    """Refuse fp16 mixed precision however it is asked for (DESIGN invariant 14: the release is what trains).
+def check_mixed_precision(args: Any) -> None:
+    """Refuse fp16 and fp8 mixed precision however they are asked for (DESIGN invariant 14: the release is what trains).
 
     ``fp16=True`` is refused by ``DPTrainingArguments``; but ``TrainingArguments`` also reads
-    ``ACCELERATE_MIXED_PRECISION`` from the environment (``accelerate launch --mixed_precision fp16``, or
-    ``mixed_precision: fp16`` in the accelerate config file), sets ``args.mixed_precision = "fp16"`` with ``fp16``
-    False, and the Trainer builds its ``Accelerator`` from that field: on a GPU accelerate then makes a ``GradScaler``
-    whose ``step`` multiplies every ``.grad`` by 1/scale (65,536 at first) before the optimizer applies it, so the
-    noised gradient the DP release wrote is not what trains (SGD moves 65,536 times less while ε is spent)."""
-    if str(getattr(args, "mixed_precision", "no")) != "fp16":
-        return
-    raise ValueError(
-        "Mixed precision is fp16 although fp16 is not set: it comes from the environment (ACCELERATE_MIXED_PRECISION="
-        f"{os.environ.get('ACCELERATE_MIXED_PRECISION', 'fp16')}, set by `accelerate launch --mixed_precision fp16` "
-        "or by `mixed_precision: fp16` in the accelerate config). accelerate's GradScaler would divide the gradient "
-        "in `.grad` by its loss scale (65,536 at first) before the optimizer step, and DPTrainer writes the already "
-        "noised and normalised gradient there, so the model would barely train while ε is spent. Launch with "
-        "`--mixed_precision bf16` (or `no`), or set bf16=True in the arguments."
-    )
+    ``ACCELERATE_MIXED_PRECISION`` from the environment (``accelerate launch --mixed_precision fp16|fp8``, or
+    ``mixed_precision:`` in the accelerate config file) into ``args.mixed_precision`` with ``fp16`` left False, and the
+    Trainer builds its ``Accelerator`` from that field. fp16: on a GPU accelerate makes a ``GradScaler`` whose ``step``
+    multiplies every ``.grad`` by 1/scale (65,536 at first) before the optimizer applies it, so the noised gradient the
+    DP release wrote is not what trains. fp8: ``Accelerator.prepare`` (at ``train()``, after DPTrainer hooked the
+    model) converts the model's linear layers to fp8 modules (TransformerEngine ``convert_model``, torchao
+    ``Float8Linear``; MS-AMP also scales the loss), which no clipping rule was installed on."""
+    precision = str(getattr(args, "mixed_precision", "no"))
+    source = (f"it comes from the environment (ACCELERATE_MIXED_PRECISION={precision}, set by `accelerate launch "
+              f"--mixed_precision {precision}` or by `mixed_precision: {precision}` in the accelerate config)")
+    if precision == "fp16":
+        raise ValueError(
+            f"Mixed precision is fp16 although fp16 is not set: {source}. accelerate's GradScaler would divide the "
+            "gradient in `.grad` by its loss scale (65,536 at first) before the optimizer step, and DPTrainer writes "
+            "the already noised and normalised gradient there, so the model would barely train while ε is spent. "
+            "Launch with `--mixed_precision bf16` (or `no`), or set bf16=True in the arguments."
+        )
+    if precision == "fp8":
+        raise ValueError(
+            f"Mixed precision is fp8: {source}. When it prepares the model at train(), accelerate replaces its linear "
+            "layers by fp8 modules (TransformerEngine's convert_model, torchao's Float8Linear; MS-AMP also scales "
+            "the loss), after DPTrainer installed its per-example clipping hooks on the original layers, and hf_dp "
+            "has no per-example rule for those modules. Launch with `--mixed_precision bf16` (or `no`), or set "
+            "bf16=True in the arguments."
+        )
 
 
 def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
@@ -917,7 +927,7 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "training draws each step's batch by Poisson sampling over N indexed rows (q = B/N, the rate the "
             "accountant records). Pass a map-style dataset: load without streaming=True (or "
             "`Dataset.from_generator(...)` / `Dataset.from_list(list(stream))` for a stream that fits on disk).")
-    check_loss_scaling_off(args)
+    check_mixed_precision(args)  # also set on the arguments after they were built
     n_gpu = getattr(args, "n_gpu", 1)
     if isinstance(n_gpu, int) and n_gpu > 1:
         raise ValueError(

@@ -4,8 +4,13 @@
   ``mixed_precision: fp16`` in the accelerate config) reaches the Trainer as the environment variable
   ``ACCELERATE_MIXED_PRECISION``, which ``TrainingArguments`` reads into ``args.mixed_precision`` with ``fp16`` left
   False; ``fp16=True``'s refusal never saw it, and on a GPU accelerate's ``GradScaler`` divides the noised gradient
-  by its loss scale before the optimizer applies it. Refused at construction. The card named the precision from
-  ``bf16`` / ``fp16`` only: under ``--mixed_precision bf16`` it said "no"; it now says what the Accelerator ran with.
+  by its loss scale before the optimizer applies it. ``--mixed_precision fp8`` makes accelerate swap the hooked
+  linear layers for fp8 modules at ``train()``. Both refused when the arguments are built (and by the trainer). The
+  card named the precision from ``bf16`` / ``fp16`` only: under ``--mixed_precision bf16`` it said "no"; it now says
+  what the Accelerator ran with.
+* A refusal states its true cause (or a number given as text is a number): a YAML config's ``target_delta: 1e-5`` is
+  the string "1e-5" (YAML 1.1), which failed with Python's bare ``TypeError``; hf_dp's numbers are now converted as
+  the command line converts them.
 * A refusal states its true cause and what to do: an iterable (streamed) training set was refused with "needs a
   map-style train_dataset of known size N"; it now names the iterable set and the way to a map-style one.
 
@@ -22,18 +27,28 @@ from hf_dp import DPTrainer
 
 
 # ---------------------------------------------------------------------- configuration from the environment
-def test_fp16_from_accelerate_launch_is_refused_at_construction(tmp_path, monkeypatch):
-    """``accelerate launch --mixed_precision fp16 train.py`` with ``DPTrainingArguments`` declaring neither fp16 nor
-    bf16: ``args.mixed_precision`` is "fp16" (read from ``ACCELERATE_MIXED_PRECISION``) and on a GPU the Trainer's
-    Accelerator holds a GradScaler that multiplies ``.grad`` by 1/65,536 before ``optimizer.step()``. Nothing refused
-    it (on this CPU accelerate makes no scaler; the setting is what a GPU run of the same script does)."""
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    args = neighbour_args(tmp_path, 4)
-    assert args.mixed_precision == "fp16" and not args.fp16
-    with pytest.raises(ValueError, match=r"Mixed precision is fp16 although fp16 is not set: it comes from the "
-                                         r"environment \(ACCELERATE_MIXED_PRECISION=fp16.*GradScaler.*Launch with "
-                                         r"`--mixed_precision bf16`"):
-        DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
+@pytest.mark.parametrize("precision, cause", [
+    ("fp16", r"Mixed precision is fp16 although fp16 is not set: it comes from the environment "
+             r"\(ACCELERATE_MIXED_PRECISION=fp16.*GradScaler would divide the gradient"),
+    ("fp8", r"Mixed precision is fp8: it comes from the environment \(ACCELERATE_MIXED_PRECISION=fp8.*replaces its "
+            r"linear layers by fp8 modules.*after DPTrainer installed its per-example clipping hooks")])
+def test_fp16_or_fp8_from_accelerate_launch_is_refused_with_the_arguments(tmp_path, monkeypatch, precision, cause):
+    """``accelerate launch --mixed_precision fp16|fp8 train.py`` with ``DPTrainingArguments`` declaring neither fp16
+    nor bf16: ``TrainingArguments`` reads ``ACCELERATE_MIXED_PRECISION`` into ``args.mixed_precision`` and the Trainer
+    builds its Accelerator from it. fp16: on a GPU a GradScaler multiplies ``.grad`` by 1/65,536 before
+    ``optimizer.step()`` (on this CPU accelerate makes none; the setting is what a GPU run of the same script does).
+    fp8: at ``train()`` accelerate swaps the hooked linear layers for fp8 modules (here accelerate refuses first: no fp8
+    backend installed, so the fp8 case runs the arguments' check only). Nothing of hf_dp refused either; now the
+    arguments do, and a trainer given arguments whose precision was set afterwards."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", precision)
+    with pytest.raises(ValueError, match=cause + r".*Launch with `--mixed_precision bf16`"):
+        neighbour_args(tmp_path, 4)
+    if precision == "fp16":  # (fp8 on this machine: accelerate refuses first, no fp8 backend installed)
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+        args = neighbour_args(tmp_path, 4)
+        args.mixed_precision = precision
+        with pytest.raises(ValueError, match=cause):
+            DPTrainer(model=bert(), args=args, train_dataset=bert_data(4))
 
 
 def test_bf16_from_accelerate_launch_stays_within_the_bound_and_the_card_says_bf16(tmp_path, monkeypatch):
