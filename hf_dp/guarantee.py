@@ -33,7 +33,7 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
            "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks",
-           "check_mixed_precision"]
+           "check_mixed_precision", "check_full_graph_compile"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -906,6 +906,31 @@ def check_mixed_precision(args: Any) -> None:
         )
 
 
+def check_full_graph_compile(args: Any) -> None:
+    """Refuse ``torch.compile(fullgraph=True)``, which accelerate applies at ``train()`` when compilation is on
+    (``torch_compile=True`` or ``ACCELERATE_DYNAMO_BACKEND`` / ``accelerate launch --dynamo_backend``) and
+    ``ACCELERATE_DYNAMO_USE_FULLGRAPH`` is true (``--dynamo_use_fullgraph``, or the accelerate config).
+
+    The clipping hooks record each layer's input and output gradient in Python state outside the graph (a side
+    effect dynamo cannot trace into one graph), so the first forward failed inside the DP step with dynamo's
+    "Unsupported HOP: Unsafe side effect ... Mutating a variable from outside the scope of this HOP", naming neither
+    hf_dp nor the setting. Without ``fullgraph`` the model compiles around the hooks (and trains exactly, slowly)."""
+    backend = str(args.torch_compile_backend) if getattr(args, "torch_compile", False) else os.environ.get(
+        "ACCELERATE_DYNAMO_BACKEND", "no")
+    fullgraph = os.environ.get("ACCELERATE_DYNAMO_USE_FULLGRAPH", "false").strip().lower() in (
+        "1", "true", "t", "yes", "y", "on")
+    if backend.strip().lower() in ("", "no", "none") or not fullgraph:
+        return
+    raise ValueError(
+        f"torch.compile with fullgraph=True (ACCELERATE_DYNAMO_USE_FULLGRAPH, set by `accelerate launch "
+        f"--dynamo_use_fullgraph` or the accelerate config; backend {backend!r}) cannot trace DPTrainer's per-example "
+        "clipping hooks, which record each layer's input and output gradient outside the graph; the first forward "
+        "would fail inside the DP step with dynamo's 'Unsafe side effect'. Drop fullgraph "
+        "(ACCELERATE_DYNAMO_USE_FULLGRAPH=false): the model then compiles around the hooks and trains exactly, "
+        "though with little or no speed-up (README, 'Refusals that name the cause')."
+    )
+
+
 def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
                          neftune_noise_alpha: Any) -> None:
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
@@ -928,6 +953,7 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "accountant records). Pass a map-style dataset: load without streaming=True (or "
             "`Dataset.from_generator(...)` / `Dataset.from_list(list(stream))` for a stream that fits on disk).")
     check_mixed_precision(args)  # also set on the arguments after they were built
+    check_full_graph_compile(args)
     n_gpu = getattr(args, "n_gpu", 1)
     if isinstance(n_gpu, int) and n_gpu > 1:
         raise ValueError(

@@ -11,7 +11,9 @@
 * A refusal states its true cause (or a number given as text is a number): a YAML config's ``target_delta: 1e-5`` is
   the string "1e-5" (YAML 1.1), which failed with Python's bare ``TypeError``; hf_dp's numbers are now converted as
   the command line converts them.
-* A refusal states its true cause and what to do: an iterable (streamed) training set was refused with "needs a
+* A refusal states its true cause and what to do: ``--dynamo_use_fullgraph`` (``ACCELERATE_DYNAMO_USE_FULLGRAPH``)
+  with compilation on failed at the first step with dynamo's "Unsafe side effect"; refused at construction naming
+  the setting. An iterable (streamed) training set was refused with "needs a
   map-style train_dataset of known size N"; it now names the iterable set and the way to a map-style one.
 
 What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
@@ -62,6 +64,23 @@ def test_bf16_from_accelerate_launch_stays_within_the_bound_and_the_card_says_bf
     assert 0 < distance(sigma_d, sigma_d2) <= C * (1 + 1e-6)
     hyper = dict(card_hyperparameters(neighbour_args(tmp_path, 4), None, 4, 1))
     assert hyper["mixed_precision"] == "bf16"
+
+
+def test_full_graph_compile_from_accelerate_launch_is_refused_naming_the_setting(tmp_path, monkeypatch):
+    """``accelerate launch --dynamo_backend eager --dynamo_use_fullgraph``: accelerate compiles the model with
+    ``fullgraph=True`` at ``train()``; dynamo cannot trace the clipping hooks' side effects, and the first step failed
+    with "Unsupported HOP: Unsafe side effect ... Mutating a variable from outside the scope of this HOP", naming
+    neither hf_dp nor the setting. Refused at construction with the way out; without fullgraph the same backend is
+    accepted (it compiles around the hooks: within the bound, checked by hand, 21-26 s of CPU for one tiny step)."""
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "eager")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "true")
+    with pytest.raises(ValueError, match=r"torch.compile with fullgraph=True \(ACCELERATE_DYNAMO_USE_FULLGRAPH.*"
+                                         r"backend 'eager'\) cannot trace DPTrainer's per-example clipping hooks.*"
+                                         r"Drop fullgraph"):
+        DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "false")
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+    assert trainer.accelerator.state.dynamo_plugin.backend.value == "EAGER"  # compiled at train(), not run here
 
 
 # ---------------------------------------------------------------------- data
