@@ -11,6 +11,9 @@
 * A refusal states its true cause (or a number given as text is a number): a YAML config's ``target_delta: 1e-5`` is
   the string "1e-5" (YAML 1.1), which failed with Python's bare ``TypeError``; hf_dp's numbers are now converted as
   the command line converts them.
+* A released step is the mechanism recorded (invariant 6): ``trainer.args`` replaced by another arguments object
+  after construction mixed two configurations (the loop, σ and the card's hyperparameters from the new one; C, q, δ
+  and the clipping from the old); refused at train start.
 * A refusal states its true cause and what to do: ``--dynamo_use_fullgraph`` (``ACCELERATE_DYNAMO_USE_FULLGRAPH``)
   with compilation on failed at the first step with dynamo's "Unsafe side effect"; refused at construction naming
   the setting. An iterable (streamed) training set was refused with "needs a
@@ -81,6 +84,20 @@ def test_full_graph_compile_from_accelerate_launch_is_refused_naming_the_setting
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "false")
     trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
     assert trainer.accelerator.state.dynamo_plugin.backend.value == "EAGER"  # compiled at train(), not run here
+
+
+def test_arguments_replaced_after_construction_are_refused_before_anything_is_trained(tmp_path):
+    """``trainer.args = other_args`` (a notebook's second configuration, built beforehand): the Trainer's loop, the σ
+    taken at ``train()`` and the card's hyperparameters read the new object, while C, q, δ and the clipping stayed
+    those of the arguments given to the DPTrainer (a copy with C × 100 trained at the old C while the card's
+    hyperparameters said the new one). Refused at train start, before any step; in-place changes are followed."""
+    from helpers.runs import assert_refused_before_any_release
+
+    other = neighbour_args(tmp_path / "other", 4, per_sample_max_grad_norm=100 * C)
+    trainer = DPTrainer(model=bert(), args=neighbour_args(tmp_path, 4), train_dataset=bert_data(4))
+    trainer.args = other
+    assert_refused_before_any_release(trainer, r"trainer.args was replaced by another arguments object after the "
+                                               r"DPTrainer was built.*Set fields on trainer.args in place")
 
 
 # ---------------------------------------------------------------------- data
