@@ -954,6 +954,14 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "`Dataset.from_generator(...)` / `Dataset.from_list(list(stream))` for a stream that fits on disk).")
     check_mixed_precision(args)  # also set on the arguments after they were built
     check_full_graph_compile(args)
+    names = list(getattr(args, "label_names", None) or [])
+    if names and "labels" not in names:
+        raise ValueError(
+            f"label_names={names}: DPTrainer reads every batch's targets from the `labels` key (it passes them to "
+            "the per-example loss and calls the model without them), so a batch keyed otherwise has no targets "
+            "for it. Rename the column (e.g. `train = train.rename_column('target', 'labels')`) and set "
+            "label_names=['labels']; a per_example_loss(outputs, labels) receives them as `labels`."
+        )
     n_gpu = getattr(args, "n_gpu", 1)
     if isinstance(n_gpu, int) and n_gpu > 1:
         raise ValueError(

@@ -16,7 +16,8 @@
   and the clipping from the old); refused at train start.
 * A refusal states its true cause and what to do: ``--dynamo_use_fullgraph`` (``ACCELERATE_DYNAMO_USE_FULLGRAPH``)
   with compilation on failed at the first step with dynamo's "Unsafe side effect"; refused at construction naming
-  the setting. An iterable (streamed) training set was refused with "needs a
+  the setting. ``label_names=["target"]`` failed at train start with a bare ``KeyError: 'labels'``; refused at
+  construction naming the ``labels`` key DPTrainer reads. An iterable (streamed) training set was refused with "needs a
   map-style train_dataset of known size N"; it now names the iterable set and the way to a map-style one.
 
 What the probe found holding is listed in the README ("Checked at run time / refused") and in the session's report.
@@ -101,6 +102,29 @@ def test_arguments_replaced_after_construction_are_refused_before_anything_is_tr
 
 
 # ---------------------------------------------------------------------- data
+def test_targets_under_another_label_name_are_refused_at_construction(tmp_path):
+    """A model of one's own whose forward takes its targets as ``target`` and ``label_names=["target"]`` (the Trainer's
+    way to name them): the run failed at train start with a bare ``KeyError: 'labels'`` (the counterfactual's
+    collation). DPTrainer reads the targets from ``labels``; refused at construction saying so and how to rename."""
+
+    class Targets(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert()
+
+        def forward(self, input_ids, attention_mask=None, target=None):
+            return self.bert(input_ids=input_ids, attention_mask=attention_mask, labels=target)
+
+    def loss(outputs, labels):
+        return torch.nn.functional.cross_entropy(outputs.logits, labels, reduction="none")
+
+    data = bert_data(4).rename_column("labels", "target")
+    with pytest.raises(ValueError, match=r"label_names=\['target'\]: DPTrainer reads every batch's targets from the "
+                                         r"`labels` key.*rename_column\('target', 'labels'\)"):
+        DPTrainer(model=Targets(), args=neighbour_args(tmp_path, 4, label_names=["target"]), train_dataset=data,
+                  per_example_loss=loss)
+
+
 def test_a_streamed_training_set_is_refused_naming_the_way_to_a_map_style_one(tmp_path):
     """``load_dataset(..., streaming=True)`` / ``to_iterable_dataset()``: no length, so no Poisson sampling at rate
     q = B/N. Refused at construction with that cause and the way out (it said only "needs a map-style dataset")."""
