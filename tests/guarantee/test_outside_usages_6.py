@@ -38,7 +38,8 @@ from hf_dp import DPTrainer
     ("fp16", r"Mixed precision is fp16 although fp16 is not set: it comes from the environment "
              r"\(ACCELERATE_MIXED_PRECISION=fp16.*GradScaler would divide the gradient"),
     ("fp8", r"Mixed precision is fp8: it comes from the environment \(ACCELERATE_MIXED_PRECISION=fp8.*replaces its "
-            r"linear layers by fp8 modules.*after DPTrainer installed its per-example clipping hooks")])
+            r"linear layers by fp8 modules.*after DPTrainer installed its per-example clipping hooks")],
+    ids=["fp16", "fp8"])
 def test_fp16_or_fp8_from_accelerate_launch_is_refused_with_the_arguments(tmp_path, monkeypatch, precision, cause):
     """``accelerate launch --mixed_precision fp16|fp8 train.py`` with ``DPTrainingArguments`` declaring neither fp16
     nor bf16: ``TrainingArguments`` reads ``ACCELERATE_MIXED_PRECISION`` into ``args.mixed_precision`` and the Trainer
