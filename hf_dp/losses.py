@@ -39,6 +39,11 @@ __all__ = [
     "cross_entropy_classification_loss",
     "question_answering_loss",
     "check_loss_per_example",
+    "LabelSmoothedLoss",
+    "label_smoothed_default",
+    "smoothed_token_cross_entropy",
+    "trainer_shifts_smoothed_labels",
+    "user_loss_given",
     "check_models_own_loss",
     "labels_to_compare",
     "default_per_example_loss",
@@ -357,7 +362,9 @@ def check_models_own_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, 
     for it (``model(**inputs, labels=labels).loss`` on a batch of one: what the plain ``Trainer`` trains), to 1e-3
     (5e-2 in half precision), or ``ValueError`` (DESIGN invariant 2). Run without gradient; skipped where the model
     returns no finite scalar loss (no ``loss`` output, or an example without a labelled token: HF's mean is NaN), or
-    cannot compute one from these inputs (its forward raises when given ``labels``: nothing to compare with)."""
+    cannot compute one from these inputs (its forward raises when given ``labels``: nothing to compare with). A
+    :class:`LabelSmoothedLoss` is compared with transformers' ``LabelSmoother`` on the model's outputs (what the
+    Trainer trains with ``label_smoothing_factor``) and its unsmoothed form with the model's own loss."""
     if labels.shape[0] != 1:
         raise ValueError("check_models_own_loss compares one example (a batch of one).")
     with torch.no_grad():
@@ -368,8 +375,11 @@ def check_models_own_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, 
         own = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
         if not isinstance(own, torch.Tensor) or own.numel() != 1 or not bool(torch.isfinite(own).all()):
             return
+        tol = 5e-2 if half else 1e-3
+        if isinstance(loss, LabelSmoothedLoss):  # the smoothed loss is the Trainer's; its labels, the model's own
+            loss.check_against_trainer(outputs, labels, tol)
+            loss = loss.unsmoothed
         ours = loss(outputs, labels)
-    tol = 5e-2 if half else 1e-3
     if ours.shape != (1,) or not torch.allclose(ours.double(), own.double().reshape(1), rtol=tol, atol=tol):
         raise ValueError(
             f"The per-example loss hf_dp computes for {type(_base_model(model)).__name__} "
@@ -530,3 +540,145 @@ def seq2seq_model_inputs(model: nn.Module, inputs: dict, labels: torch.Tensor) -
             if mask is not None:
                 inputs["decoder_attention_mask"] = mask
     return inputs
+
+
+# ---------------------------------------------------------------------------------------------- label smoothing
+def trainer_shifts_smoothed_labels(model: nn.Module) -> bool:
+    """Whether ``Trainer.compute_loss`` smooths ``model``'s labels shifted (``LabelSmoother(..., shift_labels=True)``):
+    transformers decides by the class name of the model (under PEFT, of the adapted base model) being a value of
+    ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (transformers 5, ``Trainer.compute_loss``)."""
+    return type(_base_model(model)).__name__ in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def smoothed_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Per-token label-smoothed cross-entropy ``(B, T)`` of ``(B, T, V)`` logits (upcast to at least float32):
+    ``(1 − ε)·(−log p[target]) + ε·mean_c(−log p[c])``, 0 where the target is ``IGNORE_INDEX``. Averaged over an
+    example's own targets this is transformers' ``LabelSmoother`` (Szegedy et al. 2016, §7; ``trainer_pt_utils``) on
+    that example alone: its ``nll.sum() / n`` and ``smoothed.sum() / (n·V)`` over the same ``n`` targets."""
+    logp = F.log_softmax(_upcast(logits), dim=-1)
+    ignored = targets.eq(IGNORE_INDEX)
+    nll = -logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    uniform = -logp.mean(-1)
+    return ((1 - epsilon) * nll + epsilon * uniform).masked_fill(ignored, 0.0)
+
+
+def _same(labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    return labels
+
+
+def _shifted(labels: torch.Tensor, **_: Any) -> torch.Tensor:
+    return causal_lm_targets(labels)
+
+
+def _per_row_mean(per_token: torch.Tensor, targets: torch.Tensor, **_: Any) -> torch.Tensor:
+    return mean_over_targets(per_token, targets)
+
+
+class LabelSmoothedLoss:
+    """The per-example loss the plain ``Trainer`` trains with ``label_smoothing_factor = ε > 0``: its
+    ``LabelSmoother(ε)`` (``Trainer.compute_loss``) on a batch of one, i.e. each example's
+    ``(1 − ε)·(mean NLL over its own labelled tokens) + ε·(mean over those tokens of the mean over classes of
+    −log p)``; for a classification head, its one label is its one token. Depends on the example alone (DESIGN
+    invariant 2), whereas the Trainer's batch form divides by the tokens of the whole batch.
+
+    ``targets(labels, **kw)`` gives each position's target (shifted where the Trainer shifts: causal LMs) and
+    ``reduce(per_token, targets, **kw)`` the per-example means (``DPSFTTrainer``: per packed example, ``segments=``).
+    ``unsmoothed`` is hf_dp's default for the head without smoothing; the first-step check compares it with the
+    model's own loss and this loss with transformers' ``LabelSmoother`` (:func:`check_models_own_loss`).
+    ``refusal``: why the Trainer's smoothing cannot be reproduced for this model, raised when the loss is first used
+    (the preference trainers replace the default loss and never use it, as trl ignores ``label_smoothing_factor``).
+    """
+
+    def __init__(self, epsilon: float, unsmoothed: PerExampleLoss, shift: bool, classification: bool = False,
+                 config: Any = None, targets: Callable | None = None, reduce: Callable | None = None,
+                 refusal: str | None = None):
+        self.epsilon, self.unsmoothed, self.shift = float(epsilon), unsmoothed, shift
+        self.classification, self.config, self.refusal = classification, config, refusal
+        self.targets = targets or (_shifted if shift else _same)
+        self.reduce = reduce or _per_row_mean
+        self.__name__ = f"label_smoothed({getattr(unsmoothed, '__name__', type(unsmoothed).__name__)}, {epsilon})"
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
+        logits = _logits(outputs)
+        if self.classification:
+            kind = _problem_type(self.config, None, None, labels) if self.config is not None else (
+                "single_label_classification")
+            if kind != "single_label_classification":
+                raise ValueError(
+                    f"label_smoothing_factor={self.epsilon} with a {kind} head: transformers' LabelSmoother smooths "
+                    "over integer class labels (it gathers log p of the label), so the plain Trainer cannot train "
+                    "this head with it (it fails at its first loss; a multi-label problem_type set in the config "
+                    "before the Trainer is built makes it turn smoothing off). Set label_smoothing_factor=0, or "
+                    "set config.problem_type='multi_label_classification' before building the trainer.")
+            logits, labels = logits.reshape(logits.shape[0], 1, -1), labels.reshape(labels.shape[0], 1)
+        elif logits.shape[1] != labels.shape[1]:
+            raise ValueError(
+                f"label_smoothing_factor={self.epsilon}: the model returns logits for {logits.shape[1]} positions "
+                f"and its labels cover {labels.shape[1]} (a prompt-learning adapter's virtual tokens): the Trainer's "
+                "LabelSmoother aligns the labels with the first positions, the virtual tokens', so it would not "
+                "train the model's own objective. Set label_smoothing_factor=0 with prompt learning.")
+        targets = self.targets(labels, **kwargs)
+        return self.reduce(smoothed_token_cross_entropy(logits, targets, self.epsilon), targets, **kwargs)
+
+    def check_against_trainer(self, outputs: Any, labels: torch.Tensor, tol: float) -> None:
+        """This loss on one example equals transformers' ``LabelSmoother(ε)`` on it (what ``Trainer.compute_loss``
+        returns for a batch of one), to ``tol``, or ``ValueError``."""
+        from transformers.trainer_pt_utils import LabelSmoother
+
+        ours = self(outputs, labels)
+        theirs = LabelSmoother(epsilon=self.epsilon)(outputs, labels, shift_labels=self.shift)
+        if not (bool(torch.isfinite(theirs).all()) and theirs.numel() == 1):
+            return  # an example without a labelled token: the Trainer's mean is NaN, nothing to compare
+        if ours.shape != (1,) or not torch.allclose(ours.double(), theirs.double().reshape(1), rtol=tol, atol=tol):
+            raise ValueError(
+                f"hf_dp's label-smoothed per-example loss ({ours.flatten().tolist()}) differs from transformers' "
+                f"LabelSmoother({self.epsilon}) on the same example alone ({float(theirs):.6g}), the loss the plain "
+                "Trainer trains: training would optimise another objective. Pass `per_example_loss=fn` that "
+                "reproduces it, or set label_smoothing_factor=0.")
+
+
+def label_smoothed_default(model: nn.Module, loss: PerExampleLoss, task: str, epsilon: float,
+                           targets: Callable | None = None, reduce: Callable | None = None,
+                           shift: bool | None = None) -> PerExampleLoss:
+    """The default per-example loss ``loss`` of ``model``'s head (``task`` from :func:`default_per_example_loss`)
+    with the plain Trainer's label smoothing ``epsilon`` (its ``label_smoother.epsilon``; ``loss`` itself if 0:
+    the Trainer turns smoothing off for a multi-label ``config.problem_type``). ``shift``: whether the labels are
+    shifted (default: as ``Trainer.compute_loss`` decides, :func:`trainer_shifts_smoothed_labels`; trl's
+    ``SFTTrainer`` always shifts). A head whose own loss reads its labels another way than the Trainer's smoother
+    does gets a loss that refuses, with the cause, when first used."""
+    if not epsilon:
+        return loss
+    trainer_shift = trainer_shifts_smoothed_labels(model) if shift is None else shift
+    config = getattr(_base_model(model), "config", None)
+    classification = task.endswith("classification") and task != "token_classification"
+    model_shifts = task == "causal_lm"
+    refusal = None  # (a classification head's problem_type is read at each call, as its own loss reads it)
+    if not classification and model_shifts != trainer_shift:
+        cls = type(_base_model(model)).__name__
+        refusal = (
+            f"label_smoothing_factor={epsilon}: {cls}'s own loss reads its labels "
+            f"{'shifted (next-token)' if model_shifts else 'unshifted'}, but transformers' Trainer smooths them "
+            f"{'shifted' if trainer_shift else 'unshifted'} (it shifts only for classes listed in "
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, by class name), so the plain Trainer would train another alignment "
+            "of the labels than the model's own loss. Set label_smoothing_factor=0, or pass `per_example_loss=fn` "
+            "with the smoothed loss you mean, shape (batch,).")
+    return LabelSmoothedLoss(epsilon, loss, trainer_shift, classification=classification,
+                             config=config if loss is not cross_entropy_classification_loss else None,
+                             targets=targets, reduce=reduce, refusal=refusal)
+
+
+def user_loss_given(per_example_loss: Any, epsilon: float) -> bool:
+    """Whether a ``per_example_loss`` of the user's own is given. With one, ``label_smoothing_factor`` (``epsilon``)
+    does not change what is trained (as the plain Trainer's ``compute_loss_func`` wins over its label smoother):
+    said once, at construction."""
+    if epsilon and per_example_loss is not None:
+        import warnings
+
+        warnings.warn(
+            f"label_smoothing_factor={epsilon} is not applied to your per_example_loss: it is trained as you wrote "
+            "it (as the plain Trainer trains a compute_loss_func without smoothing); evaluation losses are the "
+            "Trainer's, smoothed. To train hf_dp's default loss with label smoothing, leave per_example_loss unset.",
+            UserWarning, stacklevel=3)
+    return per_example_loss is not None

@@ -46,6 +46,7 @@ from .losses import (
     causal_lm_loss,
     causal_lm_targets,
     default_per_example_loss,
+    label_smoothed_default,
     mean_over_targets,
     token_cross_entropy,
 )
@@ -369,7 +370,9 @@ class DPSFTTrainer(DPTrainer, _SFTTrainer):
         _, task = default_per_example_loss(model)
         if task != "causal_lm":
             raise ValueError(f"DPSFTTrainer trains causal language models; this model's head is {task}.")
-        return causal_lm_segment_loss, task
+        # trl smooths with LabelSmoother(shift_labels=True) (loss_type "nll"); here per packed example
+        return label_smoothed_default(model, causal_lm_segment_loss, task, getattr(self.label_smoother, "epsilon", 0.0),
+                                      targets=segment_targets, reduce=segment_means, shift=True), task
 
     def _segment_ids(self, inputs: dict) -> torch.Tensor | None:
         if not self.padding_free or "position_ids" not in inputs:

@@ -82,8 +82,10 @@ from .losses import (
     check_rows_are_examples,
     default_per_example_loss,
     is_seq2seq_lm,
+    label_smoothed_default,
     labels_to_compare,
     seq2seq_model_inputs,
+    user_loss_given,
 )
 from .mechanism import Mechanism
 from .optim import bias_corrected_adam, check_adam_bc_optim
@@ -126,6 +128,7 @@ class _DPCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.mechanism.check_arguments_object(self.trainer.args)  # not replaced since construction
         # A step left half-done by an interrupted train(), or by the attempt that ran out of memory before
         # find_executable_batch_size re-ran the loop, is dropped (DESIGN invariant 11); the logged loss restarts.
         self.trainer._dp_step.reset()
@@ -332,8 +335,10 @@ class _ExamplesAloneWiring:
 
     def _default_loss(self, model: torch.nn.Module) -> tuple[PerExampleLoss, str]:
         """The per-example loss hf_dp trains for ``model`` without ``per_example_loss=`` (``default_per_example_loss``;
-        ``DPSFTTrainer``: per packed example)."""
-        return default_per_example_loss(model)
+        ``DPSFTTrainer``: per packed example), with the Trainer's ``label_smoothing_factor`` as its label smoother
+        applies it (``losses.label_smoothed_default``)."""
+        loss, task = default_per_example_loss(model)
+        return label_smoothed_default(model, loss, task, getattr(self.label_smoother, "epsilon", 0.0)), task
 
     def _check_loss_is_the_models_own(self, net: torch.nn.Module, micro: dict, labels: torch.Tensor) -> None:
         """Before the first update, on the micro-batch's first row: hf_dp's default per-example loss equals the loss
@@ -438,7 +443,6 @@ class _HistoryAndUnitWiring:
                                    budgeted=self.args.target_epsilon is not None)
         for said in (msg, data_initialisation_warning(unwrapped)):  # adapters initialised from data: peft_support
             if said is not None:
-                logger.warning(said)
                 warnings.warn(said, UserWarning, stacklevel=4)
 
     def _record_model_history(self, tag: bool) -> None:
@@ -466,7 +470,6 @@ class _HistoryAndUnitWiring:
         msg = self._unit_detail.check(self.train_dataset, self.processing_class,
                                       getattr(self._unwrapped_model(), "config", None), declared=self.user_level)
         if msg is not None:
-            logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=4)
 
     def _privacy_unit_detail(self) -> str | None:
@@ -514,9 +517,8 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
             check_fsdp_supported(self.accelerator.state.fsdp_plugin, self.args)  # FSDP2, flat, example level
         elif fsdp_requested(self.args):
             msg = _fsdp_not_enabled_message(self.accelerator.distributed_type, self.args.world_size)
-            logger.warning(msg)
             warnings.warn(msg, UserWarning, stacklevel=2)
-        self._custom_loss = per_example_loss is not None
+        self._custom_loss = user_loss_given(per_example_loss, self.args.label_smoothing_factor)  # (it wins: warned)
         self.per_example_loss = per_example_loss
         self.task = "custom"
         # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
@@ -1003,7 +1005,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                                                 else None)
         self.log(block)
         if advice is not None:
-            logger.warning(advice)
             warnings.warn(advice, UserWarning, stacklevel=2)
 
     def privacy_record(self, accountant: PrivacyAccountant | None = None,
@@ -1130,7 +1131,6 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
                        "steps: privacy accounting continues, ε composes over all runs"
                        + (" and σ is calibrated to the budget that is left." if self.args.target_epsilon is not None
                           else "."))
-                logger.warning(msg)
                 warnings.warn(msg, UserWarning, stacklevel=2)
             self.noise_multiplier = self.args.noise_multiplier  # None with target_epsilon: calibrated at train start
         self.mechanism.steps_at_run_begin = self.accountant.steps

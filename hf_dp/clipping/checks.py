@@ -15,6 +15,7 @@ They run on the engine's public methods only (``record``, the norms and sums, ``
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,11 +25,13 @@ from torch import nn
 
 from .checkpointing import clipped_in_backward
 from .coverage import with_enclosable
-from .fallback import is_drop_rate
+from .fallback import is_drop_rate, later_batch_axis
 from .rules import UnsupportedLayerError
 
-__all__ = ["FirstStepChecks", "check_rtol", "computes_in_half", "holds_half_precision", "norm_alone_problem",
-           "rounding_floor", "stand_ins", "train_without_dropout"]
+__all__ = ["FirstStepChecks", "check_rtol", "computes_in_half", "eval_mode_check", "holds_half_precision",
+           "norm_alone_problem", "rounding_floor", "stand_ins", "train_without_dropout"]
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -58,39 +61,6 @@ def train_without_dropout(model: nn.Module) -> Iterator[None]:
         for m, k, v in saved:
             setattr(m, k, v)
         model.train(was_training)
-
-
-def _leaf_layout(big: torch.Tensor | None, one: torch.Tensor | None, b: int) -> str | None:
-    """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
-    ``"flat"`` (``k > 1`` rows per example, example-major), ``"size"`` (a number: ``b`` for ``b`` examples and 1 for
-    one, the micro-batch size) or ``None`` (shared by the batch)."""
-    if isinstance(big, int) or isinstance(one, int):
-        return "size" if isinstance(big, int) and isinstance(one, int) and b > 1 and big == b and one == 1 else None
-    if big is None or one is None or big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
-        return None
-    if one.shape[0] == 1:
-        return "batch"
-    head = big[:one.shape[0]]
-    same = torch.allclose(head.double(), one.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
-        else torch.equal(head, one)
-    return "flat" if same else None
-
-
-def _later_batch_axis(big: torch.Tensor, one: torch.Tensor, b: int) -> int | None:
-    """The axis ``j > 0`` that holds the examples (size ``b`` for ``b`` examples, 1 for the first alone, the first
-    example's slice unchanged), when the first axis does not scale (sequence-first layouts); else ``None``."""
-    if big.dim() != one.dim() or big.dim() < 2 or big.shape[0] != one.shape[0] or b == 1:
-        return None
-    last = big.dim() - 1 if big.is_floating_point() else big.dim()  # a float input's last axis is its features
-    axes = [j for j in range(1, last) if big.shape[j] == b and one.shape[j] == 1
-            and all(big.shape[k] == one.shape[k] for k in range(big.dim()) if k != j)]
-    if len(axes) != 1:
-        return None
-    head, first = big.select(axes[0], 0), one.select(axes[0], 0)
-    same = torch.allclose(head.double(), first.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
-        else torch.equal(head, first)
-    return axes[0] if same else None
-
 
 
 def _rows(x: torch.Tensor) -> int | None:
@@ -126,6 +96,33 @@ def norm_alone_problem(i: int, batched: float, alone: float, batch_size: int, rt
         return (f"Example {i}'s gradient norm is {batched:.6g} in its micro-batch of {batch_size} but {alone:.6g} "
                 f"alone{mode}")
     return None
+
+
+def eval_mode_check(check: Callable[[], Any], clean_up: Callable[[], None] | None = None) -> bool:
+    """Run ``check``, the eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms
+    alone), for the local step (``local.py``) and FSDP2's (``fsdp.py``): ``True`` if it ran.
+
+    Some models cannot run a backward pass in eval mode at all: Reformer's reversible layers (Kitaev et al. 2020,
+    §3) recompute activations in a custom backward that asserts ``self.training``. Training never runs in eval mode
+    (DPTrainer trains in train mode, whose check has just run and passed), so when the model's own forward or backward
+    raises here, this half is skipped with a warning naming the error instead of crashing the run (after
+    ``clean_up``, which drops what the interrupted check recorded); returns ``False``. A mismatch
+    (``UnsupportedLayerError``) is still raised. Under FSDP every rank must raise alike (the model's own assertion
+    on its mode does): a rank that ran on would wait in a collective."""
+    try:
+        check()
+    except UnsupportedLayerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own error in a mode training never uses
+        if clean_up is not None:
+            clean_up()
+        logger.warning(
+            "hf_dp: the eval-mode part of dp_self_check was skipped: the model's forward/backward raised in eval mode "
+            "(%s: %s). Training runs in train mode, where the same check (two examples' gradient norms in the "
+            "micro-batch equal their norms alone, dropout off) ran and passed; the coverage checks ran as usual.",
+            type(e).__name__, " ".join(str(e).split())[:300])
+        return False
+    return True
 
 
 class JudgedCalls(dict):
@@ -321,14 +318,13 @@ class FirstStepChecks:
                         "projections) or train with LoRA.")
                 return
             if key[0] in plan.fallbacks:
-                fb = plan.fallbacks[key[0]]  # recurrent.py proves its own batch axis (sequence-first inputs)
-                mapped[key] = fb.probe_layout(two, one, big) if hasattr(fb, "probe_layout") else [
-                    _leaf_layout(x2, x1, big) for x2, x1 in zip(two, one)]
+                # each fallback proves its inputs' batch axes (fallback.py; recurrent.py its own, sequence-first too)
+                mapped[key] = plan.fallbacks[key[0]].probe_layout(two, one, big)
                 return
             name, cls = names[key[0]]
             call = f"{name} ({cls}, call {key[1] + 1} in the forward)"
             n_before = len(problems)
-            axis = _later_batch_axis(two, one, big)
+            axis = later_batch_axis(two, one, big)
             if axis:
                 layout[key] = axis  # e.g. Longformer's sequence-first (T, B, d) projections
                 return

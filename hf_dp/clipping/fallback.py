@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .rules import UnsupportedLayerError
 
-__all__ = ["Fallback", "float_outputs", "is_drop_rate", "out_of_memory"]
+__all__ = ["Fallback", "float_outputs", "is_drop_rate", "later_batch_axis", "leaf_layout", "out_of_memory"]
 
 
 def out_of_memory(err: BaseException) -> bool:
@@ -62,6 +62,47 @@ def is_drop_rate(key: str) -> bool:
     LayerDrop (``layerdrop``: whole layers skipped at random in training) and stochastic depth (``drop_prob``,
     ``drop_path_rate``)."""
     return "dropout" in key or "layerdrop" in key or key.startswith("drop_p")
+
+
+def later_batch_axis(big: torch.Tensor, one: torch.Tensor, b: int) -> int | None:
+    """The axis ``j > 0`` that holds the examples (size ``b`` for ``b`` examples, 1 for the first alone, the first
+    example's slice unchanged), when the first axis does not scale (sequence-first layouts); else ``None``."""
+    if big.dim() != one.dim() or big.dim() < 2 or big.shape[0] != one.shape[0] or b == 1:
+        return None
+    last = big.dim() - 1 if big.is_floating_point() else big.dim()  # a float input's last axis is its features
+    axes = [j for j in range(1, last) if big.shape[j] == b and one.shape[j] == 1
+            and all(big.shape[k] == one.shape[k] for k in range(big.dim()) if k != j)]
+    if len(axes) != 1:
+        return None
+    head, first = big.select(axes[0], 0), one.select(axes[0], 0)
+    same = torch.allclose(head.double(), first.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
+        else torch.equal(head, first)
+    return axes[0] if same else None
+
+
+def leaf_layout(big: torch.Tensor | int | None, one: torch.Tensor | int | None, b: int) -> str | int | None:
+    """A fallback input's layout, from its values for ``b`` examples and for the first alone: ``"batch"``,
+    ``"flat"`` (``k > 1`` rows per example, example-major), ``"size"`` (a number: ``b`` for ``b`` examples and 1 for
+    one, the micro-batch size), an axis ``j > 0`` (sequence-first: the examples on axis ``j``,
+    :func:`later_batch_axis`; ``nn.MultiheadAttention`` with ``batch_first=False``) or ``None`` (shared by the
+    batch)."""
+    if isinstance(big, int) or isinstance(one, int):
+        return "size" if isinstance(big, int) and isinstance(one, int) and b > 1 and big == b and one == 1 else None
+    if big is None or one is None:
+        return None
+    if big.shape[0] != b * one.shape[0] or big.shape[1:] != one.shape[1:]:
+        return later_batch_axis(big, one, b)
+    if one.shape[0] == 1:
+        return "batch"
+    head = big[:one.shape[0]]
+    same = torch.allclose(head.double(), one.double(), rtol=1e-3, atol=1e-5) if one.is_floating_point() \
+        else torch.equal(head, one)
+    return "flat" if same else None
+
+
+def _axis(m: str | int | None) -> int | None:
+    """The later batch axis a leaf's layout names (sequence-first), or ``None``."""
+    return m if isinstance(m, int) and not isinstance(m, bool) and m > 0 else None
 
 
 class _MaskWrites(TorchFunctionMode):
@@ -128,14 +169,15 @@ class Fallback:
         """``f(params, per-example leaves) -> float outputs of the module on that one example``, and the per-example
         leaves stacked on a leading batch axis (``"flat"`` leaves: ``(B·k, ...)`` viewed as ``(B, k, ...)``)."""
         leaves, spec = tree_flatten((args, kwargs))
-        idx = [i for i, m in enumerate(mapped) if m in ("batch", "flat")]
+        idx = [i for i, m in enumerate(mapped) if m in ("batch", "flat") or _axis(m)]
         sizes = [i for i, m in enumerate(mapped) if m == "size"]
         flat = "flat" in mapped
 
         def run(params: dict[str, torch.Tensor], per_example: tuple) -> tuple[torch.Tensor, ...]:
             full = list(leaves)
             for i, x in zip(idx, per_example):
-                full[i] = x if mapped[i] == "flat" else x.unsqueeze(0)  # one example's rows / a batch of one
+                # one example's rows / a batch of one, on the axis that holds the examples (1: sequence-first)
+                full[i] = x if mapped[i] == "flat" else x.unsqueeze(_axis(mapped[i]) or 0)
             for i in sizes:
                 full[i] = 1  # the micro-batch size passed as a number (Perceiver's latents.expand(batch_size, ...))
             a, k = tree_unflatten(full, spec)
@@ -149,8 +191,8 @@ class Fallback:
                 return tuple(outs)
             return tuple(t if ax == "flat" else t.squeeze(ax) for t, ax in zip(outs, self.out_axes))
 
-        stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else leaves[i]
-                        for i in idx)
+        stacked = tuple(leaves[i].reshape(batch_size, -1, *leaves[i].shape[1:]) if mapped[i] == "flat" else
+                        leaves[i].movedim(_axis(mapped[i]), 0) if _axis(mapped[i]) else leaves[i] for i in idx)
         if not stacked:  # only a batch-size number carries the examples: vmap needs a tensor with the batch axis
             stacked = (torch.zeros(batch_size, 0),)
             run_inner = run
@@ -188,17 +230,26 @@ class Fallback:
         return axes
 
     @staticmethod
-    def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | None] | None = None) -> list:
+    def probe_layout(big: list, one: list, b: int) -> list[str | int | None]:
+        """Called by the engine's first-step probe with the input leaves of a call for ``b`` examples and for the
+        first alone: each leaf's :func:`leaf_layout` (what :meth:`mapped_leaves` is then given as ``known``)."""
+        return [leaf_layout(x2, x1, b) for x2, x1 in zip(big, one)]
+
+    @staticmethod
+    def mapped_leaves(args: tuple, kwargs: dict, batch_size: int, known: list[str | int | None] | None = None
+                      ) -> list:
         """Which leaves of ``(args, kwargs)`` carry the batch axis: ``"batch"`` (first axis B), ``"flat"`` (the
         examples' rows flattened example-major, proven by the engine's probe), ``"size"`` (a number that is the
-        micro-batch size, proven by the probe: ``B`` for ``B`` examples, 1 for one; the re-run passes 1) or ``None``
-        (shared)."""
+        micro-batch size, proven by the probe: ``B`` for ``B`` examples, 1 for one; the re-run passes 1), an axis
+        ``j > 0`` (sequence-first, proven by the probe: size B on axis ``j``; the re-run takes each example's slice
+        there) or ``None`` (shared). Unproven, only a first axis of size B is taken for the batch axis."""
         leaves, _ = tree_flatten((args, kwargs))
         guess = ["batch" if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size else None
                  for x in leaves]
         if known is not None and len(known) == len(leaves):
             return ["size" if k == "size" and x == batch_size else
-                    (k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None))
+                    (k if _axis(k) and isinstance(x, torch.Tensor) and x.dim() > k and x.shape[k] == batch_size else
+                     (k if k == "flat" and x.shape[0] % batch_size == 0 else (g if k == "batch" else None)))
                     for k, g, x in zip(known, guess, leaves)]
         return guess
 
@@ -270,15 +321,18 @@ class Fallback:
             sequence_first = [f"{self.name}.{n}" if n else self.name for n, m in self.module.named_modules()
                               if getattr(m, "batch_first", None) is False]
             if sequence_first and all(len(shape) > 1 and shape[1] == batch_size for shape in bad):
-                # its examples are on axis 1, which the re-run (examples on axis 0) does not read
+                # its examples would be on axis 1, which the first step's probe did not prove (leaf_layout)
                 raise self._enclosable(UnsupportedLayerError(
                     f"{self.name} ({cls}) {self._whose()}, and it is built with batch_first=False "
                     f"({', '.join(sequence_first)}): its inputs and output are sequence-first, (length, batch, "
-                    f"features) (output shapes {bad} for a micro-batch of {batch_size}), while hf_dp re-runs a module "
-                    "per example along the first axis, so its per-example gradients cannot be computed. Build it "
-                    "with batch_first=True (nn.MultiheadAttention, nn.TransformerEncoderLayer / DecoderLayer, "
-                    "nn.Transformer) and drop the transposes around it, freeze these parameters "
-                    "(requires_grad_(False)), or train the model through a PEFT adapter (LoRA)."
+                    f"features) (output shapes {bad} for a micro-batch of {batch_size}), and the first step did not "
+                    "prove that the second axis of its inputs holds the examples (hf_dp re-runs it per example along "
+                    "that axis only where the run on the micro-batch and on its first example alone show size "
+                    f"{batch_size} and 1 there, with the first example's slice the same in both). Here it is not: "
+                    "something before this module mixes the examples (e.g. a statistic over the batch axis), or its "
+                    "inputs do not hold one example per position of that axis. Make its inputs depend on each "
+                    "example alone, freeze these parameters (requires_grad_(False)), or train the model through a "
+                    "PEFT adapter (LoRA)."
                 ))
             raise self._enclosable(UnsupportedLayerError(
                 f"{self.name} ({cls}) {self._whose()}, and its output has no per-example axis (output shapes "

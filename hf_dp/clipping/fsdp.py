@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..noise import add_noise_to_shards
-from .checks import check_rtol, norm_alone_problem
+from .checks import check_rtol, eval_mode_check, norm_alone_problem
 from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
 from .modes import flat_clip_factors
 from .recorder import Recorder
@@ -240,6 +240,20 @@ class FSDPClippingEngine(ClippingEngine):
         if not norms_sq:
             return torch.zeros(batch_size, dtype=torch.float64)
         return torch.stack([v.double() for v in norms_sq.values()]).sum(0).sqrt()
+
+
+def _reset_after_error(engine: FSDPClippingEngine, model: nn.Module) -> None:
+    """After the model's own forward/backward raised inside a check: drop what the engine recorded and reset FSDP2's
+    per-iteration state (``FSDPModule.reset_iter_state`` on the root: the aborted backward left parameters unsharded
+    and its final callback unrun), so that training runs on; without that method (torch < 2.13) nothing can."""
+    engine.clear()
+    reset = getattr(model, "reset_iter_state", None)
+    if not callable(reset):
+        raise RuntimeError(
+            "The model's own forward/backward raised in eval mode during dp_self_check under FSDP2, and this torch "
+            f"({torch.__version__}) has no FSDPModule.reset_iter_state to restore FSDP's state after it. Set "
+            "dp_self_check=False (the coverage checks still run at the first step) or upgrade torch.")
+    reset()
 
 
 def _all_max(value: float, device: torch.device) -> float:
@@ -462,23 +476,25 @@ class FSDPFlatClipping(DPStep):
         b = labels.shape[0]
         rtol = check_rtol(args, model)
         was_training = model.training
-        problem = None
+        problems: list[str] = []
+
+        def compare(mode: str) -> None:
+            batched = self._norms_only(model, batch, labels)
+            for i in range(2):
+                j = min(i, b - 1)
+                alone = float(self._norms_only(model, slice_batch(batch, slice(j, j + 1), b), labels[j:j + 1])[0])
+                problem = norm_alone_problem(j, float(batched[j]), alone, b, rtol, f" ({mode})")
+                if problem is not None:
+                    problems.append(problem)
+
         try:
-            for mode in ("train mode, dropout off", "eval mode"):
-                with contextlib.ExitStack() as stack:
-                    if mode == "eval mode":
-                        model.eval()
-                    else:  # batch statistics run as in training; dropout off
-                        stack.enter_context(train_without_dropout(model))
-                    batched = self._norms_only(model, batch, labels)
-                    for i in range(2):
-                        j = min(i, b - 1)
-                        alone = float(self._norms_only(model, slice_batch(batch, slice(j, j + 1), b),
-                                                       labels[j:j + 1])[0])
-                        if problem is None:
-                            problem = norm_alone_problem(j, float(batched[j]), alone, b, rtol, f" ({mode})")
+            with train_without_dropout(model):  # batch statistics run as in training; dropout off
+                compare("train mode, dropout off")
+            model.eval()  # skipped, warned, where the model's own forward/backward raises in eval mode (as locally)
+            eval_mode_check(lambda: compare("eval mode"), clean_up=lambda: _reset_after_error(self.engine, model))
         finally:
             model.train(was_training)
+        problem = problems[0] if problems else None
         self._singles_checked = True
         if _all_max(problem is not None, args.device):
             raise UnsupportedLayerError(

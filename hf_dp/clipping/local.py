@@ -21,8 +21,8 @@ from torch import nn
 
 from ..noise import privatize
 from ..peft_support import adapter_advice
-from .checks import check_rtol
-from .engine import ClippingEngine, UnsupportedLayerError, train_without_dropout
+from .checks import check_rtol, eval_mode_check
+from .engine import ClippingEngine, train_without_dropout
 from .modes import flat_clip_factors
 from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
 from .two_pass import RandomState, clipped_backward, flat_clipping_passes
@@ -210,21 +210,7 @@ def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: n
 
 
 def _eval_mode_check(engine: ClippingEngine, run_losses: Any, b: int, rtol: float) -> None:
-    """The eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms alone).
-
-    Some models cannot run a backward pass in eval mode at all: Reformer's reversible layers (Kitaev et al. 2020,
-    §3) recompute activations in a custom backward that asserts ``self.training``. Training never runs in eval mode
-    (DPTrainer trains in train mode, whose check has just run and passed), so when the model's own forward or backward
-    raises here, this half is skipped with a warning naming the error instead of crashing the run. A mismatch
-    (UnsupportedLayerError) is still raised."""
-    try:
-        engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)")
-    except UnsupportedLayerError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the model's own error in a mode training never uses
-        # (check_single_examples's own `finally` has already restored the engine and cleared the gradients)
-        logger.warning(
-            "hf_dp: the eval-mode part of dp_self_check was skipped: the model's forward/backward raised in eval mode "
-            "(%s: %s). Training runs in train mode, where the same check (two examples' gradient norms in the "
-            "micro-batch equal their norms alone, dropout off) ran and passed; the coverage checks ran as usual.",
-            type(e).__name__, " ".join(str(e).split())[:300])
+    """The eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms alone), skipped
+    with a warning where the model's own forward/backward raises in eval mode (``checks.eval_mode_check``, shared
+    with FSDP2's step). ``check_single_examples``'s own ``finally`` restores the engine and clears the gradients."""
+    eval_mode_check(lambda: engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)"))

@@ -158,6 +158,19 @@ def test_fsdp2_gradient_hook_is_refused_before_it_sees_the_unnoised_sum(fsdp_run
         assert hook["hook_ran"] == 0 and hook["steps"] == 0, hook
 
 
+def test_fsdp2_self_check_skips_eval_mode_where_the_models_backward_raises_in_it(fsdp_run):
+    """A model whose own backward raises in eval mode (Reformer's reversible layers assert train mode): FSDP2's
+    first-step self-check skips its eval-mode half with a warning (as the local step does, one shared function:
+    ``clipping.checks.eval_mode_check``) and the step trains exactly as the same step of GPT-2 (``clean``)."""
+    _, params, infos = fsdp_run
+    for info, p in zip(infos, params):
+        got = info["eval_raises"]
+        assert got["outcome"] == "trained" and got["steps"] == 1 and got["self_checked"], got
+        assert len(got["warned"]) == 1 and "AssertionError" in got["warned"][0], got["warned"]
+        for n, t in p["clean"][0].items():
+            torch.testing.assert_close(p["eval_raises"][0][n], t, rtol=1e-12, atol=1e-12, msg=n)
+
+
 def test_fsdp2_noise_added_once_per_coordinate(fsdp_run):
     _, params, infos = fsdp_run
     noisy = [p["noisy"][0] for p in params]

@@ -74,6 +74,7 @@ from .oracle import (  # noqa: E402
     per_example_grads,
     single_example_loss,
     sorted_norms,
+    trainer_loss,
     user_gradients,
 )
 from .runs import (  # noqa: E402
@@ -110,5 +111,5 @@ __all__ = [
     "token_dataset", "turns", "user_args", "user_data", "CheckpointedBlocks", "FallbackGate", "LossOut", "Out", "Toy",
     "ReadsChildWeight",
     "p_tuning", "t5_frozen_bias", "toy_loss", "toy_rows", "train_toy", "lora_llama", "user_gradients",
-    "sampled_users", "automatic_clipped_sum",
+    "sampled_users", "automatic_clipped_sum", "trainer_loss",
 ]

@@ -66,12 +66,32 @@ def single_example_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return out.loss
 
 
-def per_example_grads(model: nn.Module, data, indices: list[int] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Gradients of each example's own loss (``single_example_loss``), one example per forward (a batch of one).
+def trainer_loss(model: nn.Module, output_dir, **training_arguments):
+    """``loss(model, batch)``: the plain ``transformers.Trainer``'s own ``compute_loss`` on ``batch`` (a Trainer
+    built once for ``model`` with these ``TrainingArguments``, e.g. ``label_smoothing_factor=0.1``: its
+    ``LabelSmoother``, shifted for causal LMs as the Trainer decides). What the plain Trainer trains for a batch of
+    one; for the losses the Trainer computes itself rather than the model."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to="none", **training_arguments)
+    trainer = Trainer(model=model, args=args)
+
+    def loss(net: nn.Module, batch: dict) -> torch.Tensor:
+        assert next(iter(batch.values())).shape[0] == 1, "a batch of one"
+        return trainer.compute_loss(net, dict(batch))
+
+    return loss
+
+
+def per_example_grads(model: nn.Module, data, indices: list[int] | None = None, loss=None
+                      ) -> list[dict[str, torch.Tensor]]:
+    """Gradients of each example's own loss (``single_example_loss``, or ``loss(model, batch)``: e.g.
+    :func:`trainer_loss`), one example per forward (a batch of one).
 
     ``data``: an HF ``Dataset``, a list of dicts or any map-style dataset of rows (lists or tensors without the batch
     axis; string columns are left out). ``indices``: the rows, in order (default: all). A trainable parameter the
     example does not reach gets a zero gradient."""
+    loss = single_example_loss if loss is None else loss
     model.train()
     out = []
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -79,7 +99,7 @@ def per_example_grads(model: nn.Module, data, indices: list[int] | None = None) 
         row = data[i]
         batch = {k: torch.as_tensor(v).unsqueeze(0) for k, v in row.items() if not isinstance(v, str)}
         model.zero_grad(set_to_none=True)
-        single_example_loss(model, batch).backward()
+        loss(model, batch).backward()
         out.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()})
     model.zero_grad(set_to_none=True)
     return out

@@ -123,17 +123,18 @@ def check_update(model, dataset, tmp_path, per_device: int, ga: int, clip_quanti
 
 
 def check_exact(model: nn.Module, data, tmp_path, clipping: str = "flat", ga: int = 2, rtol: float = RTOL,
-                per_example_loss=None, data_collator=None, **overrides) -> DPTrainer:
+                per_example_loss=None, data_collator=None, oracle_loss=None, **overrides) -> DPTrainer:
     """One DP step over all of ``data`` (q = 1, σ = 0, ``ga`` micro-batches) equals the oracle's clipped sum / n.
 
     Flat: one threshold, just above the lower median of the examples' norms; per-layer (or any group-wise mode): the
     trainer's groups, each threshold just above that group's lower median (set on the trainer before the step), so
     some examples are clipped and some not. ``overrides`` go to ``dp_args``; ``rtol`` is for models that compute in
-    float32 inside (atol then scales with it)."""
+    float32 inside (atol then scales with it). ``oracle_loss(model, batch_of_one)``: the oracle's loss
+    (``helpers.oracle.trainer_loss``; default the model's own)."""
     model = model.double()
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    grads = per_example_grads(model, data)
+    grads = per_example_grads(model, data, loss=oracle_loss)
     n = len(grads)
     trainable = list(grads[0])
     max_norm = sorted_norms(grads, trainable)[n // 2 - 1] + 1e-9

@@ -10,7 +10,9 @@ Run as ``python -m torch.distributed.run --nproc_per_node 2 tests/scripts/fsdp_w
 4. ``escape``: ``dp_self_check=False`` and a model whose forward uses ``ln_f.weight`` outside ``ln_f``'s forward
    (pass 2 is a plain backward, so that use would leak into the update): must be refused before the first update;
 5. ``mid_step``: q or C changed by a callback inside a step; ``gradient_hook``: a post-accumulate hook on the sharded
-   parameters (FSDP2 runs it on the clipped sum before the noise): refused before it runs.
+   parameters (FSDP2 runs it on the clipped sum before the noise): refused before it runs;
+6. ``eval_raises``: ``clean``'s first step on a model whose own backward raises in eval mode (as Reformer's): the
+   eval-mode half of dp_self_check is skipped with a warning, the step trains as ``clean``'s.
 
 Every rank writes the full (gathered) parameters after each step, what it saw, and the run's facts.
 """
@@ -107,6 +109,58 @@ def run_escape(out_dir: str) -> str:
     except Exception as err:  # noqa: BLE001 - reported to the test
         return f"{type(err).__name__}: {err}"
     return "trained"
+
+
+class _TrainModeBackward(torch.autograd.Function):
+    """The identity, whose backward asserts that the model ran in train mode (as Reformer's reversible layers'
+    recomputation does: ``assert self.training``)."""
+
+    @staticmethod
+    def forward(ctx, x, training):
+        ctx.training = training
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert ctx.training, "this model's backward runs in train mode only"
+        return grad, None
+
+
+class EvalBackwardRaisesGPT2(type(tiny_gpt2())):
+    """GPT-2 whose own backward raises in eval mode (the same numbers as GPT-2 in train mode)."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+        out.logits = _TrainModeBackward.apply(out.logits, self.training)
+        return out
+
+
+def run_eval_raises(out_dir: str) -> dict:
+    """``clean``'s first step (same init, seed, data, C; dp_self_check on) on a model whose backward raises in eval
+    mode: the eval-mode half of the self-check is skipped with a warning; the step trains."""
+    import logging
+
+    torch.manual_seed(0)
+    model = tiny_gpt2().double()
+    model.__class__ = EvalBackwardRaisesGPT2
+    warned: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("hf_dp.clipping.checks").addHandler(handler)
+    snaps = Snapshots()
+    from hf_dp import causal_lm_loss
+
+    trainer = ShimDPTrainer(model=model, args=make_args(out_dir, 0.0, 1, False), train_dataset=lm_dataset(N, seed=3),
+                            callbacks=[snaps], per_example_loss=causal_lm_loss)
+    try:
+        trainer.train()
+        outcome = "trained"
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(err).__name__}: {err}"
+    finally:
+        logging.getLogger("hf_dp.clipping.checks").removeHandler(handler)
+    return {"outcome": outcome, "steps": trainer.accountant.steps, "self_checked": trainer._self_checked,
+            "warned": [w for w in warned if "eval-mode part of dp_self_check was skipped" in w], "snaps": snaps.params}
 
 
 def run(out_dir: str, sigma: float, steps: int, save: bool, nan: bool = False) -> dict:
@@ -207,9 +261,11 @@ def main(out: str) -> None:
     escape = run_escape(os.path.join(out, "escape"))
     mid_step = run_mid_step(os.path.join(out, "mid_step"))
     gradient_hook = run_gradient_hook(os.path.join(out, "gradient_hook"))
+    eval_raises = run_eval_raises(os.path.join(out, "eval_raises"))
     tr = clean["trainer"]
     rank = tr.args.process_index
-    torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"]},
+    torch.save({"clean": clean["snaps"], "noisy": noisy["snaps"], "nan": nan["snaps"],
+                "eval_raises": eval_raises.pop("snaps")},
                os.path.join(out, f"params_rank{rank}.pt"))
     local_shard_numel = sum(p.to_local().numel() for p in tr.model.parameters())
     with open(os.path.join(out, f"info_rank{rank}.json"), "w") as f:
@@ -221,7 +277,7 @@ def main(out: str) -> None:
             "steps": tr.accountant.steps, "epsilon_noisy": noisy["trainer"].privacy_spent()["epsilon"],
             "stats": tr._fsdp.stats, "self_checked": tr._self_checked, "fallback": fallback,
             "nan_stats": nan["trainer"]._fsdp.stats, "nan_nonfinite": nan["trainer"].nonfinite_examples,
-            "escape": escape, "mid_step": mid_step, "gradient_hook": gradient_hook,
+            "escape": escape, "mid_step": mid_step, "gradient_hook": gradient_hook, "eval_raises": eval_raises,
         }, f)
 
 

@@ -118,8 +118,22 @@ def test_noise_to_signal_warning_when_the_noise_dominates(tmp_path):
     for words in ("the noise dominates", "can still learn", "LoRA", "larger expected batch", "more data", "larger ε",
                   "Choosing hyperparameters"):
         assert words in plan["advice"]
-    with pytest.warns(UserWarning, match="the noise dominates"):
+    with pytest.warns(UserWarning, match="the noise dominates") as said:
         full.train()
+    assert sum("the noise dominates" in str(w.message) for w in said) == 1
+
+
+def test_a_warning_is_said_once(tmp_path, caplog):
+    """A warning is said once: through Python's warnings only, not also through hf_dp's loggers (outside pytest both
+    print to the console: the same advice twice)."""
+    data = cls_dataset(8, num_labels=2)
+    args = make_args(tmp_path, noise_multiplier=1.0, max_steps=1, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=1)
+    trainer = DPTrainer(model=tiny_bert(num_labels=2), args=args, train_dataset=data)
+    with caplog.at_level("WARNING", logger="hf_dp"), pytest.warns(UserWarning, match="the noise dominates") as said:
+        trainer.train()
+    assert sum("the noise dominates" in str(w.message) for w in said) == 1
+    assert not [r for r in caplog.records if "the noise dominates" in r.getMessage()]
 
 
 def test_accountant_used_is_recorded_where_prv_accountant_fails(tmp_path):

@@ -152,7 +152,7 @@ def test_budget_exhaustion_stops_and_saves(tmp_path):
         (dict(target_epsilon=1.0, accountant="gdp"), "accountant"),
         (dict(target_epsilon=1.0, clipping="automatic"), "clipping"),
         (dict(target_epsilon=1.0, max_grad_norm=-1.0), "max_grad_norm"),
-        (dict(target_epsilon=1.0, label_smoothing_factor=0.1), "label_smoothing"),
+        (dict(target_epsilon=1.0, label_smoothing_factor=0.1, lm_loss_chunk_size=4), "label_smoothing"),
     ],
 )
 def test_bad_arguments_are_refused(tmp_path, kwargs, message):

@@ -127,6 +127,17 @@ def test_update_equals_trl_reward_loss_per_row(tmp_path, build, extra):
     assert_updates_close(update, expected, **tol)
 
 
+def test_label_smoothing_factor_is_ignored_as_trl_does(tmp_path):
+    """trl's reward loss never reads ``label_smoothing_factor``; with it set (on a num_labels=1 head, which the
+    Trainer's label smoother could not take) the update is still trl's pairwise loss per row."""
+    torch.manual_seed(0)
+    model = tiny_llama_reward().double()
+    args = reward_args(tmp_path, label_smoothing_factor=0.1)
+    grads = row_grads(copy.deepcopy(model), pairs(), args, tmp_path)
+    update, expected = dp_update(make_trainer(model, pairs(), args), grads, expected_batch=4)
+    assert_updates_close(update, expected)
+
+
 def test_lora_update_equals_trl_reward_loss_per_row(tmp_path):
     """LoRA through trl's peft_config (the score head trained in full, as PEFT's SEQ_CLS task saves it)."""
     from peft import LoraConfig
