@@ -47,8 +47,10 @@ optim`` as ``|name=value``: ``head_lr`` (the classifier in its own AdamW param g
 the classifier at C, the rest at C_body, noise std ∝ each group's threshold), ``split=val`` and ``n`` (train on the
 first n training reviews only, e.g. ``|n=1000``; the evaluation set and the other settings unchanged, δ = 1/n^1.1;
 RESULTS.md "Seeds, full fine-tuning and N (session 10)"), ``sched=linear`` (the learning rate decays linearly to 0
-over the run; absent: constant) and ``ema`` (e.g. ``|ema=0.9``: the evaluated weights are an exponential moving
-average of the iterates, :class:`WeightEMA`; RESULTS.md "The last iterate's noise (session 11)"). ``--val`` trains on
+over the run; absent: constant), ``ema`` (e.g. ``|ema=0.9``: the evaluated weights are an exponential moving
+average of the iterates, :class:`WeightEMA`; RESULTS.md "The last iterate's noise (session 11)"), ``rank`` (LoRA's
+rank r, α = 2r; absent: 8) and ``mode`` (``adaptive_per_layer``: DPTrainingArguments ``clipping``; absent: flat;
+RESULTS.md "LoRA's rank and clipping, chosen on the proxy (session 14)"). ``--val`` trains on
 all but the last 500 training reviews and evaluates on those (results in ``benchmarks/utility_val.json``): settings
 are chosen there, never on the test set. Choosing them on private data would itself not be covered by the guarantee;
 here the data are a public benchmark.
@@ -144,6 +146,12 @@ SETTINGS = {"head_lr": float, "lr": float, "batch": int, "max_steps": int, "C": 
 # weights (absent: none), both post-processing of the released gradients. Appended last, so earlier keys are unchanged.
 SETTINGS.update(sched=str, ema=float)
 SCHEDULES = ("linear", "cosine")  # "constant" is the default: left out of the key
+# rank, mode (session 14, RESULTS.md "LoRA's rank and clipping, chosen on the proxy"): LoRA's rank r (lora_config(r),
+# α = 2r: PEFT's scale α/r = 2 held as at r = 8; absent: 8) and the clipping mode passed as DPTrainingArguments
+# ``clipping`` (absent: "flat"; "adaptive_per_layer": per-layer thresholds tracking a private quantile, He et al. 2023
+# §3.3, hf_dp's quantile defaults, initial thresholds C/√K). Appended last; the defaults are left out of the key.
+SETTINGS.update(rank=int, mode=str)
+MODES = ("adaptive_per_layer",)  # "flat" is the default: left out of the key
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -204,7 +212,30 @@ def parse_key(text: str) -> dict[str, Any]:
     if "freeze" in run and method != "full":
         raise ValueError(f"freeze applies to the whole-model method 'full' only (in {text!r})")
     check_last_iterate_settings(run, text)
+    check_rank_and_mode(run, text)
     return run
+
+
+def check_rank_and_mode(run: dict[str, Any], text: str) -> None:
+    """``rank``: LoRA methods only, a positive integer, not the default 8 (leave it out, so one run has one key).
+    ``mode``: one of :data:`MODES`, for a DP run (finite ε) of flat-style clipping only — not non-private, not
+    probe-then-fine-tune, not with ``C_body`` (group-wise), ``automatic`` clipping (hf_dp refuses it with adaptive
+    thresholds) or ``adam_bc`` (the benchmark's Φ assumes one fixed threshold)."""
+    if run.get("rank") is not None:
+        if run["method"] not in ("lora", "probe_lora"):
+            raise ValueError(f"rank is LoRA's rank: only for lora / probe_lora, not {run['method']!r} (in {text!r})")
+        if run["rank"] < 1 or run["rank"] == 8:
+            raise ValueError(f"rank must be a positive integer other than the default 8 (leave it out for 8), "
+                             f"not {run['rank']} (in {text!r})")
+    mode = run.get("mode")
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} (flat is the default: leave mode out), not "
+                             f"{mode!r} (in {text!r})")
+        if math.isinf(run["epsilon"]) or run["method"].startswith("probe_"):
+            raise ValueError(f"mode sets DP clipping: not for a non-private or probe-then-fine-tune run (in {text!r})")
+        if run.get("C_body") is not None or run["clipping"] != "clip" or run["optim"] == "adam_bc":
+            raise ValueError(f"mode {mode} takes clipping 'clip', no C_body and no adam_bc (in {text!r})")
 
 
 def check_last_iterate_settings(run: dict[str, Any], text: str) -> None:
@@ -394,8 +425,10 @@ def tokens_like_cache(cache: dict[str, Any], texts: dict[str, tuple[list[str], l
 
 
 # --------------------------------------------------------------------------------------------------------- runs
-def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
+def make_model(cache: dict[str, Any], method: str, seed: int, rank: int = 8) -> nn.Module:
     if cache.get("make_model") is not None:  # session 13: another encoder's cache builds its own (utility_mpnet.py)
+        if rank != 8:
+            raise ValueError("rank: only for the MiniLM caches (another encoder's make_model builds LoRA r = 8)")
         return cache["make_model"](cache, method, seed)
     config = BertConfig(**{k: v for k, v in cache["config"].items() if k not in ("architectures",)})
     config.num_labels = cache.get("num_labels", 2)  # utility_unseen.py's cache: 6 (fine-food: 2)
@@ -415,7 +448,7 @@ def make_model(cache: dict[str, Any], method: str, seed: int) -> nn.Module:
         if method == "lora":
             from peft import get_peft_model
 
-            model = get_peft_model(model, lora_config())
+            model = get_peft_model(model, lora_config(rank))
     return model
 
 
@@ -430,10 +463,11 @@ def freeze(model: nn.Module, text: str) -> int:
     return sum(p.numel() for p in frozen)
 
 
-def lora_config() -> Any:
+def lora_config(rank: int = 8) -> Any:
+    """LoRA on query/value, rank ``rank`` with α = 2·rank (PEFT's scale α/r = 2 at every rank; r = 8: α = 16)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "value"],
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=["query", "value"],
                       modules_to_save=["classifier"])
 
 
@@ -578,6 +612,8 @@ def dp_args(out: Path, method: str, run: dict[str, Any], seed: int, n: int, epoc
     clip_norm = run.get("C", 1.0)
     kw: dict[str, Any] = dict(target_epsilon=target_epsilon, per_sample_max_grad_norm=clip_norm,
                               clipping_function=run["clipping"], dp_seed=seed, dp_self_check=False)
+    if run.get("mode") is not None:  # session 14: adaptive_per_layer, hf_dp's quantile defaults
+        kw.update(clipping=run["mode"])
     if run.get("C_body") is not None:
         kw.update(clipping="group_wise", clipping_groups=["classifier"], noise_allocation="equal_budget",
                   group_max_grad_norms=[clip_norm, run["C_body"]])
@@ -608,7 +644,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
     set_seed(seed)
     start = time.perf_counter()
     cpu0 = time.process_time()
-    model = make_model(cache, method, seed)
+    model = make_model(cache, method, seed, run.get("rank", 8))
     if run.get("freeze"):
         freeze(model, run["freeze"])
     result: dict[str, Any] = {**run, "seed": seed, "n_train": n, "n_test": len(test),
@@ -648,7 +684,7 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
             warnings.simplefilter("ignore")
             probe, trainer = probe_then_finetune(
                 DPTrainer, model, head="classifier", probe_args=probe_args, finetune_args=ft_args,
-                peft_config=lora_config() if base_method == "lora" else None, **kwargs)
+                peft_config=lora_config(run.get("rank", 8)) if base_method == "lora" else None, **kwargs)
         spent = trainer.privacy_spent()
         result.update(steps=spent["steps"], accuracy=accuracy(trainer, test), epsilon_spent=spent["epsilon"],
                       delta=spent["delta"], probe_noise_multiplier=probe.noise_multiplier,
@@ -668,6 +704,9 @@ def run_one(cache: dict[str, Any], run: dict[str, Any], out: Path, seed: int, ep
                       delta=spent["delta"], noise_multiplier=trainer.noise_multiplier,
                       accountant_used=spent.get("accountant_used"),
                       dp_adam_bc_epsilon=args.dp_adam_bc_epsilon if run["optim"] == "adam_bc" else None)
+        if run.get("mode") is not None:  # session 14: the thresholds at the end; σ of the gradient and of the counts
+            record = trainer.privacy_record()
+            result.update(adaptive_clipping=record.adaptive_clipping, group_thresholds=record.group_thresholds)
     result["optimizer_group_lrs"] = [g["lr"] for g in trainer.optimizer.param_groups]
     result["optimizer"] = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__
     result["trainable_parameters"] = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)

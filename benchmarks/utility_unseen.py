@@ -181,7 +181,7 @@ def run_clip_only(cache: dict[str, Any], run: dict[str, Any], seed: int) -> dict
     lr = run.get("lr", utility.LR[method])
     set_seed(seed)
     cpu0 = time.process_time()
-    model = utility.make_model(cache, method, seed)
+    model = utility.make_model(cache, method, seed, run.get("rank", 8))  # session 14: LoRA's rank
     kwargs: dict[str, Any] = dict(train_dataset=train, data_collator=utility.collate)
     if run.get("head_lr") is not None:
         kwargs["optimizers"] = (utility.head_optimizer(model, lr, run["head_lr"]), None)

@@ -5,6 +5,7 @@ Every field has ``metadata={"help": ...}`` so ``HfArgumentParser`` renders it on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -16,7 +17,7 @@ from transformers import TrainingArguments
 
 from .clipping.modes import ADAPTIVE_AUTOMATIC_REFUSAL, CLIPPING_FUNCTIONS
 from .clipping.two_pass import FLAT_CLIPPING_PASSES
-from .guarantee import check_noise_std
+from .guarantee import check_mixed_precision, check_noise_std
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +319,10 @@ class DPTrainingArguments(TrainingArguments):
                 "and normalised gradient there, so the model would barely train while ε is spent. Use bf16=True "
                 "(no loss scaling) or full precision (fp32)."
             )
+        numbers_from_text(self)  # a YAML config's `1e-5` is a string
         self._check_finite()
         super().__post_init__()
+        check_mixed_precision(self)  # from ACCELERATE_MIXED_PRECISION, read by TrainingArguments
         if (self.target_epsilon is None) == (self.noise_multiplier is None):
             raise ValueError(
                 "Give exactly one of `target_epsilon` (σ is calibrated to it) and `noise_multiplier` (ε is reported); "
@@ -447,6 +450,34 @@ class DPTrainingArguments(TrainingArguments):
 
 
 _DP_MAX_GRAD_NORM = DPTrainingArguments.__dataclass_fields__["max_grad_norm"]
+
+
+def numbers_from_text(args: DPTrainingArguments) -> None:
+    """The privacy numbers given as text, converted as the command line converts them (``float(text)``).
+
+    ``HfArgumentParser.parse_yaml_file`` / ``parse_dict`` pass values as the file holds them, and YAML 1.1 reads
+    ``1e-5`` (no decimal point) as the *string* ``"1e-5"``: ``target_delta: 1e-5`` reached the range checks as text and
+    failed there with Python's bare ``TypeError: '<' not supported between instances of 'int' and 'str'``. Every
+    float field hf_dp adds (and each entry of a list of floats) that holds text is converted; text that is not a
+    number is refused naming the field."""
+    own = {f.name for f in dataclasses.fields(TrainingArguments)} - {"max_grad_norm"}
+
+    def number(name: str, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number; give it as a number (e.g. 1.0e-5).") from None
+
+    for f in dataclasses.fields(DPTrainingArguments):  # hf_dp's own fields (a trl config's are trl's business)
+        if f.name in own or "float" not in str(f.type):
+            continue
+        value = getattr(args, f.name)
+        if isinstance(value, (list, tuple)):
+            setattr(args, f.name, [number(f.name, v) for v in value])
+        else:
+            setattr(args, f.name, number(f.name, value))
 
 
 @dataclass

@@ -32,7 +32,8 @@ __all__ = ["ReleasedStateGuard", "post_processing", "optimizer_tensors", "StepGr
            "check_noise_std", "check_budget_left",
            "steps_within_budget", "budget_allows", "check_not_compiled", "check_something_trainable",
            "setting_notes", "choices_on_eval_metrics", "check_training_setup", "check_step_mechanism",
-           "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks"]
+           "check_optimizer_updates_in_step", "gradient_hooked_parameters", "check_no_gradient_hooks",
+           "check_mixed_precision", "check_full_graph_compile"]
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
@@ -874,6 +875,62 @@ def check_optimizer_updates_in_step(optimizer: Any) -> None:
 
 
 # ---------------------------------------------------------------------- what DPTrainer refuses at construction
+def check_mixed_precision(args: Any) -> None:
+    """Refuse fp16 and fp8 mixed precision however they are asked for (DESIGN invariant 14: the release is what trains).
+
+    ``fp16=True`` is refused by ``DPTrainingArguments``; but ``TrainingArguments`` also reads
+    ``ACCELERATE_MIXED_PRECISION`` from the environment (``accelerate launch --mixed_precision fp16|fp8``, or
+    ``mixed_precision:`` in the accelerate config file) into ``args.mixed_precision`` with ``fp16`` left False, and the
+    Trainer builds its ``Accelerator`` from that field. fp16: on a GPU accelerate makes a ``GradScaler`` whose ``step``
+    multiplies every ``.grad`` by 1/scale (65,536 at first) before the optimizer applies it, so the noised gradient the
+    DP release wrote is not what trains. fp8: ``Accelerator.prepare`` (at ``train()``, after DPTrainer hooked the
+    model) converts the model's linear layers to fp8 modules (TransformerEngine ``convert_model``, torchao
+    ``Float8Linear``; MS-AMP also scales the loss), which no clipping rule was installed on."""
+    precision = str(getattr(args, "mixed_precision", "no"))
+    source = (f"it comes from the environment (ACCELERATE_MIXED_PRECISION={precision}, set by `accelerate launch "
+              f"--mixed_precision {precision}` or by `mixed_precision: {precision}` in the accelerate config)")
+    if precision == "fp16":
+        raise ValueError(
+            f"Mixed precision is fp16 although fp16 is not set: {source}. accelerate's GradScaler would divide the "
+            "gradient in `.grad` by its loss scale (65,536 at first) before the optimizer step, and DPTrainer writes "
+            "the already noised and normalised gradient there, so the model would barely train while ε is spent. "
+            "Launch with `--mixed_precision bf16` (or `no`), or set bf16=True in the arguments."
+        )
+    if precision == "fp8":
+        raise ValueError(
+            f"Mixed precision is fp8: {source}. When it prepares the model at train(), accelerate replaces its linear "
+            "layers by fp8 modules (TransformerEngine's convert_model, torchao's Float8Linear; MS-AMP also scales "
+            "the loss), after DPTrainer installed its per-example clipping hooks on the original layers, and hf_dp "
+            "has no per-example rule for those modules. Launch with `--mixed_precision bf16` (or `no`), or set "
+            "bf16=True in the arguments."
+        )
+
+
+def check_full_graph_compile(args: Any) -> None:
+    """Refuse ``torch.compile(fullgraph=True)``, which accelerate applies at ``train()`` when compilation is on
+    (``torch_compile=True`` or ``ACCELERATE_DYNAMO_BACKEND`` / ``accelerate launch --dynamo_backend``) and
+    ``ACCELERATE_DYNAMO_USE_FULLGRAPH`` is true (``--dynamo_use_fullgraph``, or the accelerate config).
+
+    The clipping hooks record each layer's input and output gradient in Python state outside the graph (a side
+    effect dynamo cannot trace into one graph), so the first forward failed inside the DP step with dynamo's
+    "Unsupported HOP: Unsafe side effect ... Mutating a variable from outside the scope of this HOP", naming neither
+    hf_dp nor the setting. Without ``fullgraph`` the model compiles around the hooks (and trains exactly, slowly)."""
+    backend = str(args.torch_compile_backend) if getattr(args, "torch_compile", False) else os.environ.get(
+        "ACCELERATE_DYNAMO_BACKEND", "no")
+    fullgraph = os.environ.get("ACCELERATE_DYNAMO_USE_FULLGRAPH", "false").strip().lower() in (
+        "1", "true", "t", "yes", "y", "on")
+    if backend.strip().lower() in ("", "no", "none") or not fullgraph:
+        return
+    raise ValueError(
+        f"torch.compile with fullgraph=True (ACCELERATE_DYNAMO_USE_FULLGRAPH, set by `accelerate launch "
+        f"--dynamo_use_fullgraph` or the accelerate config; backend {backend!r}) cannot trace DPTrainer's per-example "
+        "clipping hooks, which record each layer's input and output gradient outside the graph; the first forward "
+        "would fail inside the DP step with dynamo's 'Unsafe side effect'. Drop fullgraph "
+        "(ACCELERATE_DYNAMO_USE_FULLGRAPH=false): the model then compiles around the hooks and trains exactly, "
+        "though with little or no speed-up (README, 'Refusals that name the cause')."
+    )
+
+
 def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: Any, deepspeed: bool,
                          neftune_noise_alpha: Any) -> None:
     """Refuse, at construction, a Trainer set-up under which the DP step would not be the mechanism the accountant
@@ -889,7 +946,22 @@ def check_training_setup(args: Any, *, compute_loss_func: Any, train_dataset: An
             "per_example_loss=fn with fn(outputs, labels) -> one loss per example instead."
         )
     if isinstance(train_dataset, torch.utils.data.IterableDataset):
-        raise ValueError("DP training needs a map-style train_dataset of known size N (Poisson sampling, q = B/N).")
+        raise ValueError(
+            f"train_dataset is an iterable dataset ({type(train_dataset).__name__}: a streamed `datasets` set, "
+            "`to_iterable_dataset()`, or a torch IterableDataset), which has no length and no random access, but DP "
+            "training draws each step's batch by Poisson sampling over N indexed rows (q = B/N, the rate the "
+            "accountant records). Pass a map-style dataset: load without streaming=True (or "
+            "`Dataset.from_generator(...)` / `Dataset.from_list(list(stream))` for a stream that fits on disk).")
+    check_mixed_precision(args)  # also set on the arguments after they were built
+    check_full_graph_compile(args)
+    names = list(getattr(args, "label_names", None) or [])
+    if names and "labels" not in names:
+        raise ValueError(
+            f"label_names={names}: DPTrainer reads every batch's targets from the `labels` key (it passes them to "
+            "the per-example loss and calls the model without them), so a batch keyed otherwise has no targets "
+            "for it. Rename the column (e.g. `train = train.rename_column('target', 'labels')`) and set "
+            "label_names=['labels']; a per_example_loss(outputs, labels) receives them as `labels`."
+        )
     n_gpu = getattr(args, "n_gpu", 1)
     if isinstance(n_gpu, int) and n_gpu > 1:
         raise ValueError(

@@ -198,6 +198,21 @@ class Mechanism:
         names = FIXED_DURING_RUN + (FIXED_UNDER_GROUP_CLIPPING if self.group_clipper is not None else ())
         return {name: getattr(self.args, name, None) for name in names}
 
+    def check_arguments_object(self, args: Any) -> None:
+        """At train start: the Trainer's arguments (``trainer.args``) are the object this mechanism reads. Replaced by
+        another object after construction (``trainer.args = other_args``), the Trainer's loop, the σ taken at
+        ``train()`` and the card's hyperparameters read the new one while C, q, δ, the clipping and the accountant
+        stayed those of the arguments given to the DPTrainer: the run and its card would mix two configurations."""
+        if args is self.args:
+            return
+        raise ValueError(
+            "trainer.args was replaced by another arguments object after the DPTrainer was built. The DP mechanism "
+            "(C, the sampling rate q, δ, the clipping mode, the accountant, the privacy unit) was set up from the "
+            "arguments given at construction and keeps reading them, while the Trainer's loop, σ and the model "
+            "card would read the new object. Set fields on trainer.args in place (`trainer.args.learning_rate = "
+            "...` between train() calls), or build a new DPTrainer with the new arguments. Nothing was trained."
+        )
+
     def check_fixed_arguments(self) -> None:
         """At a step's start and before its release: the arguments the run's mechanism was set up from when
         ``train()`` began (:data:`FIXED_DURING_RUN`) are unchanged (DESIGN invariant 6: a released step is the

@@ -25,6 +25,7 @@ from torch import nn
 from .clipping.rules import UnsupportedLayerError
 
 __all__ = ["is_peft_model", "apply_peft_config", "per_example_prompts", "check_adapter_objective",
+           "check_adapter_rows",
            "adapter_summary", "adapter_advice", "explain_adapter_refusal", "data_initialised_adapters",
            "data_initialisation_note", "data_initialisation_warning"]
 
@@ -96,6 +97,7 @@ def check_adapter_objective(model: nn.Module) -> None:
     from peft import PeftType
 
     for name, config in model.peft_config.items():
+        check_adapter_rows(name, config)
         weight = getattr(config, "orth_reg_weight", 0.0) or 0.0
         if config.peft_type == PeftType.ADALORA and weight > 0:
             raise ValueError(
@@ -105,6 +107,26 @@ def check_adapter_objective(model: nn.Module) -> None:
                 "forward, where it cannot be clipped per example). Set `AdaLoraConfig(..., orth_reg_weight=0.0)`: "
                 "AdaLoRA's adapters are then trained exactly, per example."
             )
+
+
+def check_adapter_rows(name: str, config: Any) -> None:
+    """Refuse an adapter that runs its layers on a data-dependent selection of each row's tokens (DESIGN invariant 1).
+
+    Activated LoRA (``alora_invocation_tokens``, PEFT's ``ALoraLinearVariant``) applies ``lora_B(lora_A(x[mask]))`` to
+    the tokens of each row from the last invocation sequence on, gathered over the whole batch into one flat
+    ``(Σ_i k_i, d)`` input, where ``k_i`` depends on where row ``i``'s invocation tokens are. hf_dp proves a flat
+    layout once, on the first micro-batch, and then reads ``k`` rows per example: a later batch whose rows have
+    other ``k_i`` would be split at the wrong rows (mixtures of examples clipped as one) or fail mid-training."""
+    tokens = getattr(config, "alora_invocation_tokens", None)
+    if tokens:
+        raise ValueError(
+            f"Adapter {name!r} is an activated LoRA (alora_invocation_tokens={list(tokens)}): PEFT applies it only to "
+            "each row's tokens from its last invocation sequence on, gathered over the whole batch into one flat "
+            "input of lora_A / lora_B, so how many of those rows belong to each example depends on the example's "
+            "data. hf_dp proves the rows' layout on the first batch and cannot assign them to examples at every "
+            "later step (a batch whose rows hold the invocation elsewhere would be split at the wrong rows, or stop "
+            "training). Train a plain LoRA adapter (drop alora_invocation_tokens): it is exact under DP."
+        )
 
 
 #: LoRA initialisations (``init_lora_weights``) that PEFT computes from data the user runs through the model, not

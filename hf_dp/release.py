@@ -232,7 +232,8 @@ def card_hyperparameters(args: Any, optimizer: Any, expected_batch_size: int, st
         ("training_steps", steps),
         ("per_sample_max_grad_norm", a.per_sample_max_grad_norm),
         ("max_grad_norm (clipping of the already-noised gradient)", a.max_grad_norm),
-        ("mixed_precision", "bf16" if a.bf16 else "fp16" if a.fp16 else "no"),
+        # what the Accelerator ran with: also from ACCELERATE_MIXED_PRECISION (`accelerate launch --mixed_precision`)
+        ("mixed_precision", getattr(a, "mixed_precision", None) or ("bf16" if a.bf16 else "fp16" if a.fp16 else "no")),
         ("seed (model initialisation and Trainer RNG; not the DP seed)", a.seed),
     ]
     if a.clipping_function != "clip":  # only when not the default, so default cards stay as they were

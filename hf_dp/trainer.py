@@ -128,6 +128,7 @@ class _DPCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.mechanism.check_arguments_object(self.trainer.args)  # not replaced since construction
         # A step left half-done by an interrupted train(), or by the attempt that ran out of memory before
         # find_executable_batch_size re-ran the loop, is dropped (DESIGN invariant 11); the logged loss restarts.
         self.trainer._dp_step.reset()
