@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 
 def load(name: str, path: Path) -> ModuleType:
@@ -20,3 +21,12 @@ def load(name: str, path: Path) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def accuracy_by_key(records: list[dict[str, Any]], key: Any) -> dict[str, dict[int, float]]:
+    """Test (or validation) accuracy in % by run key (``key(record)``: ``utility.key``) and seed, for the tables and
+    the choice rules of the benchmarks built on ``utility.py``."""
+    out: dict[str, dict[int, float]] = {}
+    for r in records:
+        out.setdefault(key(r), {})[r["seed"]] = 100 * r["accuracy"]
+    return out

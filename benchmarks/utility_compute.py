@@ -47,6 +47,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
     sys.path.insert(0, str(HERE))
+from siblings import accuracy_by_key  # noqa: E402
 from siblings import load as _load  # noqa: E402
 
 proxy = _load("hf_dp_benchmark_utility_proxy", HERE / "utility_proxy.py")
@@ -123,10 +124,7 @@ def chosen_keys(records: list[dict[str, Any]], epsilons: list[float]) -> list[tu
 
 # --------------------------------------------------------------------------------------------------------- report
 def _by_key(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    for r in records:
-        out.setdefault(utility.key(r), {})[r["seed"]] = 100 * r["accuracy"]
-    return out
+    return accuracy_by_key(records, utility.key)
 
 
 def proxy_table(records: list[dict[str, Any]]) -> list[str]:

@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(HERE) not in sys.path:  # benchmarks/ is a folder of scripts: its loader, siblings.py, by name
     sys.path.insert(0, str(HERE))
+from siblings import accuracy_by_key  # noqa: E402
 from siblings import load as _load  # noqa: E402
 
 proxy = _load("hf_dp_benchmark_utility_proxy", HERE / "utility_proxy.py")
@@ -227,10 +228,7 @@ def top_features(cache: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[
 
 # --------------------------------------------------------------------------------------------------------- report
 def _by_key(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    for r in records:
-        out.setdefault(utility.key(r), {})[r["seed"]] = 100 * r["accuracy"]
-    return out
+    return accuracy_by_key(records, utility.key)
 
 
 def _stats(v: dict[int, float]) -> str:
