@@ -70,6 +70,8 @@ class Mechanism:
     Args:
         args: the run's ``DPTrainingArguments`` (read live: a hyperparameter search edits them in place).
         dataset: returns the current training set (``None`` before one is given).
+        current_args: returns the arguments object the Trainer reads now (``trainer.args``); checked to be ``args``
+            at train start and at every step (:meth:`check_arguments_object`).
 
     Attributes:
         accountant: the model's :class:`~hf_dp.PrivacyAccountant` (replaced on resume and for a new model).
@@ -81,9 +83,10 @@ class Mechanism:
         budget_exhausted: a step was withheld, or the run stopped, because the budget is spent.
     """
 
-    def __init__(self, args: Any, dataset: Callable[[], Any]):
+    def __init__(self, args: Any, dataset: Callable[[], Any], current_args: Callable[[], Any] | None = None):
         self.args = args
         self._dataset = dataset
+        self._current_args = current_args
         self.accountant = self.new_accountant()
         self.noise_multiplier: float | None = args.noise_multiplier
         self.noise_allocation: str = args.noise_allocation or (
@@ -185,6 +188,8 @@ class Mechanism:
         (``gradient_accumulation_steps``), and C has not changed since the step's first chunk
         (``guarantee.check_step_mechanism``; DESIGN invariants 4-6), and no argument the run's mechanism was set up
         from has changed (:meth:`check_fixed_arguments`)."""
+        if self._current_args is not None:  # trainer.args replaced by a callback during train()
+            self.check_arguments_object(self._current_args())
         self.check_fixed_arguments()
         clip = self.args.per_sample_max_grad_norm if self._step_clip is not None else None
         check_step_mechanism(sampler, self.sample_rate, self._step_clip, clip, self.args.gradient_accumulation_steps)
@@ -199,9 +204,10 @@ class Mechanism:
         return {name: getattr(self.args, name, None) for name in names}
 
     def check_arguments_object(self, args: Any) -> None:
-        """At train start: the Trainer's arguments (``trainer.args``) are the object this mechanism reads. Replaced by
-        another object after construction (``trainer.args = other_args``), the Trainer's loop, the σ taken at
-        ``train()`` and the card's hyperparameters read the new one while C, q, δ, the clipping and the accountant
+        """At train start and at every step's start and release (:meth:`check_step`): the Trainer's arguments
+        (``trainer.args``) are the object this mechanism reads. Replaced by another object after construction
+        (``trainer.args = other_args``, before ``train()`` or by a callback during it), the Trainer's loop, the σ taken
+        at ``train()`` and the card's hyperparameters read the new one while C, q, δ, the clipping and the accountant
         stayed those of the arguments given to the DPTrainer: the run and its card would mix two configurations."""
         if args is self.args:
             return
@@ -210,7 +216,8 @@ class Mechanism:
             "(C, the sampling rate q, δ, the clipping mode, the accountant, the privacy unit) was set up from the "
             "arguments given at construction and keeps reading them, while the Trainer's loop, σ and the model "
             "card would read the new object. Set fields on trainer.args in place (`trainer.args.learning_rate = "
-            "...` between train() calls), or build a new DPTrainer with the new arguments. Nothing was trained."
+            "...` between train() calls), or build a new DPTrainer with the new arguments. Nothing of this step was "
+            "released."
         )
 
     def check_fixed_arguments(self) -> None:

@@ -522,7 +522,7 @@ class DPTrainer(_ExamplesAloneWiring, _HistoryAndUnitWiring, EvalDataWiring, Tra
         self.per_example_loss = per_example_loss
         self.task = "custom"
         # σ, q, N, δ, the accountant, the noise and the budget (hf_dp/mechanism.py); N is read from the training set
-        self.mechanism = Mechanism(self.args, lambda: self.train_dataset)
+        self.mechanism = Mechanism(self.args, lambda: self.train_dataset, lambda: self.args)
         self.mechanism.on_budget_stop = self._stop_for_budget
         self._grad_guard = StepGradientGuard()  # the release of each step, checked before the optimizer applies it
         self._state_guard = ReleasedStateGuard()  # nothing but the optimizer changes what is released (guarantee.py)

@@ -13,7 +13,7 @@
   the command line converts them.
 * A released step is the mechanism recorded (invariant 6): ``trainer.args`` replaced by another arguments object
   after construction mixed two configurations (the loop, σ and the card's hyperparameters from the new one; C, q, δ
-  and the clipping from the old); refused at train start.
+  and the clipping from the old); refused at train start, and at every step when a callback replaces it.
 * A refusal states its true cause and what to do: ``--dynamo_use_fullgraph`` (``ACCELERATE_DYNAMO_USE_FULLGRAPH``)
   with compilation on failed at the first step with dynamo's "Unsafe side effect"; refused at construction naming
   the setting. ``label_names=["target"]`` failed at train start with a bare ``KeyError: 'labels'``; refused at
@@ -100,6 +100,28 @@ def test_arguments_replaced_after_construction_are_refused_before_anything_is_tr
     trainer.args = other
     assert_refused_before_any_release(trainer, r"trainer.args was replaced by another arguments object after the "
                                                r"DPTrainer was built.*Set fields on trainer.args in place")
+
+
+def test_arguments_replaced_by_a_callback_during_train_are_refused_before_the_next_release(tmp_path):
+    """The same replacement made by a callback during ``train()`` (lead, session 14): the mechanism checks at every
+    step's start and release that ``trainer.args`` is the object it reads, so the step after the replacement is
+    refused before anything of it is released; the step before it stands, recorded at its own C."""
+    import dataclasses
+
+    from helpers import quick_dp_args
+    from transformers import TrainerCallback
+
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.args = dataclasses.replace(args, per_sample_max_grad_norm=100 * args.per_sample_max_grad_norm)
+
+    args = quick_dp_args(tmp_path, max_steps=3, logging_strategy="no")
+    trainer = DPTrainer(model=bert(), args=args, train_dataset=cls_dataset(16, 3), callbacks=[Replace()])
+    with pytest.raises(ValueError, match=r"trainer.args was replaced by another arguments object.*Nothing of this "
+                                         r"step was released"):
+        trainer.train()
+    assert trainer.accountant.steps == 1
+    assert trainer.privacy_record().per_sample_max_grad_norm == args.per_sample_max_grad_norm
 
 
 # ---------------------------------------------------------------------- data
