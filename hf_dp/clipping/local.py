@@ -13,7 +13,6 @@ once and divided by the expected batch size (``noise.py``; the noise is all-redu
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -26,8 +25,6 @@ from .engine import ClippingEngine, train_without_dropout
 from .modes import flat_clip_factors
 from .step import UNIT_KEY, DPStep, StepHooks, slice_batch
 from .two_pass import RandomState, clipped_backward, flat_clipping_passes
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["LocalDPStep", "first_step_check", "unit_layout"]
 
@@ -204,13 +201,9 @@ def first_step_check(engine: ClippingEngine, hooks: StepHooks, args: Any, net: n
                 engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (train mode, dropout off)")
         if args.dp_self_check and b >= 2:
             net.eval()
-            _eval_mode_check(engine, run_losses, b, rtol)
+            # skipped, warned, where the model's own forward/backward raises in eval mode (shared with FSDP2's step);
+            # check_single_examples's own `finally` restores the engine and clears the gradients
+            eval_mode_check(lambda: engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)"))
     finally:
         net.train(was_training)
 
-
-def _eval_mode_check(engine: ClippingEngine, run_losses: Any, b: int, rtol: float) -> None:
-    """The eval-mode half of ``dp_self_check`` (examples' norms in the micro-batch equal their norms alone), skipped
-    with a warning where the model's own forward/backward raises in eval mode (``checks.eval_mode_check``, shared
-    with FSDP2's step). ``check_single_examples``'s own ``finally`` restores the engine and clears the gradients."""
-    eval_mode_check(lambda: engine.check_single_examples(run_losses, b, rtol=rtol, mode=" (eval mode)"))
